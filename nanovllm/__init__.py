@@ -1,0 +1,7 @@
+"""nanovllm: a small, readable, fast LLM inference engine with vLLM's offline API."""
+from nanovllm.llm import LLM
+from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
+from nanovllm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__version__ = "0.1.0"

@@ -1,0 +1,105 @@
+"""Config: every engine setting in one place, validated up front (vLLM's names and defaults)."""
+from dataclasses import dataclass, field, fields
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from nanovllm.utils.hub import resolve_model_path
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "half": torch.float16, "float": torch.float32}
+
+
+@dataclass
+class Config:
+    model: str
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 512
+    max_num_batched_tokens: int = 16384
+    block_size: int = 256
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    num_kvcache_blocks: int | None = None
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    load_format: str = "auto"
+    max_logprobs: int = 20
+    # Derived in __post_init__.
+    model_path: str = field(init=False)
+    hf_config: PretrainedConfig = field(init=False, repr=False)
+    torch_dtype: torch.dtype = field(init=False)
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "Config":
+        names = {f.name for f in fields(cls) if f.init}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword argument(s): {', '.join(unknown)}. "
+                            f"Accepted: {', '.join(sorted(names - {'model'}))}.")
+        return cls(model=model, **kwargs)
+
+    def __post_init__(self):
+        self._validate_scalars()
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device is 'cuda', but no CUDA device is available.")
+        self.model_path = resolve_model_path(self.model, need_weights=self.load_format != "dummy")
+        self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        architectures = getattr(self.hf_config, "architectures", None) or []
+        if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
+            raise ValueError(f"model architectures {architectures} are not supported; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}.")
+        self.torch_dtype = self._resolve_dtype()
+        max_len = self.hf_config.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = max_len
+        elif self.max_model_len > max_len:
+            raise ValueError(f"max_model_len ({self.max_model_len}) is greater than the model's "
+                             f"max_position_embeddings ({max_len}).")
+        if self.tokenizer is None:
+            self.tokenizer = self.model_path
+
+    def _validate_scalars(self):
+        def check(ok: bool, message: str):
+            if not ok:
+                raise ValueError(message)
+
+        check(self.device in ("auto", "cuda", "cpu"),
+              f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}.")
+        check(self.dtype == "auto" or self.dtype in DTYPES,
+              f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}.")
+        check(self.load_format in ("auto", "safetensors", "dummy"),
+              f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}.")
+        check(self.max_model_len is None or self.max_model_len >= 1,
+              f"max_model_len must be at least 1, got {self.max_model_len}.")
+        check(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        check(self.max_num_batched_tokens >= 1,
+              f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
+        check(self.block_size >= 1 and self.block_size % 16 == 0,
+              f"block_size must be a positive multiple of 16, got {self.block_size}.")
+        check(0.0 < self.gpu_memory_utilization <= 1.0,
+              f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        check(self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1,
+              f"num_kvcache_blocks must be at least 1, got {self.num_kvcache_blocks}.")
+        check(self.tensor_parallel_size >= 1,
+              f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
+        check(self.tensor_parallel_size == 1,
+              f"tensor_parallel_size > 1 is not supported yet, got {self.tensor_parallel_size}.")
+        check(self.max_logprobs >= 0, f"max_logprobs must be non-negative, got {self.max_logprobs}.")
+
+    def _resolve_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if self.device == "cpu":
+            return torch.float32  # half-precision matmuls are slow on most CPUs
+        config_dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+        if isinstance(config_dtype, str):
+            config_dtype = DTYPES.get(config_dtype)
+        return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16

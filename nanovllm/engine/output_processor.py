@@ -1,0 +1,75 @@
+"""OutputProcessor: appends sampled tokens to sequences, detokenizes incrementally and decides
+when each sequence stops (EOS, stop token, stop string, max_tokens, max_model_len)."""
+from nanovllm.engine.sequence import Sequence
+from nanovllm.outputs import Logprob
+
+# Prompt tokens kept as left context when detokenizing the first output tokens.
+DETOKENIZE_CONTEXT = 5
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def append(self, seq: Sequence, token_id: int, logprob=None, rank=None, top=None):
+        """Append one sampled token; sets seq.finish_reason when seq is done.
+
+        logprob, rank: of the sampled token; top: [(token_id, logprob)] best first, or None."""
+        seq.append_token(token_id)
+        sp = seq.sampling_params
+        if seq.logprobs is not None:
+            entry = {token_id: Logprob(logprob, rank, self._decode_one(token_id))}
+            for r, (tid, lp) in enumerate((top or [])[:sp.logprobs], 1):
+                entry.setdefault(tid, Logprob(lp, r, self._decode_one(tid)))
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += logprob
+
+        may_stop = seq.num_output_tokens >= sp.min_tokens
+        if may_stop and not sp.ignore_eos and token_id in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif may_stop and token_id in sp.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token_id
+        if self.tokenizer is not None and (seq.finish_reason is None or sp.include_stop_str_in_output):
+            delta = self._detokenize(seq)
+            if may_stop and seq.finish_reason is None and delta:
+                self._check_stop_strings(seq, len(delta))
+        if seq.finish_reason is None and (seq.num_output_tokens == sp.max_tokens
+                                          or seq.num_tokens >= self.max_model_len):
+            seq.finish_reason = "length"
+
+    def _decode_one(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def _detokenize(self, seq: Sequence) -> str:
+        """Add the text of the newest token(s) to seq.output_text and return it.
+
+        Decodes only a short window: token_ids[prefix_offset:read_offset] was decoded before;
+        the new text is what decoding token_ids[prefix_offset:] adds to it. Held back while it
+        ends in an incomplete UTF-8 character."""
+        if seq.read_offset == 0:
+            seq.prefix_offset = max(seq.num_prompt_tokens - DETOKENIZE_CONTEXT, 0)
+            seq.read_offset = seq.num_prompt_tokens
+        skip = seq.sampling_params.skip_special_tokens
+        ids = seq.token_ids
+        prefix_text = self.tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
+        new_text = self.tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text):]
+        seq.output_text += delta
+        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+        return delta
+
+    @staticmethod
+    def _check_stop_strings(seq: Sequence, num_new_chars: int):
+        """Find a stop string that ends in the newest text (it may start in earlier text)."""
+        text = seq.output_text
+        for stop in seq.sampling_params.stop_strings:
+            index = text.find(stop, max(len(text) - num_new_chars - len(stop) + 1, 0))
+            if index != -1:
+                keep = len(stop) if seq.sampling_params.include_stop_str_in_output else 0
+                seq.output_text = text[:index + keep]
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                return

@@ -1,0 +1,117 @@
+"""Scheduler: picks which tokens of which sequences the next step computes (no torch here).
+
+One token budget per step (vLLM v1): running sequences first, in admission order, each takes
+what it still needs (1 token for a decode, the rest of its prompt for a prefill, capped by what
+is left of the budget); then waiting sequences are admitted while budget, blocks and
+`max_num_seqs` allow. Any sequence's prefill can be chunked, so decodes and prefill chunks
+share one batch. When blocks run out, the most recently admitted sequence is preempted: its
+blocks are freed and it goes back to the front of the queue, to be recomputed (cheaply, when
+its blocks are still in the prefix cache).
+"""
+from collections import deque
+from dataclasses import dataclass
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence]
+    num_scheduled_tokens: list[int]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def sampling_seqs(self) -> list[Sequence]:
+        """Sequences whose scheduled tokens reach their last token: they get a new one."""
+        return [seq for seq, n in zip(self.seqs, self.num_scheduled_tokens)
+                if seq.num_computed_tokens + n == seq.num_tokens]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence):
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput([], [])
+        budget = self.max_num_batched_tokens
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                out.seqs.append(seq)
+                out.num_scheduled_tokens.append(num_new)
+                budget -= num_new
+                i += 1
+                continue
+            break
+
+        # Admit nothing new in a step that had to preempt: memory is tight.
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            computed_blocks = self.block_manager.get_computed_blocks(seq)
+            num_cached = len(computed_blocks) * self.block_manager.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not self.block_manager.allocate_slots(seq, num_new, computed_blocks):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_cached
+            if seq.is_first_admission:
+                seq.num_cached_tokens = num_cached
+                seq.is_first_admission = False
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.seqs.append(seq)
+            out.num_scheduled_tokens.append(num_new)
+            budget -= num_new
+        return out
+
+    def _preempt(self, seq: Sequence):
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def update_computed(self, out: SchedulerOutput):
+        """After the model ran: the scheduled tokens' KV is in the cache."""
+        for seq, n in zip(out.seqs, out.num_scheduled_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+
+    def finish(self, seq: Sequence):
+        """Remove a finished or aborted sequence, wherever it is, and free its blocks."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED

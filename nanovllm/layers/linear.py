@@ -1,0 +1,97 @@
+"""Linear layers sharded Megatron-style across tensor-parallel ranks.
+
+Each parameter carries a `weight_loader(param, loaded_weight, shard_id)` that copies this
+rank's slice of a full checkpoint tensor into it and checks the shape. Fused projections
+(q/k/v, gate/up) load one checkpoint tensor per `shard_id`.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.distributed import all_reduce, get_tp_rank, get_tp_size
+
+
+def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str = "parameter"):
+    if param.shape != loaded.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not match "
+                         f"parameter shape {tuple(param.shape)}.")
+    param.data.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool, shard_dim: int | None):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.shard_dim = shard_dim
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
+        if self.shard_dim is not None and param.dim() > self.shard_dim:
+            loaded = loaded.chunk(self.tp_size, self.shard_dim)[self.tp_rank]
+        copy_checked(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, shard_dim=None)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; no communication."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        tp_size = get_tp_size()
+        super().__init__(input_size, output_size // tp_size, bias, shard_dim=0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one matmul
+    (gate_up_proj); shard_id is the index of the part."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def shard_range(self, shard_id: int) -> tuple[int, int]:
+        sizes = [s // self.tp_size for s in self.output_sizes]
+        return sum(sizes[:shard_id]), sizes[shard_id]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
+        offset, size = self.shard_range(shard_id)
+        loaded = loaded.chunk(self.tp_size, 0)[self.tp_rank]
+        copy_checked(param.data.narrow(0, offset, size), loaded, f"shard {shard_id!r}")
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v projections fused; each rank holds its own query and KV heads."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False):
+        self.shard_ids = {"q": 0, "k": 1, "v": 2}
+        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        super().__init__(hidden_size, sizes, bias)
+
+    def shard_range(self, shard_id) -> tuple[int, int]:
+        return super().shard_range(self.shard_ids[shard_id])
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs summed with an all-reduce."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        tp_size = get_tp_size()
+        super().__init__(input_size // tp_size, output_size, bias, shard_dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Bias is added once, on rank 0, before the sum.
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        return all_reduce(y)

@@ -1,0 +1,108 @@
+"""Sampler: logits -> next tokens, for a batch whose rows each have their own SamplingParams.
+
+Order of operations (vLLM v1's): raw logprobs are taken first, from the unprocessed logits;
+then min_tokens masking and penalties; greedy rows take the argmax of that; the others go
+through temperature, top-k, top-p and min-p, and are sampled by the exponential race
+argmax(probs / q), q ~ Exponential(1), which needs no sort and no host sync.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling settings as tensors on the logits' device; optional parts are None
+    when no row of the batch uses them, so the common case does no work for them."""
+    temperatures: torch.Tensor            # [B] float32; 1.0 for greedy rows
+    is_greedy: torch.Tensor               # [B] bool
+    all_greedy: bool
+    top_k: torch.Tensor | None            # [B] int64; vocab_size where disabled
+    top_p: torch.Tensor | None            # [B] float32; 1.0 where disabled
+    min_p: torch.Tensor | None            # [B] float32; 0.0 where disabled
+    # Per-row noise seeds for rows with SamplingParams.seed; other rows draw from the engine's generator.
+    row_seeds: list[tuple[int, int]]
+    # Banned (row, token) pairs: stop tokens of rows still under min_tokens.
+    banned_rows: torch.Tensor | None
+    banned_tokens: torch.Tensor | None
+    # Penalties: all [B] or [B, V]; None when no row has any.
+    presence_penalties: torch.Tensor | None = None
+    frequency_penalties: torch.Tensor | None = None
+    repetition_penalties: torch.Tensor | None = None
+    output_token_counts: torch.Tensor | None = None   # [B, V] int
+    prompt_token_mask: torch.Tensor | None = None     # [B, V] bool
+    max_num_logprobs: int | None = None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor                   # [B]
+    logprobs: torch.Tensor | None = None      # [B] logprob of each sampled token
+    ranks: torch.Tensor | None = None         # [B] its rank (1 = most likely)
+    top_ids: torch.Tensor | None = None       # [B, max_num_logprobs]
+    top_logprobs: torch.Tensor | None = None  # [B, max_num_logprobs]
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    counts = md.output_token_counts
+    seen = md.prompt_token_mask | (counts > 0)
+    rep = md.repetition_penalties[:, None].expand_as(logits)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - md.frequency_penalties[:, None] * counts
+    return logits - md.presence_penalties[:, None] * (counts > 0)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                      top_p: torch.Tensor | None) -> torch.Tensor:
+    sorted_logits, order = logits.sort(-1)     # ascending
+    vocab_size = logits.shape[-1]
+    if top_k is not None:
+        kth = sorted_logits.gather(-1, (vocab_size - top_k).clamp(0, vocab_size - 1)[:, None])
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum <= 1 - top_p[:, None]
+        drop[:, -1] = False                    # always keep the most likely token
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+
+    def _exponential_noise(self, probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, seed in md.row_seeds:
+            gen = torch.Generator(device=probs.device).manual_seed(seed)
+            q[row].exponential_(generator=gen)
+        return q.clamp_min_(1e-20)
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        # logits: [B, V]
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs is not None else None
+        if md.banned_rows is not None:
+            logits[md.banned_rows, md.banned_tokens] = float("-inf")
+        if md.output_token_counts is not None:
+            logits = apply_penalties(logits, md)
+        token_ids = logits.argmax(-1)
+        if not md.all_greedy:
+            logits = logits / md.temperatures[:, None]
+            if md.top_k is not None or md.top_p is not None:
+                logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+            probs = logits.softmax(-1)
+            if md.min_p is not None:
+                max_prob = probs.amax(-1, keepdim=True)
+                probs = probs.masked_fill(probs < md.min_p[:, None] * max_prob, 0.0)
+            sampled = probs.div_(self._exponential_noise(probs, md)).argmax(-1)
+            token_ids = torch.where(md.is_greedy, token_ids, sampled)
+        out = SamplerOutput(token_ids)
+        if raw_logprobs is not None:
+            out.logprobs = raw_logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
+            out.ranks = (raw_logprobs > out.logprobs[:, None]).sum(-1) + 1
+            if md.max_num_logprobs > 0:
+                out.top_logprobs, out.top_ids = raw_logprobs.topk(md.max_num_logprobs, -1)
+        return out

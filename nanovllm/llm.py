@@ -1,0 +1,113 @@
+"""LLM: the offline entry point, vLLM's `LLM.generate` / `LLM.chat`."""
+import time
+
+from tqdm.auto import tqdm
+
+from nanovllm.config import Config
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import SamplingParams
+
+
+class LLM:
+    """An LLM and its engine. `LLM("Qwen/Qwen3-0.6B")`; keyword arguments are those of Config."""
+
+    def __init__(self, model: str, **kwargs):
+        self.llm_engine = LLMEngine(Config.from_kwargs(model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.llm_engine.default_sampling_params()
+
+    # ---- inputs -------------------------------------------------------------------------
+    def _parse_prompts(self, prompts) -> list[tuple[str | None, list[int]]]:
+        """-> [(prompt text or None, prompt token ids)] for every accepted prompt form."""
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a string, a token-id list, a dict with "
+                             f"'prompt_token_ids' or 'prompt', or a list of these; got {type(prompts).__name__}.")
+        parsed = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, dict) and "prompt_token_ids" in p:
+                parsed.append((p.get("prompt"), list(p["prompt_token_ids"])))
+            elif isinstance(p, dict) and "prompt" in p:
+                parsed.append((p["prompt"], self._encode(i, p["prompt"])))
+            elif isinstance(p, str):
+                parsed.append((p, self._encode(i, p)))
+            elif isinstance(p, (list, tuple)):
+                parsed.append((None, list(p)))
+            else:
+                raise ValueError(f"prompt {i} must be a string, a token-id list or a dict with "
+                                 f"'prompt_token_ids' or 'prompt'; got {p!r:.80}.")
+        return parsed
+
+    def _encode(self, index: int, text: str) -> list[int]:
+        tokenizer = self.llm_engine.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"prompt {index} is a string, but the engine has no tokenizer "
+                             f"(skip_tokenizer_init=True); pass {{'prompt_token_ids': [...]}} instead.")
+        return tokenizer.encode(text)
+
+    # ---- generation ---------------------------------------------------------------------
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in input order."""
+        parsed = self._parse_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(parsed)
+        elif len(sampling_params) != len(parsed):
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries but there are "
+                             f"{len(parsed)} prompts; pass one SamplingParams or one per prompt.")
+        engine = self.llm_engine
+        # Validate the whole call before any request is added: a bad prompt leaves no trace.
+        for i, ((_, token_ids), params) in enumerate(zip(parsed, sampling_params)):
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}.")
+            engine.validate_request(i, token_ids, params)
+        request_ids = [engine.add_request(text, token_ids, params)
+                       for (text, token_ids), params in zip(parsed, sampling_params)]
+        try:
+            outputs = self._run_engine(len(request_ids), use_tqdm)
+        except BaseException:
+            for request_id in request_ids:
+                engine.abort_request(request_id)
+            raise
+        return [outputs[request_id] for request_id in request_ids]
+
+    def _run_engine(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        engine = self.llm_engine
+        outputs = {}
+        with tqdm(total=num_requests, desc="Processed prompts", dynamic_ncols=True,
+                  disable=not use_tqdm) as pbar:
+            while engine.has_unfinished_requests():
+                start = time.perf_counter()
+                finished, stats = engine.step()
+                elapsed = time.perf_counter() - start
+                if use_tqdm:
+                    pbar.set_postfix({
+                        "Prefill": f"{stats.num_prefill_tokens / elapsed:.0f}tok/s",
+                        "Decode": f"{stats.num_decode_tokens / elapsed:.0f}tok/s"}, refresh=False)
+                for output in finished:
+                    outputs[output.request_id] = output
+                    pbar.update(1)
+        return outputs
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
+        tokenizer = self.llm_engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("chat() needs a tokenizer, but the engine has none (skip_tokenizer_init=True).")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
+                                                 **(chat_template_kwargs or {}))
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)

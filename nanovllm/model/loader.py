@@ -1,0 +1,77 @@
+"""Strict safetensors loading: every checkpoint tensor consumed, every parameter filled."""
+import glob
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from nanovllm.layers.linear import copy_checked
+
+# Checkpoint tensors that hold nothing we need.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
+    copy_checked(param, loaded)
+
+
+def _expected_shards(model: nn.Module) -> set[tuple[str, object]]:
+    """(parameter name, shard id) pairs the checkpoint must provide."""
+    packed = {}
+    for ckpt_name, (fused, shard_id) in model.packed_modules_mapping.items():
+        packed.setdefault(fused, []).append(shard_id)
+    expected = set()
+    for name, _ in model.named_parameters():
+        module_name = name.split(".")[-2]
+        for shard_id in packed.get(module_name, [None]):
+            expected.add((name, shard_id))
+    return expected
+
+
+def load_model(model: nn.Module, path: str, tie_word_embeddings: bool):
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in model directory {path!r}.")
+    params = dict(model.named_parameters())
+    expected = _expected_shards(model)
+    loaded = set()
+    for file in files:
+        with safe_open(file, "pt", "cpu") as f:
+            for ckpt_name in f.keys():
+                if ckpt_name.endswith(IGNORED_SUFFIXES):
+                    continue
+                if ckpt_name == "lm_head.weight" and tie_word_embeddings:
+                    continue  # the same tensor as the embedding
+                name, shard_id = ckpt_name, None
+                for ckpt_part, (fused, sid) in model.packed_modules_mapping.items():
+                    if f".{ckpt_part}." in ckpt_name:
+                        name, shard_id = ckpt_name.replace(f".{ckpt_part}.", f".{fused}."), sid
+                        break
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {ckpt_name!r} in {os.path.basename(file)} "
+                                     f"matches no model parameter.")
+                param = params[name]
+                try:
+                    weight_loader = getattr(param, "weight_loader", default_weight_loader)
+                    weight_loader(param, f.get_tensor(ckpt_name), shard_id)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor {ckpt_name!r}: {e}") from None
+                loaded.add((name, shard_id))
+    missing = sorted(f"{n}" + (f" (shard {s!r})" if s is not None else "") for n, s in expected - loaded)
+    if missing:
+        raise ValueError(f"the checkpoint in {path!r} lacks {len(missing)} tensor(s): {', '.join(missing[:8])}"
+                         + (" ..." if len(missing) > 8 else ""))
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int):
+    """Random weights for benchmarks: normal(0, 0.02) for matrices, 1 for norms, 0 for biases."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, 0.02, generator=gen)

@@ -1,0 +1,83 @@
+"""SamplingParams: how to pick each next token and when to stop (vLLM's fields and defaults)."""
+from dataclasses import dataclass, field
+
+# Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                      # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16         # None: until max_model_len
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None         # top-N logprobs per output token (0: the sampled token only)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Normalised copies, filled in __post_init__.
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self._validate()
+        if isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        else:
+            self.stop_strings = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.is_greedy:
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def _validate(self):
+        def check(ok: bool, message: str):
+            if not ok:
+                raise ValueError(message)
+
+        check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}.")
+        check(-2.0 <= self.presence_penalty <= 2.0,
+              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        check(-2.0 <= self.frequency_penalty <= 2.0,
+              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        check(self.repetition_penalty > 0.0,
+              f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+        check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}.")
+        check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
+        check(isinstance(self.top_k, int) and self.top_k >= -1,
+              f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
+        check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
+        check(self.seed is None or isinstance(self.seed, int),
+              f"seed must be an integer or None, got {self.seed!r}.")
+        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+              f"max_tokens must be at least 1, got {self.max_tokens}.")
+        check(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+              f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+              f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+              f"got {self.min_tokens}.")
+        check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+              f"logprobs must be non-negative, got {self.logprobs}.")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        check(all(isinstance(s, str) and s for s in stops),
+              f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}.")
+        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or []),
+              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}.")

@@ -1,0 +1,24 @@
+"""Resolve `LLM(model=...)`: a local directory, or a Hugging Face hub id fetched into the local cache."""
+import os
+
+WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
+CONFIG_PATTERNS = ["*.json", "*.txt", "*.model", "*.jinja"]
+
+
+def resolve_model_path(model: str, need_weights: bool = True) -> str:
+    """Return a local directory holding `model`'s files; a hub id is downloaded (or read from cache)."""
+    if os.path.isdir(model):
+        return model
+    if os.path.exists(model) or model.startswith((".", "/")) or model.count("/") != 1:
+        raise ValueError(f"model must be a local directory or a Hugging Face hub id "
+                         f"such as 'Qwen/Qwen3-0.6B', got {model!r}: no such directory.")
+    from huggingface_hub import snapshot_download
+    patterns = WEIGHT_PATTERNS if need_weights else CONFIG_PATTERNS
+    try:
+        return snapshot_download(model, allow_patterns=patterns)
+    except Exception as e:  # offline, unknown repo, gated model, ...
+        raise ValueError(
+            f"could not fetch model {model!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
+            f"Download it on a machine with network access with "
+            f"`huggingface-cli download {model} --local-dir <dir>` and pass that directory."
+        ) from None

@@ -1,0 +1,99 @@
+"""Fixtures: tiny random Qwen3 / Qwen2 checkpoints (real architecture, small sizes) with a small
+byte-level BPE tokenizer saved beside them, and HF transformers as the reference."""
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
+
+VOCAB_SIZE = 384
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. Paged attention stores keys and values in blocks.",
+    "A scheduler batches sequences; a block manager hands out blocks and caches full prefixes.",
+    "Hello world! Stop strings may span several tokens, so detokenization is incremental.",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 and punctuation , . ; : ! ? ( ) [ ] { } are here too.",
+]
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE - 16, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+
+
+def build_model_dir(path, arch: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0):
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, eos_token_id=eos, bos_token_id=None, initializer_range=0.1)
+    if arch == "qwen3":
+        config, cls = Qwen3Config(head_dim=16, tie_word_embeddings=True, **common), Qwen3ForCausalLM
+    else:
+        config, cls = Qwen2Config(tie_word_embeddings=False, **common), Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    model = cls(config).float().eval()
+    model.save_pretrained(path, safe_serialization=True)
+    GenerationConfig(eos_token_id=eos, do_sample=False).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory, tokenizer):
+    return build_model_dir(tmp_path_factory.mktemp("qwen3"), "qwen3", tokenizer)
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory, tokenizer):
+    return build_model_dir(tmp_path_factory.mktemp("qwen2"), "qwen2", tokenizer)
+
+
+@pytest.fixture(params=["qwen3", "qwen2"])
+def model_dir(request, qwen3_dir, qwen2_dir):
+    return qwen3_dir if request.param == "qwen3" else qwen2_dir
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_greedy(path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations from HF transformers' generate, EOS ignored."""
+    model = hf_model(path)
+    model.generation_config.eos_token_id = None
+    outs = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                           max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=0)
+        outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+def make_prompts(seed: int = 0, num: int = 16) -> list[list[int]]:
+    """Varied lengths (1 to ~150 tokens); prompts 8+ share a 70-token prefix in pairs and triples."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda n: torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist()
+    lengths = [1, 2, 7, 16, 17, 33, 64, 150]
+    prompts = [rand(n) for n in lengths]
+    shared = rand(70)
+    prompts += [shared + rand(n) for n in (1, 5, 16, 40)]
+    shared2 = rand(48)
+    prompts += [shared2 + rand(n) for n in (3, 9, 20, 31)]
+    return prompts[:num]
