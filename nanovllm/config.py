@@ -40,7 +40,7 @@ class Config:
         names = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(kwargs) - names)
         if unknown:
-            raise TypeError(f"LLM() got unexpected keyword argument(s): {', '.join(unknown)}. "
+            raise ValueError(f"LLM() got unexpected keyword argument(s): {', '.join(unknown)}. "
                             f"Accepted: {', '.join(sorted(names - {'model'}))}.")
         return cls(model=model, **kwargs)
 

@@ -1,0 +1,212 @@
+"""The public API: vLLM's input forms and output shapes, bad input, and recovery after errors."""
+import pytest
+
+from conftest import make_prompts
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.output_processor import OutputProcessor
+from nanovllm.engine.sequence import Sequence
+
+PROMPTS = make_prompts()
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    return LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=64, max_model_len=256)
+
+
+def assert_idle(llm):
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests() and not engine.requests
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_input_forms_and_output_shape(llm, tokenizer):
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    text = "Hello world! The quick brown fox"
+    token_ids = tokenizer.encode(text)
+    outs = llm.generate([text, {"prompt_token_ids": token_ids}, token_ids, {"prompt": text}], sp,
+                        use_tqdm=False)
+    assert [o.prompt for o in outs] == [text, None, None, text]
+    assert all(o.prompt_token_ids == token_ids for o in outs)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    out = outs[0]
+    assert out.finished and out.request_id != outs[1].request_id
+    comp = out.outputs[0]
+    assert (comp.index, comp.finish_reason, comp.stop_reason) == (0, "length", None)
+    assert len(comp.token_ids) == 5 and comp.text == tokenizer.decode(comp.token_ids)
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+    # A single prompt (string or token list) is accepted too.
+    assert len(llm.generate(text, sp, use_tqdm=False)) == 1
+    assert llm.generate(token_ids, sp, use_tqdm=False)[0].prompt_token_ids == token_ids
+    assert_idle(llm)
+
+
+def test_outputs_in_input_order_with_per_prompt_params(llm):
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in range(1, 9)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:8]], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 9))
+    assert [o.prompt_token_ids for o in outs] == PROMPTS[:8]
+
+
+def test_chat_uses_template(llm, tokenizer):
+    messages = [{"role": "user", "content": "Hello world!"}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    expected = "<|im_start|>user\nHello world!<|im_end|>\n<|im_start|>assistant\n"
+    assert out.prompt == expected
+    assert out.prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
+    two = llm.chat([messages, messages], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                   use_tqdm=False)
+    assert len(two) == 2 and two[0].outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_max_tokens_none_runs_to_max_model_len(llm):
+    out = llm.generate([PROMPTS[6]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(PROMPTS[6]) + len(out.outputs[0].token_ids) == 256
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_default_sampling_params_come_from_generation_config(llm):
+    assert llm.get_default_sampling_params().temperature == 1.0   # the fixture's config sets none
+    assert len(llm.generate([PROMPTS[2]], use_tqdm=False)[0].outputs[0].token_ids) <= 16
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5."),
+    (dict(temperature=-1.0), "temperature must be non-negative, got -1.0."),
+    (dict(top_k=-5), "top_k must be 0 or -1 (disable), or at least 1, got -5."),
+    (dict(min_p=2.0), "min_p must be in [0, 1], got 2.0."),
+    (dict(max_tokens=0), "max_tokens must be at least 1, got 0."),
+    (dict(n=0), "n must be at least 1, got 0."),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens must be less than or equal to max_tokens=2, got 5."),
+    (dict(presence_penalty=3.0), "presence_penalty must be in [-2, 2], got 3.0."),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be greater than zero, got 0.0."),
+    (dict(logprobs=-1), "logprobs must be non-negative, got -1."),
+    (dict(stop=[""]), "stop must be a non-empty string"),
+])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("prompts, params, message", [
+    ([[1, 2], list(range(300))], None, "prompt 1 (length 300) is longer than the maximum model length of 256."),
+    ([[1, 2], [5, 99999]], None, "prompt 1: token id 99999 is out of vocabulary (vocab_size=384)."),
+    ([[1, 2], {"prompt_token_ids": []}], None, "prompt 1 is empty."),
+    ([[1, 2]], [SamplingParams(), SamplingParams()], "sampling_params has 2 entries but there are 1 prompts"),
+    ([[1, 2]], SamplingParams(logprobs=25), "Requested sample logprobs of 25, which is greater than max allowed: 20."),
+    ([[1, 2], 3.5], None, "prompt 1 must be a string"),
+])
+def test_bad_requests_leave_engine_usable(llm, prompts, params, message):
+    with pytest.raises(ValueError) as e:
+        llm.generate(prompts, params, use_tqdm=False)
+    assert message in str(e.value)
+    assert_idle(llm)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_request_larger_than_the_whole_cache_is_rejected(qwen3_dir):
+    llm = LLM(qwen3_dir, block_size=16, num_kvcache_blocks=4, max_model_len=512)
+    with pytest.raises(ValueError, match=r"prompt 0 \(length 60\) with max_tokens=10 needs up to 70 tokens"):
+        llm.generate([list(range(3, 63))], SamplingParams(max_tokens=10), use_tqdm=False)
+    assert_idle(llm)
+    assert llm.generate([list(range(3, 40))], SamplingParams(max_tokens=10, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_interrupted_generate_aborts_its_requests(llm, monkeypatch):
+    engine = llm.llm_engine
+    real_step, calls = engine.step, []
+
+    def step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=20), use_tqdm=False)
+    monkeypatch.undo()
+    assert_idle(llm)
+    assert len(llm.generate(PROMPTS[:2], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)) == 2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_num_seqs=0), "max_num_seqs must be at least 1, got 0."),
+    (dict(block_size=10), "block_size must be a positive multiple of 16, got 10."),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization must be in (0, 1], got 1.5."),
+    (dict(dtype="int3"), "dtype must be 'auto' or one of"),
+    (dict(max_model_len=100000), "max_model_len (100000) is greater than the model's max_position_embeddings (512)."),
+    (dict(no_such_option=1), "unexpected keyword argument(s): no_such_option"),
+    (dict(load_format="pickle"), "load_format must be 'auto', 'safetensors' or 'dummy', got 'pickle'."),
+])
+def test_bad_engine_arguments(qwen3_dir, kwargs, message):
+    with pytest.raises(ValueError) as e:
+        LLM(qwen3_dir, **kwargs)
+    assert message in str(e.value)
+
+
+def test_missing_model_directory():
+    with pytest.raises(ValueError, match="no such directory"):
+        LLM("./no/such/model")
+
+
+def test_unreachable_hub_id_says_how_to_download(monkeypatch):
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise OSError("offline")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ValueError, match="huggingface-cli download some-org/some-model"):
+        LLM("some-org/some-model")
+
+
+def test_string_prompt_without_tokenizer(qwen3_dir):
+    llm = LLM(qwen3_dir, skip_tokenizer_init=True, block_size=16, num_kvcache_blocks=16)
+    with pytest.raises(ValueError, match="prompt 0 is a string, but the engine has no tokenizer"):
+        llm.generate("hello", use_tqdm=False)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].text == "" and len(out.outputs[0].token_ids) == 3
+
+
+def test_dummy_weights_need_only_a_config(qwen3_dir, tmp_path):
+    import shutil
+    shutil.copy(f"{qwen3_dir}/config.json", tmp_path / "config.json")
+    llm = LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, block_size=16, num_kvcache_blocks=16)
+    assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+# ---- output processing without a model ------------------------------------------------------
+def test_eos_stops_unless_ignored_and_respects_min_tokens(tokenizer):
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    proc = OutputProcessor(tokenizer, {eos}, max_model_len=100)
+    hello = tokenizer.encode("Hello")
+    seq = Sequence("r", 0, [1, 2], SamplingParams(max_tokens=10))
+    for t in hello + [eos]:
+        proc.append(seq, t)
+    assert (seq.finish_reason, seq.stop_reason, seq.output_text) == ("stop", None, "Hello")
+    seq = Sequence("r", 0, [1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
+    for t in [eos, eos, eos]:
+        proc.append(seq, t)
+    assert seq.finish_reason == "length"
+    seq = Sequence("r", 0, [1, 2], SamplingParams(max_tokens=5, min_tokens=2))
+    proc.append(seq, eos)
+    assert seq.finish_reason is None
+    proc.append(seq, eos)
+    assert seq.finish_reason == "stop"
+
+
+def test_incremental_detokenization_matches_full_decode(tokenizer):
+    proc = OutputProcessor(tokenizer, set(), max_model_len=1000)
+    text = "Stop strings may span several tokens, so detokenization is incremental. 0 1 2 ü ß"
+    target = tokenizer.encode(text)
+    seq = Sequence("r", 0, tokenizer.encode("Hello"), SamplingParams(max_tokens=len(target)))
+    for t in target:
+        proc.append(seq, t)
+    assert seq.output_text == text

@@ -1,0 +1,185 @@
+"""Sampling: seeds, top-k/top-p/min-p, penalties, logprobs against HF, min_tokens, stops, n > 1."""
+import math
+
+import pytest
+import torch
+
+from conftest import hf_model, make_prompts
+from nanovllm import LLM, SamplingParams
+from nanovllm.layers.sampler import Sampler, SamplingMetadata
+
+PROMPTS = make_prompts()
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    return LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=256)
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def ids(p):
+    return {"prompt_token_ids": p}
+
+
+# ---- end to end ---------------------------------------------------------------------------
+def test_seed_gives_same_output_whatever_the_batch(llm):
+    sp = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([ids(PROMPTS[5])], sp, use_tqdm=False)[0].outputs[0].token_ids
+    unseeded = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    batch = llm.generate([ids(p) for p in PROMPTS[:5]] + [ids(PROMPTS[5])] + [ids(p) for p in PROMPTS[6:]],
+                         [unseeded] * 5 + [sp] + [unseeded] * 10, use_tqdm=False)
+    assert batch[5].outputs[0].token_ids == alone
+    other_seed = SamplingParams(temperature=1.0, seed=4321, max_tokens=16, ignore_eos=True)
+    assert llm.generate([ids(PROMPTS[5])], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_top_k_1_equals_greedy(llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    top1 = SamplingParams(temperature=1.5, top_k=1, max_tokens=10, ignore_eos=True)
+    prompts = [ids(p) for p in PROMPTS]
+    assert tokens(llm.generate(prompts, top1, use_tqdm=False)) == tokens(llm.generate(prompts, greedy, use_tqdm=False))
+
+
+@torch.no_grad()
+def test_logprobs_equal_hf_log_softmax(llm, qwen3_dir):
+    sp = SamplingParams(temperature=0.8, seed=7, max_tokens=6, logprobs=5, ignore_eos=True)
+    prompts = PROMPTS[3:7]
+    outs = llm.generate([ids(p) for p in prompts], sp, use_tqdm=False)
+    model = hf_model(qwen3_dir)
+    for prompt, out in zip(prompts, outs):
+        comp = out.outputs[0]
+        full = prompt + comp.token_ids
+        ref = model(torch.tensor([full])).logits[0].float().log_softmax(-1)
+        assert len(comp.logprobs) == len(comp.token_ids)
+        total = 0.0
+        for t, (token, entry) in enumerate(zip(comp.token_ids, comp.logprobs)):
+            row = ref[len(prompt) - 1 + t]
+            assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
+            assert entry[token].rank == int((row > row[token]).sum()) + 1
+            top_vals, top_ids = row.topk(5)
+            for r, (tid, val) in enumerate(zip(top_ids.tolist(), top_vals.tolist()), 1):
+                assert entry[tid].logprob == pytest.approx(val, abs=1e-4)
+                assert tid == token or entry[tid].rank == r
+            assert len(entry) in (5, 6)
+            total += entry[token].logprob
+        assert comp.cumulative_logprob == pytest.approx(total, abs=1e-4)
+
+
+def test_no_logprobs_means_none(llm):
+    comp = llm.generate([ids(PROMPTS[3])], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0]
+    assert comp.logprobs is None and comp.cumulative_logprob is None
+
+
+def test_logprobs_zero_gives_only_the_sampled_token(llm):
+    comp = llm.generate([ids(PROMPTS[3])], SamplingParams(max_tokens=3, logprobs=0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert [list(e) for e in comp.logprobs] == [[t] for t in comp.token_ids]
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    prompt = [ids(PROMPTS[6])]
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    first = free.token_ids[0]
+    stopped = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first]),
+                           use_tqdm=False)[0].outputs[0]
+    assert stopped.token_ids == [first]
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", first)
+    held = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, min_tokens=3,
+                                               stop_token_ids=[first]), use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) >= 3 and first not in held.token_ids[:3]
+
+
+def test_stop_string_split_across_tokens(llm, tokenizer):
+    prompt = [ids(PROMPTS[7])]
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    pieces = [tokenizer.decode([t]) for t in free.token_ids]
+    # A stop string made of the end of one token's text and the start of the next one's.
+    k = next(k for k in range(3, 20) if len(pieces[k]) >= 1 and len(pieces[k + 1]) >= 1
+             and pieces[k].strip() and pieces[k + 1].strip())
+    stop = pieces[k][-1] + pieces[k + 1][:2]
+    index = free.text.find(stop)
+    assert index >= 0
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == (free.text[:index], "stop", stop)
+    kept = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop,
+                                               include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == free.text[:index + len(stop)]
+
+
+def test_n_completions(llm):
+    sp = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    out = llm.generate([ids(PROMPTS[4])], sp, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    seqs = [c.token_ids for c in out.outputs]
+    assert len({tuple(s) for s in seqs}) == 3
+    again = llm.generate([ids(PROMPTS[4])], sp, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == seqs
+
+
+@torch.no_grad()
+def test_repetition_penalty_matches_hf(llm, qwen3_dir):
+    sp = SamplingParams(temperature=0, repetition_penalty=1.8, max_tokens=10, ignore_eos=True)
+    prompts = PROMPTS[2:6]
+    outs = llm.generate([ids(p) for p in prompts], sp, use_tqdm=False)
+    model = hf_model(qwen3_dir)
+    model.generation_config.eos_token_id = None
+    for p, out in zip(prompts, outs):
+        x = torch.tensor([p])
+        y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=10,
+                           repetition_penalty=1.8, pad_token_id=0)
+        assert out.outputs[0].token_ids == y[0, len(p):].tolist()
+
+
+# ---- the sampler on hand-made logits ------------------------------------------------------
+def metadata(n, **kw) -> SamplingMetadata:
+    base = dict(temperatures=torch.ones(n), is_greedy=torch.zeros(n, dtype=torch.bool), all_greedy=False,
+                top_k=None, top_p=None, min_p=None, row_seeds=[], banned_rows=None, banned_tokens=None)
+    return SamplingMetadata(**(base | kw))
+
+
+def draw(logits, md, times=200):
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    return {tuple(sampler(logits.clone(), md).token_ids.tolist()) for _ in range(times)}
+
+
+def test_top_p_keeps_the_nucleus():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    seen = draw(probs.log(), metadata(1, top_p=torch.tensor([0.7])))
+    assert seen == {(0,), (1,)}
+
+
+def test_top_k_keeps_k_best():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    assert draw(logits, metadata(1, top_k=torch.tensor([2]))) == {(1,), (3,)}
+
+
+def test_min_p_drops_unlikely_tokens():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    assert draw(probs.log(), metadata(1, min_p=torch.tensor([0.5]))) == {(0,), (1,)}
+
+
+def test_penalties_exact_values():
+    from nanovllm.layers.sampler import apply_penalties
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]])
+    md = metadata(1, presence_penalties=torch.tensor([0.5]), frequency_penalties=torch.tensor([0.25]),
+                  repetition_penalties=torch.tensor([2.0]),
+                  output_token_counts=torch.tensor([[2, 1, 0, 0]]),
+                  prompt_token_mask=torch.tensor([[False, False, True, False]]))
+    out = apply_penalties(logits, md)
+    # token 0: 2/2 - 0.25*2 - 0.5; token 1: -1*2 - 0.25 - 0.5; token 2: prompt only, 0.5/2; token 3 untouched
+    assert out.tolist() == [[0.0, -2.75, 0.25, 1.0]]
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    logits = probs.log().expand(4000, 3).clone()
+    counts = torch.bincount(sampler(logits, metadata(4000)).token_ids, minlength=3) / 4000
+    assert torch.allclose(counts, probs, atol=0.03)
+    assert math.isclose(counts.sum().item(), 1.0)
