@@ -1,0 +1,121 @@
+"""Throughput / latency benchmark: nanovllm, or vLLM on the identical workload (--engine vllm).
+
+    python bench.py                            # nano-vllm's workload, Qwen3-0.6B shape, dummy weights
+    python bench.py --workload prefix          # 256 requests sharing a 2048-token prefix
+    python bench.py --workload latency         # batch 1: 512-token prompt, 512 greedy tokens
+    python bench.py --engine vllm              # the same through vLLM
+
+Without CUDA it runs a small workload on the CPU path and says so.
+"""
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+# Real shapes of released checkpoints, built with random weights: nothing to download.
+PRESETS = {
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+
+
+def preset_dir(name: str) -> str:
+    from transformers import Qwen3Config
+    config = Qwen3Config(vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+                         rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645, dtype="bfloat16",
+                         architectures=["Qwen3ForCausalLM"], **PRESETS[name])
+    path = os.path.join(tempfile.gettempdir(), f"nanovllm-preset-{name}")
+    config.save_pretrained(path)
+    return path
+
+
+def make_workload(args, on_cpu: bool):
+    """-> (prompts as token-id lists, per-request (max_tokens, temperature))."""
+    random.seed(args.seed)
+    if args.workload == "latency":
+        n_in, n_out = (512, 512) if not on_cpu else (64, 32)
+        return [[random.randint(0, 10000) for _ in range(n_in)]], [(n_out, 0.0)]
+    if args.workload == "prefix":
+        prefix_len, n = (2048, args.num_seqs) if not on_cpu else (128, 4)
+        prefix = [random.randint(0, 10000) for _ in range(prefix_len)]
+        prompts = [prefix + [random.randint(0, 10000) for _ in range(random.randint(64, 256) // (8 if on_cpu else 1))]
+                   for _ in range(n)]
+        return prompts, [(128 if not on_cpu else 16, 0.6)] * n
+    n, lo_in, hi_in, lo_out, hi_out = args.num_seqs, args.min_input_len, args.max_input_len, \
+        args.min_output_len, args.max_output_len
+    if on_cpu:
+        n, lo_in, hi_in, lo_out, hi_out = 4, 16, 64, 8, 16
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(lo_in, hi_in))] for _ in range(n)]
+    return prompts, [(random.randint(lo_out, hi_out), 0.6) for _ in range(n)]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-0.6b", help=f"a path, a hub id, or a preset: {', '.join(PRESETS)}")
+    p.add_argument("--engine", choices=["nanovllm", "vllm"], default="nanovllm")
+    p.add_argument("--workload", choices=["default", "prefix", "latency"], default="default")
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--min-input-len", type=int, default=100)
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--min-output-len", type=int, default=100)
+    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="also print one JSON line with the results")
+    args = p.parse_args()
+
+    import torch
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu:
+        print("No CUDA device: running a small workload on the CPU path (figures are not GPU figures).")
+    model = preset_dir(args.model) if args.model in PRESETS else args.model
+    kwargs = dict(max_model_len=args.max_model_len if not on_cpu else 1024, enforce_eager=args.enforce_eager,
+                  tensor_parallel_size=args.tp)
+    if args.model in PRESETS:
+        kwargs |= dict(load_format="dummy", skip_tokenizer_init=True)
+    if args.engine == "vllm":
+        from vllm import LLM, SamplingParams
+    else:
+        from nanovllm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(model, **kwargs)
+    startup = time.perf_counter() - start
+    prompts, settings = make_workload(args, on_cpu)
+    params = [SamplingParams(temperature=t, ignore_eos=True, max_tokens=m) for m, t in settings]
+    inputs = [{"prompt_token_ids": ids} for ids in prompts]
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+
+    start = time.perf_counter()
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    num_in = sum(len(ids) for ids in prompts)
+    num_cached = sum(o.num_cached_tokens or 0 for o in outputs)
+    result = dict(engine=args.engine, model=args.model, workload=args.workload, num_requests=len(prompts),
+                  prompt_tokens=num_in, output_tokens=num_out, cached_prompt_tokens=num_cached,
+                  time_s=round(elapsed, 3), output_tok_s=round(num_out / elapsed, 2),
+                  total_tok_s=round((num_in + num_out) / elapsed, 2), req_s=round(len(prompts) / elapsed, 3),
+                  startup_s=round(startup, 1), device="cpu" if on_cpu else torch.cuda.get_device_name())
+    print(f"Total: {num_out}tok, Time: {elapsed:.2f}s, Throughput: {num_out / elapsed:.2f}tok/s")
+    print(f"Total throughput: {result['total_tok_s']:.2f}tok/s (prompt {num_in}tok), "
+          f"Requests: {result['req_s']:.2f}req/s, Cached prompt tokens: {num_cached}, Start-up: {startup:.1f}s")
+    if args.workload == "latency":
+        result["ms_per_token"] = round(elapsed * 1000 / num_out, 3)
+        print(f"Latency: {result['ms_per_token']:.3f} ms/token (batch 1)")
+    if args.json:
+        print(json.dumps(result))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
