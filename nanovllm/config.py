@@ -30,6 +30,7 @@ class Config:
     tensor_parallel_size: int = 1
     load_format: str = "auto"
     max_logprobs: int = 20
+    attention_backend: str = "auto"     # "auto" | "triton" | "flash_attn" | "torch"
     # Derived in __post_init__.
     model_path: str = field(init=False)
     hf_config: PretrainedConfig = field(init=False, repr=False)
@@ -92,6 +93,9 @@ class Config:
               f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
         check(self.tensor_parallel_size == 1,
               f"tensor_parallel_size > 1 is not supported yet, got {self.tensor_parallel_size}.")
+        check(self.attention_backend in ("auto", "triton", "flash_attn", "torch"),
+              f"attention_backend must be 'auto', 'triton', 'flash_attn' or 'torch', "
+              f"got {self.attention_backend!r}.")
         check(self.max_logprobs >= 0, f"max_logprobs must be non-negative, got {self.max_logprobs}.")
 
     def _resolve_dtype(self) -> torch.dtype:

@@ -30,13 +30,16 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
                                    pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
 
 
-def build_model_dir(path, arch: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0):
+def build_model_dir(path, arch: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0, **sizes):
+    """sizes override the tiny defaults (hidden_size, num_hidden_layers, head_dim, ...)."""
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-6, eos_token_id=eos, bos_token_id=None, initializer_range=0.1)
+    common |= {k: v for k, v in sizes.items() if k != "head_dim"}
     if arch == "qwen3":
-        config, cls = Qwen3Config(head_dim=16, tie_word_embeddings=True, **common), Qwen3ForCausalLM
+        config = Qwen3Config(head_dim=sizes.get("head_dim", 16), tie_word_embeddings=True, **common)
+        cls = Qwen3ForCausalLM
     else:
         config, cls = Qwen2Config(tie_word_embeddings=False, **common), Qwen2ForCausalLM
     torch.manual_seed(seed)

@@ -1,16 +1,33 @@
-"""ModelRunner: owns the model, its KV cache and the sampler; turns a SchedulerOutput into tokens."""
+"""ModelRunner: owns the model, its KV cache, the attention backend, the decode CUDA graphs and
+the sampler; turns a SchedulerOutput into sampled tokens."""
+import time
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from nanovllm.config import Config
+from nanovllm.engine.cuda_graph import DecodeGraphs, pinned
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.attention import Attention, AttentionMetadata
+from nanovllm.layers.attention import Attention, AttentionMetadata, select_backend
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from nanovllm.model.loader import init_dummy_weights, load_model
 from nanovllm.model.qwen3 import QwenForCausalLM
 
 CPU_KV_CACHE_BYTES = 4 << 30   # vLLM's default CPU KV-cache space
+MAX_GRAPH_BATCH_SIZE = 512
+
+
+@dataclass
+class HostBatch:
+    """One step's inputs on the host, flattened: sequence i owns rows query_start_loc[i]:[i+1]."""
+    input_ids: np.ndarray        # [num_tokens] int64
+    positions: np.ndarray        # [num_tokens] int64
+    slot_mapping: np.ndarray     # [num_tokens] int64
+    block_tables: np.ndarray     # [num_seqs, max_num_blocks] int32
+    query_start_loc: list[int]   # [num_seqs + 1]
+    seq_lens: list[int]          # [num_seqs]
 
 
 class ModelRunner:
@@ -21,6 +38,8 @@ class ModelRunner:
         self.eos_token_ids = sorted(eos_token_ids)
         hf = config.hf_config
         self.vocab_size = hf.vocab_size
+        self.timings: dict[str, float] = {}
+        start = time.perf_counter()
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.torch_dtype)
@@ -33,87 +52,161 @@ class ModelRunner:
             init_dummy_weights(self.model, config.seed)
         else:
             load_model(self.model, config.model_path, hf.tie_word_embeddings)
+        self.timings["load_s"] = time.perf_counter() - start
+        self.backend = select_backend(config.attention_backend, self.device, config.block_size)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer in self.attention_layers:
+            layer.backend = self.backend
+        self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                        if self.device.type == "cuda" else 1)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+
+        start = time.perf_counter()
         self.num_kvcache_blocks = self._allocate_kv_cache()
+        self.timings["kv_cache_s"] = time.perf_counter() - start
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
+            start = time.perf_counter()
+            self.graphs = DecodeGraphs(
+                self.model, min(config.max_num_seqs, MAX_GRAPH_BATCH_SIZE), self.max_blocks_per_seq,
+                hf.hidden_size, config.torch_dtype, self.device,
+                lambda bs: self.num_decode_splits(bs, config.max_model_len))
+            self.timings["cuda_graphs_s"] = time.perf_counter() - start
 
-    # ---- KV cache -------------------------------------------------------------------------
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.config.max_model_len // self.block_size)
+
+    # ---- KV cache ---------------------------------------------------------------------------
     def _kv_block_bytes(self) -> int:
-        attn = self._attention_layers()[0]
+        attn = self.attention_layers[0]
         per_layer = 2 * self.block_size * attn.num_kv_heads * attn.head_dim
-        return per_layer * len(self._attention_layers()) * self.config.torch_dtype.itemsize
+        return per_layer * len(self.attention_layers) * self.config.torch_dtype.itemsize
 
-    def _attention_layers(self) -> list[Attention]:
-        return [m for m in self.model.modules() if isinstance(m, Attention)]
+    def _make_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        attn = self.attention_layers[0]
+        # kv_cache: [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache = torch.empty(2, len(self.attention_layers), num_blocks, self.block_size, attn.num_kv_heads,
+                               attn.head_dim, dtype=self.config.torch_dtype, device=self.device)
+        for i, layer in enumerate(self.attention_layers):
+            layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
+        return kv_cache
 
     def _allocate_kv_cache(self) -> int:
-        num_blocks = self.config.num_kvcache_blocks
+        cfg = self.config
+        num_blocks = cfg.num_kvcache_blocks
         if num_blocks is None:
             if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                used = total - free
-                budget = int(total * self.config.gpu_memory_utilization) - used
+                budget = self._profile_kv_budget()
             else:
                 budget = CPU_KV_CACHE_BYTES
-            num_blocks = budget // self._kv_block_bytes()
+            # More blocks than max_num_seqs full-length sequences could ever use is waste.
+            num_blocks = min(budget // self._kv_block_bytes(), cfg.max_num_seqs * self.max_blocks_per_seq)
             if num_blocks < 1:
-                raise ValueError("no memory is left for the KV cache; "
-                                 "raise gpu_memory_utilization or use a smaller model.")
-        layers = self._attention_layers()
-        attn = layers[0]
-        # kv_cache: [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = torch.empty(2, len(layers), num_blocks, self.block_size, attn.num_kv_heads,
-                                    attn.head_dim, dtype=self.config.torch_dtype, device=self.device)
-        for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+                raise ValueError(f"no memory is left for the KV cache at gpu_memory_utilization="
+                                 f"{cfg.gpu_memory_utilization}; raise it or use a smaller model.")
+        self.kv_cache = self._make_kv_cache(num_blocks)
         return num_blocks
 
-    # ---- one step -----------------------------------------------------------------------
-    def _to_device(self, data, dtype) -> torch.Tensor:
-        return torch.as_tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+    @torch.inference_mode()
+    def _profile_kv_budget(self) -> int:
+        """Bytes left for the KV cache: run the largest step (max_num_batched_tokens tokens over
+        up to max_num_seqs sequences, then logits and sampling with every option on), measure
+        the peak, and keep gpu_memory_utilization of the card."""
+        cfg = self.config
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * cfg.max_model_len)
+        num_seqs = min(cfg.max_num_seqs, num_tokens)
+        lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        num_pages = -(-max(lens) // self.block_size)
+        self._make_kv_cache(num_pages)   # every dummy sequence uses the same pages
+        positions = np.concatenate([np.arange(n) for n in lens])
+        batch = HostBatch(input_ids=np.zeros(num_tokens, np.int64), positions=positions,
+                          slot_mapping=positions.copy(),
+                          block_tables=np.tile(np.arange(num_pages, dtype=np.int32), (num_seqs, 1)),
+                          query_start_loc=np.concatenate([[0], np.cumsum(lens)]).tolist(), seq_lens=lens)
+        hidden = self.model(*self._device_inputs(batch))
+        logits = self.model.compute_logits(hidden[torch.tensor(batch.query_start_loc[1:]) - 1])
+        md = SamplingMetadata(
+            temperatures=torch.ones(num_seqs, device=self.device),
+            is_greedy=torch.zeros(num_seqs, dtype=torch.bool, device=self.device), all_greedy=False,
+            top_k=torch.full((num_seqs,), 5, device=self.device),
+            top_p=torch.full((num_seqs,), 0.9, device=self.device),
+            min_p=torch.full((num_seqs,), 0.1, device=self.device),
+            row_seeds=[], banned_rows=None, banned_tokens=None, max_num_logprobs=cfg.max_logprobs)
+        self.sampler(logits, md)
+        del hidden, logits
+        for layer in self.attention_layers:
+            layer.k_cache = layer.v_cache = torch.tensor([])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = total - free - torch.cuda.memory_reserved(self.device)   # CUDA context, NCCL, ...
+        return int(total * cfg.gpu_memory_utilization) - peak - non_torch
 
-    def prepare_inputs(self, out: SchedulerOutput):
+    # ---- one step ---------------------------------------------------------------------------
+    def num_decode_splits(self, num_seqs: int, max_seq_len: int) -> int:
+        from nanovllm.kernels.triton_attention import num_decode_splits
+        return num_decode_splits(num_seqs, self.attention_layers[0].num_kv_heads, max_seq_len, self.num_sms)
+
+    def host_batch(self, out: SchedulerOutput) -> HostBatch:
         """Flatten the scheduled tokens of all sequences into one batch."""
         bs = self.block_size
         input_ids, positions, slots = [], [], []
         query_start_loc, seq_lens = [0], []
-        for seq, n in zip(out.seqs, out.num_scheduled_tokens):
+        block_tables = np.zeros((len(out.seqs), max(len(s.block_table) for s in out.seqs)), dtype=np.int32)
+        for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            pos = np.arange(start, end)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            block_tables[i, :len(table)] = table
             input_ids.extend(seq.token_ids[start:end])
-            positions.append(pos)
-            slots.append(np.asarray(seq.block_table)[pos // bs] * bs + pos % bs)
+            if n == 1:
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                pos = np.arange(start, end)
+                positions.extend(pos)
+                slots.extend(table[pos // bs] * bs + pos % bs)
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(end)
-        max_blocks = max(len(seq.block_table) for seq in out.seqs)
-        block_tables = np.zeros((len(out.seqs), max_blocks), dtype=np.int32)
-        for i, seq in enumerate(out.seqs):
-            block_tables[i, :len(seq.block_table)] = seq.block_table
+        return HostBatch(np.asarray(input_ids, np.int64), np.asarray(positions, np.int64),
+                         np.asarray(slots, np.int64), block_tables, query_start_loc, seq_lens)
+
+    def _to_device(self, data, dtype=None) -> torch.Tensor:
+        tensor = torch.from_numpy(data) if isinstance(data, np.ndarray) else torch.tensor(data, dtype=dtype)
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _device_inputs(self, batch: HostBatch):
+        max_query_len = max(b - a for a, b in zip(batch.query_start_loc, batch.query_start_loc[1:]))
+        max_seq_len = max(batch.seq_lens)
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(np.concatenate(slots), torch.int64),
-            block_tables=self._to_device(block_tables, torch.int32),
-            query_start_loc=self._to_device(query_start_loc, torch.int32),
-            seq_lens=self._to_device(seq_lens, torch.int32),
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
-            max_query_len=max(out.num_scheduled_tokens),
-            max_seq_len=max(seq_lens),
-        )
-        return (self._to_device(input_ids, torch.int64),
-                self._to_device(np.concatenate(positions), torch.int64), meta)
+            slot_mapping=self._to_device(batch.slot_mapping),
+            block_tables=self._to_device(batch.block_tables),
+            query_start_loc=self._to_device(batch.query_start_loc, torch.int32),
+            seq_lens=self._to_device(batch.seq_lens, torch.int32),
+            query_start_loc_cpu=batch.query_start_loc, seq_lens_cpu=batch.seq_lens,
+            max_query_len=max_query_len, max_seq_len=max_seq_len)
+        if max_query_len == 1 and self.device.type == "cuda":
+            meta.num_decode_splits = self.num_decode_splits(len(batch.seq_lens), max_seq_len)
+        if self.backend.needs_cu_seqlens_k:
+            meta.cu_seqlens_k = self._to_device([0] + np.cumsum(batch.seq_lens).tolist(), torch.int32)
+        return self._to_device(batch.input_ids), self._to_device(batch.positions), meta
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
         params = [seq.sampling_params for seq in seqs]
         vocab = self.vocab_size
         md = SamplingMetadata(
-            temperatures=self._to_device([1.0 if p.is_greedy else p.temperature for p in params],
-                                         torch.float32),
+            temperatures=self._to_device([1.0 if p.is_greedy else p.temperature for p in params], torch.float32),
             is_greedy=self._to_device([p.is_greedy for p in params], torch.bool),
             all_greedy=all(p.is_greedy for p in params),
             top_k=None, top_p=None, min_p=None, row_seeds=[], banned_rows=None, banned_tokens=None,
         )
         if any(p.top_k > 0 for p in params):
-            md.top_k = self._to_device([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params],
-                                       torch.int64)
+            md.top_k = self._to_device([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], torch.int64)
         if any(p.top_p < 1.0 for p in params):
             md.top_p = self._to_device([p.top_p for p in params], torch.float32)
         if any(p.min_p > 0.0 for p in params):
@@ -148,12 +241,21 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, sampling_seqs: list[Sequence]) -> SamplerOutput | None:
         """Run the model on the scheduled tokens; sample one token for each of `sampling_seqs`
         (the sequences whose scheduled tokens reach their end). None if none sample."""
-        input_ids, positions, meta = self.prepare_inputs(out)
-        hidden = self.model(input_ids, positions, meta)
+        batch = self.host_batch(out)
+        num_seqs = len(out.seqs)
+        if (self.graphs is not None and len(batch.input_ids) == num_seqs
+                and num_seqs <= self.graphs.max_batch_size):
+            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping,
+                                     np.asarray(batch.seq_lens, np.int32), batch.block_tables)
+        else:
+            hidden = self.model(*self._device_inputs(batch))
         if not sampling_seqs:
             return None
-        sampling = set(id(s) for s in sampling_seqs)
-        last_rows = [meta.query_start_loc_cpu[i + 1] - 1
-                     for i, seq in enumerate(out.seqs) if id(seq) in sampling]
-        logits = self.model.compute_logits(hidden[self._to_device(last_rows, torch.int64)])
+        if len(sampling_seqs) == num_seqs and len(batch.input_ids) == num_seqs:
+            last_hidden = hidden                       # pure decode: every row samples
+        else:
+            sampling = {id(s) for s in sampling_seqs}
+            rows = [batch.query_start_loc[i + 1] - 1 for i, seq in enumerate(out.seqs) if id(seq) in sampling]
+            last_hidden = hidden[self._to_device(rows, torch.int64)]
+        logits = self.model.compute_logits(last_hidden)
         return self.sampler(logits, self.prepare_sampling(sampling_seqs))

@@ -1,10 +1,13 @@
-"""Attention over the paged KV cache, and the per-step metadata every attention layer reads."""
+"""Attention over the paged KV cache, the per-step metadata every attention layer reads, and
+the backends that compute it: plain torch (CPU, reference), our Triton kernels, flash-attn."""
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from nanovllm.kernels import torch_attention
+
+ATTENTION_BACKENDS = ("auto", "triton", "flash_attn", "torch")
 
 
 @dataclass
@@ -17,11 +20,92 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor      # [num_tokens] int64, cache slot of each new token; -1: padding
     block_tables: torch.Tensor      # [num_seqs, max_num_blocks] int32
     query_start_loc: torch.Tensor   # [num_seqs + 1] int32
-    seq_lens: torch.Tensor          # [num_seqs] int32
+    seq_lens: torch.Tensor          # [num_seqs] int32; 0 for a CUDA-graph padding row
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    # > 0: every sequence has exactly one new token, and the decode kernel splits contexts this many ways.
+    num_decode_splits: int = 0
+    cu_seqlens_k: torch.Tensor | None = None   # [num_seqs + 1] int32, flash-attn only
+
+
+class TorchBackend:
+    """Plain torch, one sequence at a time: the CPU path and the reference."""
+    supports_cuda_graphs = False   # loops over host-side lists
+    needs_cu_seqlens_k = False
+
+    def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        torch_attention.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return torch_attention.paged_attention(q, k_cache, v_cache, meta.block_tables,
+                                               meta.query_start_loc_cpu, meta.seq_lens_cpu, scale)
+
+
+class TritonBackend:
+    supports_cuda_graphs = True
+    needs_cu_seqlens_k = False
+
+    def __init__(self):
+        from nanovllm.kernels import triton_attention
+        self.kernels = triton_attention
+
+    def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.num_decode_splits:
+            return self.kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                                 scale, meta.num_decode_splits)
+        return self.kernels.prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                              meta.seq_lens, meta.max_query_len, scale)
+
+
+class FlashAttnBackend:
+    """flash-attn 2's paged kernels (they need block_size to be a multiple of 256)."""
+    supports_cuda_graphs = True
+    needs_cu_seqlens_k = True
+
+    def __init__(self):
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        from nanovllm.kernels import triton_attention
+        self.varlen, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
+        self.store = triton_attention.store_kvcache
+
+    def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        self.store(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.num_decode_splits:
+            return self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
+                                     block_table=meta.block_tables, softmax_scale=scale,
+                                     causal=True).squeeze(1)
+        return self.varlen(q, k_cache, v_cache, cu_seqlens_q=meta.query_start_loc,
+                           cu_seqlens_k=meta.cu_seqlens_k, max_seqlen_q=meta.max_query_len,
+                           max_seqlen_k=meta.max_seq_len, softmax_scale=scale, causal=True,
+                           block_table=meta.block_tables)
+
+
+def select_backend(name: str, device: torch.device, block_size: int):
+    """'auto': flash-attn when importable (and block_size fits it), else Triton on CUDA, else torch."""
+    if name == "auto":
+        if device.type != "cuda":
+            return TorchBackend()
+        try:
+            import flash_attn  # noqa: F401
+            if block_size % 256 == 0:
+                return FlashAttnBackend()
+        except ImportError:
+            pass
+        return TritonBackend()
+    if name != "torch" and device.type != "cuda":
+        raise ValueError(f"attention_backend {name!r} needs a CUDA device; use 'torch' or 'auto' on the CPU.")
+    if name == "flash_attn":
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            raise ValueError("attention_backend 'flash_attn' needs the flash-attn package "
+                             "(pip install 'nanovllm[flash-attn]').") from None
+        if block_size % 256:
+            raise ValueError(f"attention_backend 'flash_attn' needs block_size to be a multiple of 256, "
+                             f"got {block_size}.")
+        return FlashAttnBackend()
+    return TritonBackend() if name == "triton" else TorchBackend()
 
 
 class Attention(nn.Module):
@@ -29,13 +113,12 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
-        # Views into the model runner's KV-cache allocation, set by it before the first step.
+        # Set by the model runner before the first step: views into its KV-cache allocation,
+        # and the backend that computes attention.
         self.k_cache = self.v_cache = torch.tensor([])
+        self.backend = TorchBackend()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        torch_attention.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return torch_attention.paged_attention(
-            q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc_cpu,
-            meta.seq_lens_cpu, self.scale)
+        return self.backend(q, k, v, self.k_cache, self.v_cache, meta, self.scale)

@@ -1,0 +1,211 @@
+"""Paged-attention kernels in Triton; `torch_attention.py` beside this is their reference.
+
+KV cache layout, per layer: [num_blocks, block_size, num_kv_heads, head_dim]; a sequence's token t
+lives in page block_table[t // block_size] at row t % block_size.
+
+- store_kvcache: writes this step's k, v into their slots (slot -1, CUDA-graph padding, is skipped).
+- decode_attention: one new query per sequence. Each program owns one (sequence, KV head,
+  context split) and loads every K/V row once for all query heads of its group (GQA); the splits
+  are merged by a second small kernel (flash-decoding), so a few long sequences still fill the GPU.
+- prefill_attention: causal, variable-length queries over the cached prefix plus themselves;
+  serves prefill, chunked prefill and prefix-cache hits alike.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+# ---- store ------------------------------------------------------------------------------------
+@triton.jit
+def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                          stride_k, stride_v, ROW: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token)
+    if slot < 0:
+        return
+    offs = tl.arange(0, BLOCK)
+    mask = offs < ROW
+    k = tl.load(k_ptr + token * stride_k + offs, mask=mask)
+    v = tl.load(v_ptr + token * stride_v + offs, mask=mask)
+    tl.store(k_cache_ptr + slot * ROW + offs, k, mask=mask)
+    tl.store(v_cache_ptr + slot * ROW + offs, v, mask=mask)
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor):
+    """k, v: [num_tokens, num_kv_heads, head_dim], rows may be strided (views into the qkv output)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert k.stride(-1) == 1 and k.stride(1) == head_dim and v.stride(-1) == 1 and v.stride(1) == head_dim
+    row = num_kv_heads * head_dim
+    _store_kvcache_kernel[(num_tokens,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
+                                         ROW=row, BLOCK=triton.next_power_of_2(row))
+
+
+# ---- decode -----------------------------------------------------------------------------------
+@triton.jit
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+                         o_part_ptr, lse_part_ptr, scale,
+                         stride_qt, stride_qh, stride_bt, stride_cb, stride_cr, stride_ch,
+                         NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    # q: [BLOCK_G, HEAD_DIM], this KV head's query heads (padded to BLOCK_G rows)
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None], other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    qk_scale = scale * 1.4426950408889634   # log2(e): exp2 below
+
+    for n_start in range(start, end, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        pages = tl.load(block_tables_ptr + seq * stride_bt + offs_n // PAGE, mask=n_mask, other=0)
+        rows = pages.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cr + kv_head * stride_ch
+        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale                     # [BLOCK_G, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+    # Partial results: o_part [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM], lse_part [num_seqs, num_heads, NUM_SPLITS]
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    part = (seq * num_heads + heads) * NUM_SPLITS + split
+    tl.store(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None])
+    tl.store(lse_part_ptr + part, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, stride_ot, stride_oh,
+                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):
+    seq, head = tl.program_id(0), tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = (seq * num_heads + head) * NUM_SPLITS
+    lse = tl.load(lse_part_ptr + base + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)                     # an empty (padding) sequence
+    w = tl.exp2(lse - m)
+    o = tl.load(o_part_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=(offs_s < NUM_SPLITS)[:, None], other=0.0)
+    denom = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Enough (sequence, KV head, split) programs for about two waves, each split >= 256 tokens."""
+    want = triton.cdiv(2 * num_sms, num_seqs * num_kv_heads)
+    return max(1, min(want, triton.cdiv(max_seq_len, 256), 16))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     num_splits: int) -> torch.Tensor:
+    """q: [num_seqs, num_heads, head_dim], one query per sequence at position seq_lens - 1.
+    A sequence with seq_len 0 (padding) gets zeros."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    o_part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, scale,
+        q.stride(0), q.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_SPLITS=num_splits, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=64, num_warps=4, num_stages=2)
+    out = torch.empty_like(q)
+    _decode_merge_kernel[(num_seqs, num_heads)](
+        o_part, lse_part, out, out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim)
+    return out
+
+
+# ---- prefill ----------------------------------------------------------------------------------
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+                    out_ptr, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                    stride_cb, stride_cr, stride_ch,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    tile, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len                                   # cached tokens before this chunk
+    kv_head = head // GROUP
+
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_mask = offs_m < q_len
+    q_pos = ctx_len + offs_m
+    q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    qk_scale = scale * 1.4426950408889634
+
+    end = tl.minimum(seq_len, ctx_len + (tile + 1) * BLOCK_M)  # causal: no key past the tile's last query
+    for n_start in range(0, end, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        pages = tl.load(block_tables_ptr + seq * stride_bt + offs_n // PAGE, mask=n_mask, other=0)
+        rows = pages.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cr + kv_head * stride_ch
+        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale                     # [BLOCK_M, BLOCK_N]
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)    # padded query rows see nothing
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                      max_query_len: int, scale: float) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim], sequences back to back; the new tokens' K/V are
+    already in the cache, after the sequence's seq_len - q_len cached ones."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    block_m, block_n = (64, 64) if head_dim <= 128 else (32, 32)
+    out = torch.empty_like(q)
+    grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=4, num_stages=2)
+    return out

@@ -1,0 +1,100 @@
+"""Triton attention kernels against the plain-torch reference, on fresh random inputs with odd
+sizes, partial last blocks, GQA ratios and padding slots. GPU only (or TRITON_INTERPRET=1 on the CPU)."""
+import os
+
+import pytest
+import torch
+
+from nanovllm.kernels import torch_attention
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.gpu
+if not (torch.cuda.is_available() or INTERPRET):
+    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+TOL = 2e-2 if DTYPE == torch.bfloat16 else 1e-4
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def random_batch(seq_lens, q_lens, num_kv_heads, head_dim, page, gen):
+    """A paged cache with the sequences' blocks scattered at random, and their block tables."""
+    num_blocks = sum(-(-n // page) for n in seq_lens) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for n in seq_lens:
+        k = -(-n // page)
+        tables.append(perm[used:used + k])
+        used += k
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    shape = (num_blocks, page, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(DTYPE)
+    v_cache = torch.randn(shape, generator=gen).to(DTYPE)
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    return k_cache, v_cache, block_tables, qsl
+
+
+@pytest.mark.parametrize("num_kv_heads, group, head_dim", [(2, 1, 16), (2, 4, 32), (8, 2, 128), (1, 7, 64)])
+def test_store_kvcache(num_kv_heads, group, head_dim):
+    from nanovllm.kernels import triton_attention
+    gen = torch.Generator().manual_seed(num_kv_heads * 100 + head_dim)
+    n, page, blocks = 37, 16, 5
+    qkv = torch.randn(n, (group + 2) * num_kv_heads * head_dim, generator=gen).to(DTYPE)
+    q_size = group * num_kv_heads * head_dim
+    _, k, v = qkv.split([q_size, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    k, v = k.view(n, num_kv_heads, head_dim), v.view(n, num_kv_heads, head_dim)   # strided views
+    slots = torch.randperm(blocks * page, generator=gen)[:n]
+    slots[[3, 17, 30]] = -1                                                      # padding
+    caches = [torch.full((blocks, page, num_kv_heads, head_dim), float("nan"), dtype=DTYPE) for _ in range(4)]
+    torch_attention.store_kvcache(k, v, caches[0], caches[1], slots)
+    caches = [c.to(DEVICE) for c in caches]
+    triton_attention.store_kvcache(k.to(DEVICE), v.to(DEVICE), caches[2], caches[3], slots.to(DEVICE))
+    assert torch.equal(caches[0].nan_to_num(7.0), caches[2].cpu().nan_to_num(7.0))
+    assert torch.equal(caches[1].nan_to_num(7.0), caches[3].cpu().nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("num_kv_heads, group, head_dim, page", [(2, 1, 16, 16), (2, 4, 64, 16), (8, 2, 128, 256),
+                                                                 (1, 7, 32, 32)])
+@pytest.mark.parametrize("seq_lens", [[1, 17, 300, 64, 1000, 5], [2048]])
+def test_decode_attention(num_kv_heads, group, head_dim, page, seq_lens):
+    from nanovllm.kernels import triton_attention
+    gen = torch.Generator().manual_seed(sum(seq_lens) + head_dim)
+    seq_lens = seq_lens + [0]                      # a CUDA-graph padding row
+    k_cache, v_cache, tables, qsl = random_batch([max(n, 1) for n in seq_lens], [1] * len(seq_lens),
+                                                 num_kv_heads, head_dim, page, gen)
+    q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen).to(DTYPE)
+    scale = head_dim ** -0.5
+    ref = torch_attention.paged_attention(q[:-1], k_cache, v_cache, tables, qsl[:-1], seq_lens[:-1], scale)
+    for num_splits in (1, 3, 8):
+        out = triton_attention.decode_attention(
+            q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE),
+            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), scale, num_splits).cpu()
+        assert rel_err(out[:-1], ref) < TOL, num_splits
+        assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+
+
+@pytest.mark.parametrize("num_kv_heads, group, head_dim, page", [(2, 1, 16, 16), (2, 4, 64, 16), (8, 2, 128, 256),
+                                                                 (1, 7, 32, 32)])
+def test_prefill_attention_with_cached_prefix(num_kv_heads, group, head_dim, page):
+    from nanovllm.kernels import triton_attention
+    gen = torch.Generator().manual_seed(page + head_dim)
+    # (context already cached, new tokens): plain prefill, prefix hits, chunks, a decode row.
+    ctx = [0, 0, 48, 100, 7, 300]
+    new = [1, 77, 33, 130, 1, 64]
+    seq_lens = [c + n for c, n in zip(ctx, new)]
+    k_cache, v_cache, tables, qsl = random_batch(seq_lens, new, num_kv_heads, head_dim, page, gen)
+    q = torch.randn(qsl[-1], num_kv_heads * group, head_dim, generator=gen).to(DTYPE)
+    scale = head_dim ** -0.5
+    ref = torch_attention.paged_attention(q, k_cache, v_cache, tables, qsl, seq_lens, scale)
+    out = triton_attention.prefill_attention(
+        q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE),
+        torch.tensor(qsl, dtype=torch.int32, device=DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        max(new), scale).cpu()
+    assert rel_err(out, ref) < TOL
