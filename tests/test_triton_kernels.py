@@ -54,7 +54,7 @@ def test_store_kvcache(num_kv_heads, group, head_dim):
     slots[[3, 17, 30]] = -1                                                      # padding
     caches = [torch.full((blocks, page, num_kv_heads, head_dim), float("nan"), dtype=DTYPE) for _ in range(4)]
     torch_attention.store_kvcache(k, v, caches[0], caches[1], slots)
-    caches = [c.to(DEVICE) for c in caches]
+    caches[2:] = [c.to(DEVICE) for c in caches[2:]]
     triton_attention.store_kvcache(k.to(DEVICE), v.to(DEVICE), caches[2], caches[3], slots.to(DEVICE))
     assert torch.equal(caches[0].nan_to_num(7.0), caches[2].cpu().nan_to_num(7.0))
     assert torch.equal(caches[1].nan_to_num(7.0), caches[3].cpu().nan_to_num(7.0))
@@ -98,3 +98,52 @@ def test_prefill_attention_with_cached_prefix(num_kv_heads, group, head_dim, pag
         torch.tensor(qsl, dtype=torch.int32, device=DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
         max(new), scale).cpu()
     assert rel_err(out, ref) < TOL
+
+
+# ---- fused element-wise kernels vs the torch modules ------------------------------------------
+@pytest.mark.parametrize("rows, hidden", [(1, 64), (37, 1024), (5, 1000)])
+def test_rms_norm(rows, hidden):
+    from nanovllm.kernels.triton_fused import rms_norm
+    from nanovllm.layers.layernorm import RMSNorm
+    gen = torch.Generator().manual_seed(rows + hidden)
+    norm = RMSNorm(hidden, 1e-6)
+    norm.weight.data = torch.randn(hidden, generator=gen)
+    x, res = (torch.randn(rows, hidden, generator=gen).to(DTYPE) for _ in range(2))
+    norm = norm.to(DTYPE)
+    ref, ref_res = norm._norm(x + res), x + res
+    w = norm.weight.to(DEVICE)
+    out, out_res = rms_norm(x.to(DEVICE), w, 1e-6, res.to(DEVICE))
+    assert rel_err(out.cpu(), ref) < TOL and torch.equal(out_res.cpu(), ref_res)
+    assert rel_err(rms_norm(x.to(DEVICE), w, 1e-6).cpu(), norm._norm(x)) < TOL
+
+
+@pytest.mark.parametrize("q_heads, kv_heads, head_dim, qk_norm", [(4, 2, 16, True), (16, 8, 128, True),
+                                                                 (7, 1, 64, False)])
+def test_qk_norm_rope(q_heads, kv_heads, head_dim, qk_norm):
+    from nanovllm.kernels.triton_fused import qk_norm_rope
+    from nanovllm.layers.layernorm import RMSNorm
+    from nanovllm.layers.rotary import RotaryEmbedding
+    gen = torch.Generator().manual_seed(q_heads * head_dim)
+    n = 29
+    rope = RotaryEmbedding(head_dim, 4096, 1e6)
+    qkv = torch.randn(n, (q_heads + 2 * kv_heads) * head_dim, generator=gen).to(DTYPE)
+    positions = torch.randint(0, 4096, (n,), generator=gen)
+    q_norm, k_norm = RMSNorm(head_dim), RMSNorm(head_dim)
+    q_norm.weight.data, k_norm.weight.data = (torch.randn(head_dim, generator=gen).to(DTYPE) for _ in range(2))
+    q, k, _ = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q, k = q.reshape(n, q_heads, head_dim), k.reshape(n, kv_heads, head_dim)
+    if qk_norm:
+        q, k = q_norm(q), k_norm(k)
+    ref_q, ref_k = rope(positions, q, k)
+    out_q, out_k = qk_norm_rope(qkv.to(DEVICE), positions.to(DEVICE), rope.cos_sin_cache.to(DEVICE), q_heads,
+                                kv_heads, head_dim, q_norm.weight.to(DEVICE) if qk_norm else None,
+                                k_norm.weight.to(DEVICE) if qk_norm else None, 1e-6)
+    assert rel_err(out_q.cpu(), ref_q) < TOL and rel_err(out_k.cpu(), ref_k) < TOL
+
+
+@pytest.mark.parametrize("rows, d", [(1, 128), (33, 3072), (4, 1500)])
+def test_silu_and_mul(rows, d):
+    from nanovllm.kernels.triton_fused import silu_and_mul
+    from nanovllm.layers.activation import SiluAndMul
+    x = torch.randn(rows, 2 * d, generator=torch.Generator().manual_seed(d)).to(DTYPE)
+    assert rel_err(silu_and_mul(x.to(DEVICE)).cpu(), SiluAndMul()(x)) < TOL

@@ -18,6 +18,9 @@ class RMSNorm(nn.Module):
         return x.to(dtype) * self.weight
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.is_cuda and x.dim() == 2:
+            from nanovllm.kernels.triton_fused import rms_norm
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -46,13 +46,21 @@ class QwenAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # x: [num_tokens, hidden_size]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], -1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.is_qwen3:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if qkv.is_cuda:   # one fused kernel for q/k norms and RoPE
+            from nanovllm.kernels.triton_fused import qk_norm_rope
+            q, k = qk_norm_rope(qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads,
+                                self.head_dim, self.q_norm.weight if self.is_qwen3 else None,
+                                self.k_norm.weight if self.is_qwen3 else None,
+                                self.q_norm.eps if self.is_qwen3 else 0.0)
+        else:
+            q = q.view(-1, self.num_heads, self.head_dim)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)
+            if self.is_qwen3:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v, meta)                     # [num_tokens, num_heads, head_dim]
         return self.o_proj(o.flatten(1))
 

@@ -1,0 +1,101 @@
+"""Fused element-wise kernels for the decoder layer, in Triton. Their references are the plain-torch
+modules in nanovllm/layers (RMSNorm, RotaryEmbedding + q/k RMSNorm, SiluAndMul).
+
+A decode step is short enough that kernel count, not bytes, sets its time: unfused, the norms,
+RoPE and activation cost ~45 small kernels per layer; fused, 4.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro,
+                     n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # The residual sum is rounded to the model dtype, as `x + residual` in torch is.
+        x = x + tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    y = (xf * rstd).to(x.dtype) * w
+    tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """x: [num_tokens, hidden]. Without residual -> norm(x); with it -> (norm(x + residual), x + residual)."""
+    n_rows, n_cols = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else out
+    res = residual if residual is not None else x
+    _rms_norm_kernel[(n_rows,)](x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0),
+                                res_out.stride(0), n_cols, eps, HAS_RESIDUAL=residual is not None,
+                                BLOCK=triton.next_power_of_2(n_cols), num_warps=4 if n_cols <= 2048 else 8)
+    return out if residual is None else (out, res_out)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, out_ptr, stride_qkv, stride_out, eps,
+                         NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    token, head = tl.program_id(0), tl.program_id(1)      # heads: q heads, then k heads
+    offs = tl.arange(0, HALF)
+    src = qkv_ptr + token * stride_qkv + head * 2 * HALF
+    x1 = tl.load(src + offs)
+    x2 = tl.load(src + HALF + offs)
+    dtype = x1.dtype
+    if HAS_NORM:
+        w_ptr = qw_ptr if head < NUM_Q_HEADS else kw_ptr
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        rstd = tl.rsqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) / (2 * HALF) + eps)
+        x1 = (f1 * rstd).to(dtype) * tl.load(w_ptr + offs)
+        x2 = (f2 * rstd).to(dtype) * tl.load(w_ptr + HALF + offs)
+    pos = tl.load(pos_ptr + token)
+    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + offs)
+    sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + offs)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    dst = out_ptr + token * stride_out + head * 2 * HALF
+    tl.store(dst + offs, (f1 * cos - f2 * sin).to(dtype))
+    tl.store(dst + HALF + offs, (f2 * cos + f1 * sin).to(dtype))
+
+
+def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_q_heads: int,
+                 num_kv_heads: int, head_dim: int, q_weight: torch.Tensor | None,
+                 k_weight: torch.Tensor | None, eps: float):
+    """qkv: [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim] -> q [num_tokens, num_q_heads, head_dim]
+    and k [num_tokens, num_kv_heads, head_dim]: per-head RMSNorm (if weights are given), then RoPE.
+    q and k are views of one [num_tokens, num_q_heads + num_kv_heads, head_dim] buffer."""
+    num_tokens = qkv.shape[0]
+    out = torch.empty(num_tokens, num_q_heads + num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    has_norm = q_weight is not None
+    _qk_norm_rope_kernel[(num_tokens, num_q_heads + num_kv_heads)](
+        qkv, positions, cos_sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv, out,
+        qkv.stride(0), out.stride(0), eps, NUM_Q_HEADS=num_q_heads, HALF=head_dim // 2, HAS_NORM=has_norm,
+        num_warps=1)
+    return out[:, :num_q_heads], out[:, num_q_heads:]
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+    row, col_block = tl.program_id(0), tl.program_id(1)
+    offs = col_block * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + n_cols + offs, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    tl.store(out_ptr + row * stride_o + offs, act * up, mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * d] holding gate | up -> silu(gate) * up: [num_tokens, d]."""
+    n_rows, two_d = x.shape
+    d = two_d // 2
+    out = torch.empty(n_rows, d, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(d))
+    _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block)
+    return out
