@@ -18,6 +18,9 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self):
+        self.llm_engine.block_manager.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         return self.llm_engine.default_sampling_params()
 
@@ -77,6 +80,7 @@ class LLM:
         except BaseException:
             for request_id in request_ids:
                 engine.abort_request(request_id)
+            engine.block_manager.reset_prefix_cache()   # the interrupted step may not have written its K/V
             raise
         return [outputs[request_id] for request_id in request_ids]
 

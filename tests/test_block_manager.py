@@ -11,7 +11,7 @@ def seq_of(tokens):
 def compute_all(bm, seq, num_tokens=None):
     """Pretend the model ran over the sequence's tokens."""
     seq.num_computed_tokens = seq.num_tokens if num_tokens is None else num_tokens
-    bm.cache_full_blocks(seq)
+    bm.cache_full_blocks(seq, seq.num_computed_tokens)
 
 
 def test_fresh_allocation_takes_blocks_in_order():

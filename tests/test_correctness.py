@@ -58,3 +58,13 @@ def test_shared_prefixes_hit_within_one_call(qwen3_dir):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.num_cached_tokens for o in outs] == [0, 64, 64, 64]
     assert [o.outputs[0].token_ids for o in outs] == reference(qwen3_dir)[8:12]
+
+
+def test_shared_prefixes_hit_within_one_step(qwen3_dir):
+    """Blocks are cached when scheduled: requests admitted in the same step as the first one
+    already share its prefix blocks (each layer writes all new K/V before attention reads)."""
+    llm = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=256)
+    prompts = PROMPTS[8:12]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [0, 64, 64, 64]
+    assert [o.outputs[0].token_ids for o in outs] == reference(qwen3_dir)[8:12]

@@ -98,3 +98,13 @@ def test_finish_frees_blocks_and_removes_from_queues():
     assert a.status == SequenceStatus.FINISHED and a not in sched.running
     sched.finish(b)
     assert not sched.has_unfinished() and bm.num_free_blocks == bm.num_blocks
+
+
+def test_same_step_admissions_share_prefix_blocks():
+    sched, _ = make()
+    a, b = seq_of(9), seq_of(10)
+    sched.add(a)
+    sched.add(b)
+    plan, _ = run_step(sched)
+    assert plan == [(a.seq_id, 9), (b.seq_id, 2)]
+    assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]

@@ -43,6 +43,13 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_block_ids: dict[int, int] = {}   # block hash -> block id
 
+    def reset_prefix_cache(self):
+        """Forget every cached block (after a step that may not have written its K/V)."""
+        for block in self.blocks:
+            if block.ref_count == 0:
+                block.block_hash, block.token_ids = None, []
+        self.cached_block_ids = {h: b for h, b in self.cached_block_ids.items() if self.blocks[b].ref_count > 0}
+
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
@@ -114,13 +121,17 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
-    def cache_full_blocks(self, seq):
-        """Register the blocks that seq's computed tokens have filled since the last call."""
+    def cache_full_blocks(self, seq, num_tokens: int):
+        """Register the blocks that seq's first `num_tokens` tokens fill (new ones only).
+
+        Called when those tokens are scheduled, before they are computed: in a step, every layer
+        writes all new K/V before any attention reads them, so a later sequence of the same
+        batch can already share the blocks."""
         if not self.enable_prefix_caching:
             return
         self._hash_full_blocks(seq)
         bs = self.block_size
-        for i in reversed(range(seq.num_computed_tokens // bs)):
+        for i in reversed(range(num_tokens // bs)):
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is not None:
                 break   # this one and all before it were registered earlier

@@ -66,6 +66,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
+                self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
                 out.seqs.append(seq)
                 out.num_scheduled_tokens.append(num_new)
                 budget -= num_new
@@ -88,6 +89,7 @@ class Scheduler:
                 seq.num_cached_tokens = num_cached
                 seq.is_first_admission = False
             seq.status = SequenceStatus.RUNNING
+            self.block_manager.cache_full_blocks(seq, num_cached + num_new)
             self.running.append(seq)
             out.seqs.append(seq)
             out.num_scheduled_tokens.append(num_new)
@@ -105,7 +107,6 @@ class Scheduler:
         """After the model ran: the scheduled tokens' KV is in the cache."""
         for seq, n in zip(out.seqs, out.num_scheduled_tokens):
             seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence):
         """Remove a finished or aborted sequence, wherever it is, and free its blocks."""
