@@ -31,6 +31,7 @@ class Config:
     load_format: str = "auto"
     max_logprobs: int = 20
     attention_backend: str = "auto"     # "auto" | "triton" | "flash_attn" | "torch"
+    async_scheduling: bool | None = None   # None: on with CUDA (overlaps host work with the GPU)
     # Derived in __post_init__.
     model_path: str = field(init=False)
     hf_config: PretrainedConfig = field(init=False, repr=False)
@@ -51,6 +52,8 @@ class Config:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device is 'cuda', but no CUDA device is available.")
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device == "cuda"
         self.model_path = resolve_model_path(self.model, need_weights=self.load_format != "dummy")
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
         architectures = getattr(self.hf_config, "architectures", None) or []

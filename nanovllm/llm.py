@@ -78,6 +78,7 @@ class LLM:
         try:
             outputs = self._run_engine(len(request_ids), use_tqdm)
         except BaseException:
+            engine.abort_in_flight()
             for request_id in request_ids:
                 engine.abort_request(request_id)
             engine.block_manager.reset_prefix_cache()   # the interrupted step may not have written its K/V

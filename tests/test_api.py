@@ -9,14 +9,15 @@ from nanovllm.engine.sequence import Sequence
 PROMPTS = make_prompts()
 
 
-@pytest.fixture(scope="module")
-def llm(qwen3_dir):
-    return LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=64, max_model_len=256)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(qwen3_dir, request):
+    return LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=64, max_model_len=256,
+               async_scheduling=request.param)
 
 
 def assert_idle(llm):
     engine = llm.llm_engine
-    assert not engine.has_unfinished_requests() and not engine.requests
+    assert not engine.has_unfinished_requests() and not engine.requests and engine.in_flight is None
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 

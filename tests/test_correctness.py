@@ -28,9 +28,11 @@ VARIANTS = {
 }
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_greedy_matches_hf(model_dir, variant):
-    kwargs = dict(dtype="float32", block_size=16, num_kvcache_blocks=256) | VARIANTS[variant]
+def test_greedy_matches_hf(model_dir, variant, async_scheduling):
+    kwargs = dict(dtype="float32", block_size=16, num_kvcache_blocks=256,
+                  async_scheduling=async_scheduling) | VARIANTS[variant]
     llm = LLM(model_dir, **kwargs)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]

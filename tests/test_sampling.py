@@ -11,9 +11,9 @@ from nanovllm.layers.sampler import Sampler, SamplingMetadata
 PROMPTS = make_prompts()
 
 
-@pytest.fixture(scope="module")
-def llm(qwen3_dir):
-    return LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=256)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(qwen3_dir, request):
+    return LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=256, async_scheduling=request.param)
 
 
 def tokens(outs):

@@ -7,7 +7,7 @@ from nanovllm.sampling_params import SamplingParams
 
 def make(num_blocks=16, block_size=4, max_num_seqs=8, budget=64, prefix_caching=True):
     bm = BlockManager(num_blocks, block_size, prefix_caching)
-    return Scheduler(bm, max_num_seqs, budget), bm
+    return Scheduler(bm, max_num_seqs, budget, max_model_len=1000), bm
 
 
 def seq_of(n, start=0):

@@ -62,9 +62,9 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def _hash_full_blocks(self, seq):
-        """Extend seq.block_hashes to every full block of seq.token_ids."""
+        """Extend seq.block_hashes to every full block of seq's known (not pending) tokens."""
         bs = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_tokens // bs):
+        for i in range(len(seq.block_hashes), seq.num_resolved_tokens // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]))
 
@@ -80,7 +80,7 @@ class BlockManager:
         self._hash_full_blocks(seq)
         bs = self.block_size
         hits = []
-        for i in range((seq.num_tokens - 1) // bs):
+        for i in range(min((seq.num_tokens - 1) // bs, len(seq.block_hashes))):
             block_id = self.cached_block_ids.get(seq.block_hashes[i])
             if block_id is None or self.blocks[block_id].token_ids != seq.token_ids[i * bs:(i + 1) * bs]:
                 break
@@ -131,7 +131,7 @@ class BlockManager:
             return
         self._hash_full_blocks(seq)
         bs = self.block_size
-        for i in reversed(range(num_tokens // bs)):
+        for i in reversed(range(min(num_tokens, seq.num_resolved_tokens) // bs)):
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is not None:
                 break   # this one and all before it were registered earlier

@@ -55,8 +55,10 @@ class DecodeGraphs:
         return self.buckets[-1]
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
-            seq_lens: np.ndarray, block_tables: np.ndarray) -> torch.Tensor:
-        """One decode step for len(input_ids) sequences -> hidden states [batch_size, hidden_size]."""
+            seq_lens: np.ndarray, block_tables: np.ndarray,
+            patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """One decode step for len(input_ids) sequences -> hidden states [batch_size, hidden_size].
+        patch: (rows, token ids on the device) overriding input_ids (tokens the host has not read)."""
         bs = len(input_ids)
         bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
         width = block_tables.shape[1]
@@ -65,6 +67,8 @@ class DecodeGraphs:
         self.slot_mapping[:bs].copy_(pinned(slot_mapping), non_blocking=True)
         self.seq_lens[:bs].copy_(pinned(seq_lens), non_blocking=True)
         self.block_tables[:bs, :width].copy_(pinned(block_tables), non_blocking=True)
+        if patch is not None:
+            self.input_ids[patch[0]] = patch[1]
         self.slot_mapping[bs:bucket].fill_(-1)
         self.seq_lens[bs:bucket].fill_(0)
         self.graphs[bucket].replay()

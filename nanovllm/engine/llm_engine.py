@@ -3,6 +3,7 @@ import time
 from dataclasses import dataclass, field, replace
 from itertools import count
 
+import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from nanovllm.config import Config
@@ -11,6 +12,7 @@ from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.sampler import SamplerOutput
 from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -30,6 +32,15 @@ class Request:
 
 
 @dataclass
+class InFlightStep:
+    """A launched step whose sampled tokens the host has not read yet."""
+    seqs: list[Sequence]            # the sequences that sampled, in row order
+    device_tokens: torch.Tensor     # [len(seqs)] sampled token ids, on the device
+    host: SamplerOutput             # the sampler's outputs, being copied to the host
+    event: "torch.cuda.Event | None"  # recorded after the copy; None on the CPU
+
+
+@dataclass
 class StepStats:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
@@ -46,7 +57,9 @@ class LLMEngine:
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+                                   config.max_num_batched_tokens, config.max_model_len)
+        self.async_scheduling = config.async_scheduling
+        self.in_flight: InFlightStep | None = None
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 config.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -127,24 +140,59 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> tuple[list[RequestOutput], StepStats]:
+        """Schedule and launch one batch; return the requests that finished.
+
+        With async scheduling the host reads a step's sampled tokens only after it has launched
+        the next step, so the GPU never waits for the host's bookkeeping. The next step takes
+        its input ids straight from the GPU; a sequence that turns out to have stopped wastes
+        one token of work. Requests with penalties need every output token on the host, so the
+        engine reads the pending step first whenever one of them is in it."""
+        finished = []
+        if self.in_flight is not None and any(s.sampling_params.has_penalties for s in self.in_flight.seqs):
+            finished += self._resolve(self.in_flight)
+            self.in_flight = None
         out = self.scheduler.schedule()
-        assert not out.is_empty, "no sequence could be scheduled"
+        stats = StepStats()
+        if out.is_empty:   # everything left is waiting for its pending token, or just finished
+            assert self.in_flight is not None or finished, "no sequence could be scheduled"
+            if self.in_flight is not None:
+                finished += self._resolve(self.in_flight)
+                self.in_flight = None
+            return finished, stats
         sampling_seqs = out.sampling_seqs
         now = time.time()
-        stats = StepStats()
         for seq, n in zip(out.seqs, out.num_scheduled_tokens):
             metrics = self.requests[seq.request_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
-            if seq.num_computed_tokens + n == seq.num_tokens and n == 1 and seq.num_output_tokens:
+            if n == 1 and seq.num_output_tokens:
                 stats.num_decode_tokens += 1
             else:
                 stats.num_prefill_tokens += n
 
-        sampled = self.model_runner.execute(out, sampling_seqs)
+        previous = self.in_flight
+        pending = None
+        if previous is not None:
+            pending = (previous.device_tokens, {seq.seq_id: i for i, seq in enumerate(previous.seqs)})
+        sampled = self.model_runner.execute(out, sampling_seqs, pending)
         self.scheduler.update_computed(out)
-        if sampled is None:
-            return [], stats
+        self.in_flight = None
+        if sampled is not None:
+            for seq in sampling_seqs:
+                seq.append_pending()
+            host, event = self.model_runner.copy_to_host(sampled)
+            self.in_flight = InFlightStep(sampling_seqs, sampled.token_ids, host, event)
+        if previous is not None:
+            finished += self._resolve(previous)
+        if not self.async_scheduling and self.in_flight is not None:
+            finished += self._resolve(self.in_flight)
+            self.in_flight = None
+        return finished, stats
 
+    def _resolve(self, step: "InFlightStep") -> list[RequestOutput]:
+        """Read a launched step's sampled tokens: replace the placeholders, check stops."""
+        if step.event is not None:
+            step.event.synchronize()
+        sampled = step.host
         token_ids = sampled.token_ids.tolist()
         logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
         ranks = sampled.ranks.tolist() if sampled.ranks is not None else None
@@ -152,20 +200,29 @@ class LLMEngine:
                if sampled.top_ids is not None else None)
         now = time.time()
         finished = []
-        for i, (seq, token_id) in enumerate(zip(sampling_seqs, token_ids)):
+        for i, (seq, token_id) in enumerate(zip(step.seqs, token_ids)):
+            if seq.is_finished:   # stopped, or aborted, while this step ran
+                continue
             request = self.requests[seq.request_id]
             request.metrics.first_token_time = request.metrics.first_token_time or now
             request.metrics.last_token_time = now
+            num_pending = seq.pop_pending()     # this step's token first, then any later ones
             self.output_processor.append(
                 seq, token_id,
                 logprob=logprobs[i] if logprobs else None, rank=ranks[i] if ranks else None,
                 top=list(zip(*top[i])) if top else None)
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
-                if request.is_finished:
-                    request.metrics.finished_time = now
-                    finished.append(self._make_output(self.requests.pop(seq.request_id)))
-        return finished, stats
+            if seq.finish_reason is None:
+                for _ in range(num_pending - 1):
+                    seq.append_pending()
+                continue
+            self.scheduler.finish(seq)
+            if request.is_finished:
+                request.metrics.finished_time = now
+                finished.append(self._make_output(self.requests.pop(seq.request_id)))
+        return finished
+
+    def abort_in_flight(self):
+        self.in_flight = None
 
     @staticmethod
     def _make_output(request: Request) -> RequestOutput:

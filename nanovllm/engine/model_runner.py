@@ -238,17 +238,25 @@ class ModelRunner:
         return md
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, sampling_seqs: list[Sequence]) -> SamplerOutput | None:
+    def execute(self, out: SchedulerOutput, sampling_seqs: list[Sequence],
+                pending: tuple[torch.Tensor, dict[int, int]] | None = None) -> SamplerOutput | None:
         """Run the model on the scheduled tokens; sample one token for each of `sampling_seqs`
-        (the sequences whose scheduled tokens reach their end). None if none sample."""
+        (the sequences whose scheduled tokens reach their end). None if none sample.
+
+        `pending`: (the previous step's sampled token ids on the device, {seq_id: row in them})
+        for sequences whose last token the host has not read yet (PENDING_TOKEN in token_ids)."""
         batch = self.host_batch(out)
         num_seqs = len(out.seqs)
+        patch = self._pending_patch(out, batch, pending)
         if (self.graphs is not None and len(batch.input_ids) == num_seqs
                 and num_seqs <= self.graphs.max_batch_size):
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping,
-                                     np.asarray(batch.seq_lens, np.int32), batch.block_tables)
+                                     np.asarray(batch.seq_lens, np.int32), batch.block_tables, patch)
         else:
-            hidden = self.model(*self._device_inputs(batch))
+            input_ids, positions, meta = self._device_inputs(batch)
+            if patch is not None:
+                input_ids[patch[0]] = patch[1]
+            hidden = self.model(input_ids, positions, meta)
         if not sampling_seqs:
             return None
         if len(sampling_seqs) == num_seqs and len(batch.input_ids) == num_seqs:
@@ -259,3 +267,26 @@ class ModelRunner:
             last_hidden = hidden[self._to_device(rows, torch.int64)]
         logits = self.model.compute_logits(last_hidden)
         return self.sampler(logits, self.prepare_sampling(sampling_seqs))
+
+    def _pending_patch(self, out: SchedulerOutput, batch: HostBatch, pending):
+        """-> (input rows, their token ids on the device) for input tokens still pending, or None."""
+        rows, sources = [], []
+        for i, seq in enumerate(out.seqs):
+            if seq.num_pending_tokens:
+                assert seq.num_pending_tokens == 1 and batch.query_start_loc[i + 1] - batch.query_start_loc[i] == 1
+                rows.append(batch.query_start_loc[i + 1] - 1)
+                sources.append(pending[1][seq.seq_id])
+        if not rows:
+            return None
+        return self._to_device(rows, torch.int64), pending[0][self._to_device(sources, torch.int64)]
+
+    def copy_to_host(self, sampled: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:
+        """Start copying the sampler's outputs to the host; the event marks when they are there."""
+        if self.device.type == "cpu":
+            return sampled, None
+        fields = {name: getattr(sampled, name) for name in ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs")}
+        host = {name: None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                for name, t in fields.items()}
+        event = torch.cuda.Event()
+        event.record()
+        return SamplerOutput(**host), event

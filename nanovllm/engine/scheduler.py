@@ -36,8 +36,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int):
         self.block_manager = block_manager
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -58,6 +60,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_pending_tokens and (seq.is_capped or seq.num_tokens >= self.max_model_len):
+                i += 1      # done once its pending token is read; nothing left to compute
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self.running.pop()

@@ -11,17 +11,24 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
+# Stands in token_ids for a token that was sampled on the GPU but not yet read by the host.
+PENDING_TOKEN = -1
+
+
 class Sequence:
     """One prompt plus the tokens generated for it so far.
 
     Token regions, left to right:
 
-        | prompt | output |                         token_ids (num_tokens)
+        | prompt | output            |               token_ids (num_tokens)
         | cached | computed |  scheduled  |          num_cached_tokens <= num_computed_tokens
         |<-- KV written -->|<- this step ->|
+                            ... | pending |          num_pending_tokens placeholders at the end
 
     `num_computed_tokens` counts tokens whose KV is in the cache. A step computes the next
     `num_scheduled` tokens; when that reaches `num_tokens`, the step also samples a new token.
+    With async scheduling the sampled token is appended as PENDING_TOKEN and replaced once the
+    host reads it, one step later; the next step takes its input id straight from the GPU.
     """
     _ids = count()
 
@@ -39,6 +46,7 @@ class Sequence:
         self.is_first_admission = True
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []        # chained hashes of the full blocks of token_ids
+        self.num_pending_tokens = 0              # PENDING_TOKEN placeholders at the end of token_ids
         # Output state, owned by the engine (detokenizer and stop checks).
         self.output_text = ""
         self.prefix_offset = 0                   # incremental detokenization window
@@ -64,8 +72,31 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
+    @property
+    def num_resolved_tokens(self) -> int:
+        """Tokens whose ids the host knows."""
+        return len(self.token_ids) - self.num_pending_tokens
+
+    @property
+    def is_capped(self) -> bool:
+        """max_tokens reached, counting pending tokens: nothing more to schedule."""
+        max_tokens = self.sampling_params.max_tokens
+        return max_tokens is not None and self.num_output_tokens >= max_tokens
+
     def append_token(self, token_id: int):
         self.token_ids.append(token_id)
+
+    def append_pending(self):
+        self.token_ids.append(PENDING_TOKEN)
+        self.num_pending_tokens += 1
+
+    def pop_pending(self) -> int:
+        """Drop every placeholder; returns how many there were."""
+        n = self.num_pending_tokens
+        if n:
+            del self.token_ids[-n:]
+            self.num_pending_tokens = 0
+        return n
 
     def __repr__(self):
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, "
