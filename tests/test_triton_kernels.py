@@ -72,11 +72,11 @@ def test_decode_attention(num_kv_heads, group, head_dim, page, seq_lens):
     q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen).to(DTYPE)
     scale = head_dim ** -0.5
     ref = torch_attention.paged_attention(q[:-1], k_cache, v_cache, tables, qsl[:-1], seq_lens[:-1], scale)
-    for num_splits in (1, 3, 8):
+    for num_splits, min_split in ((1, 64), (3, 64), (16, 64), (16, 256), (4, 512)):
         out = triton_attention.decode_attention(
             q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE),
-            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), scale, num_splits).cpu()
-        assert rel_err(out[:-1], ref) < TOL, num_splits
+            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), scale, num_splits, min_split).cpu()
+        assert rel_err(out[:-1], ref) < TOL, (num_splits, min_split)
         assert torch.equal(out[-1], torch.zeros_like(out[-1]))
 
 

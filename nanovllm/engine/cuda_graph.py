@@ -22,8 +22,8 @@ def graph_buckets(max_batch_size: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: nn.Module, max_batch_size: int, max_blocks_per_seq: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device, num_splits_for):
-        """num_splits_for(batch_size) -> the decode kernel's context splits for that bucket."""
+                 dtype: torch.dtype, device: torch.device, decode_split_for):
+        """decode_split_for(batch_size) -> the decode kernel's split configuration for that bucket."""
         self.buckets = graph_buckets(max_batch_size)
         n = max_batch_size
         with torch.device(device):
@@ -41,7 +41,7 @@ class DecodeGraphs:
                 slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
                 query_start_loc=self.query_start_loc[:bs + 1], seq_lens=self.seq_lens[:bs],
                 query_start_loc_cpu=[], seq_lens_cpu=[], max_query_len=1, max_seq_len=0,
-                num_decode_splits=num_splits_for(bs))
+                decode_split=decode_split_for(bs))
             self.hidden[:bs] = model(self.input_ids[:bs], self.positions[:bs], meta)   # warm-up
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):

@@ -70,7 +70,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.model, min(config.max_num_seqs, MAX_GRAPH_BATCH_SIZE), self.max_blocks_per_seq,
                 hf.hidden_size, config.torch_dtype, self.device,
-                lambda bs: self.num_decode_splits(bs, config.max_model_len))
+                self.decode_split)
             self.timings["cuda_graphs_s"] = time.perf_counter() - start
 
     @property
@@ -147,9 +147,9 @@ class ModelRunner:
         return int(total * cfg.gpu_memory_utilization) - peak - non_torch
 
     # ---- one step ---------------------------------------------------------------------------
-    def num_decode_splits(self, num_seqs: int, max_seq_len: int) -> int:
-        from nanovllm.kernels.triton_attention import num_decode_splits
-        return num_decode_splits(num_seqs, self.attention_layers[0].num_kv_heads, max_seq_len, self.num_sms)
+    def decode_split(self, num_seqs: int) -> tuple[int, int]:
+        from nanovllm.kernels.triton_attention import decode_split_config
+        return decode_split_config(num_seqs, self.attention_layers[0].num_kv_heads, self.num_sms)
 
     def host_batch(self, out: SchedulerOutput) -> HostBatch:
         """Flatten the scheduled tokens of all sequences into one batch."""
@@ -191,7 +191,7 @@ class ModelRunner:
             query_start_loc_cpu=batch.query_start_loc, seq_lens_cpu=batch.seq_lens,
             max_query_len=max_query_len, max_seq_len=max_seq_len)
         if max_query_len == 1 and self.device.type == "cuda":
-            meta.num_decode_splits = self.num_decode_splits(len(batch.seq_lens), max_seq_len)
+            meta.decode_split = self.decode_split(len(batch.seq_lens))
         if self.backend.needs_cu_seqlens_k:
             meta.cu_seqlens_k = self._to_device([0] + np.cumsum(batch.seq_lens).tolist(), torch.int32)
         return self._to_device(batch.input_ids), self._to_device(batch.positions), meta

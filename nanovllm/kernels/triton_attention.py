@@ -46,13 +46,15 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
                          o_part_ptr, lse_part_ptr, scale,
                          stride_qt, stride_qh, stride_bt, stride_cb, stride_cr, stride_ch,
-                         NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, GROUP: tl.constexpr,
+                         BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = _split_len(seq_len, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
     start = split * split_len
+    if start >= seq_len:
+        return          # an unused split: the merge reads only the first cdiv(seq_len, split_len)
     end = tl.minimum(start + split_len, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -84,44 +86,57 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
         m_i = m_new
 
     # Partial results: o_part [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM], lse_part [num_seqs, num_heads, NUM_SPLITS]
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    out = acc / l_i[:, None]
+    lse = m_i + tl.log2(l_i)
     part = (seq * num_heads + heads) * NUM_SPLITS + split
     tl.store(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None])
     tl.store(lse_part_ptr + part, lse, mask=g_mask)
 
 
 @triton.jit
-def _decode_merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, stride_ot, stride_oh,
-                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _split_len(seq_len, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Context tokens per split: seq_len over NUM_SPLITS, at least MIN_SPLIT, a multiple of BLOCK_N."""
+    return tl.cdiv(tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), MIN_SPLIT), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _decode_merge_kernel(o_part_ptr, lse_part_ptr, seq_lens_ptr, out_ptr, stride_ot, stride_oh,
+                         NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):
     seq, head = tl.program_id(0), tl.program_id(1)
     num_heads = tl.num_programs(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_used = tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, MIN_SPLIT, BLOCK_N))  # 0: padding row
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
+    used = offs_s < num_used
     base = (seq * num_heads + head) * NUM_SPLITS
-    lse = tl.load(lse_part_ptr + base + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    lse = tl.load(lse_part_ptr + base + offs_s, mask=used, other=float("-inf"))
     m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)                     # an empty (padding) sequence
+    m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)
     o = tl.load(o_part_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=(offs_s < NUM_SPLITS)[:, None], other=0.0)
+                mask=used[:, None], other=0.0)
     denom = tl.sum(w, 0)
     out = tl.sum(o * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Enough (sequence, KV head, split) programs for about two waves, each split >= 256 tokens."""
-    want = triton.cdiv(2 * num_sms, num_seqs * num_kv_heads)
-    return max(1, min(want, triton.cdiv(max_seq_len, 256), 16))
+def decode_split_config(num_seqs: int, num_kv_heads: int, num_sms: int) -> tuple[int, int]:
+    """-> (most splits, fewest tokens per split). Few sequences: split finely to fill the GPU;
+    many: coarse splits, so partial results stay small and each program has a few tiles."""
+    if num_seqs * num_kv_heads < num_sms:
+        return 16, 64
+    return 16, 256
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     num_splits: int) -> torch.Tensor:
+                     num_splits: int = 16, min_split: int = 64, block_n: int = 64, num_stages: int = 2,
+                     num_warps: int = 4) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim], one query per sequence at position seq_lens - 1.
-    A sequence with seq_len 0 (padding) gets zeros."""
+    A context is split into ceil(seq_len / split_len) parts, split_len = max(seq_len / num_splits,
+    min_split) rounded up to block_n. A sequence with seq_len 0 (padding) gets zeros."""
     num_seqs, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -131,12 +146,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, scale,
         q.stride(0), q.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_SPLITS=num_splits, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=64, num_warps=4, num_stages=2)
+        NUM_SPLITS=num_splits, MIN_SPLIT=min_split, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty_like(q)
     _decode_merge_kernel[(num_seqs, num_heads)](
-        o_part, lse_part, out, out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim)
+        o_part, lse_part, seq_lens, out, out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, MIN_SPLIT=min_split, BLOCK_N=block_n,
+        BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim)
     return out
 
 
@@ -193,13 +209,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                      max_query_len: int, scale: float) -> torch.Tensor:
+                      max_query_len: int, scale: float, block_m: int = 64, block_n: int = 64,
+                      num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim], sequences back to back; the new tokens' K/V are
     already in the cache, after the sequence's seq_len - q_len cached ones."""
     num_tokens, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    block_m, block_n = (64, 64) if head_dim <= 128 else (32, 32)
     out = torch.empty_like(q)
     grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
     _prefill_kernel[grid](
@@ -207,5 +223,5 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=4, num_stages=2)
+        num_warps=num_warps, num_stages=num_stages)
     return out

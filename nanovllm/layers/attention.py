@@ -25,8 +25,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
-    # > 0: every sequence has exactly one new token, and the decode kernel splits contexts this many ways.
-    num_decode_splits: int = 0
+    # Set when every sequence has exactly one new token: the decode kernel's (most context
+    # splits, fewest tokens per split).
+    decode_split: tuple[int, int] | None = None
     cu_seqlens_k: torch.Tensor | None = None   # [num_seqs + 1] int32, flash-attn only
 
 
@@ -51,9 +52,9 @@ class TritonBackend:
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.num_decode_splits:
+        if meta.decode_split is not None:
             return self.kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                                 scale, meta.num_decode_splits)
+                                                 scale, *meta.decode_split)
         return self.kernels.prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                               meta.seq_lens, meta.max_query_len, scale)
 
@@ -71,7 +72,7 @@ class FlashAttnBackend:
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         self.store(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.num_decode_splits:
+        if meta.decode_split is not None:
             return self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
                                      block_table=meta.block_tables, softmax_scale=scale,
                                      causal=True).squeeze(1)
