@@ -83,6 +83,8 @@ def main():
     if args.model in PRESETS:
         kwargs |= dict(load_format="dummy", skip_tokenizer_init=True)
     if args.engine == "vllm":
+        # CUDA is already initialised here (the device check above): vLLM's engine process must be spawned.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         from vllm import LLM, SamplingParams
     else:
         from nanovllm import LLM, SamplingParams
