@@ -60,6 +60,7 @@ class Config:
         if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
             raise ValueError(f"model architectures {architectures} are not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}.")
+        self._validate_tensor_parallel()
         self.torch_dtype = self._resolve_dtype()
         max_len = self.hf_config.max_position_embeddings
         if self.max_model_len is None:
@@ -94,12 +95,23 @@ class Config:
               f"num_kvcache_blocks must be at least 1, got {self.num_kvcache_blocks}.")
         check(self.tensor_parallel_size >= 1,
               f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
-        check(self.tensor_parallel_size == 1,
-              f"tensor_parallel_size > 1 is not supported yet, got {self.tensor_parallel_size}.")
         check(self.attention_backend in ("auto", "triton", "flash_attn", "torch"),
               f"attention_backend must be 'auto', 'triton', 'flash_attn' or 'torch', "
               f"got {self.attention_backend!r}.")
         check(self.max_logprobs >= 0, f"max_logprobs must be non-negative, got {self.max_logprobs}.")
+
+    def _validate_tensor_parallel(self):
+        n, hf = self.tensor_parallel_size, self.hf_config
+        if n == 1:
+            return
+        if self.device == "cuda" and n > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size ({n}) is greater than the number of visible GPUs "
+                             f"({torch.cuda.device_count()}).")
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            value = getattr(hf, name)
+            if value % n:
+                raise ValueError(f"the model's {name} ({value}) is not divisible by "
+                                 f"tensor_parallel_size ({n}).")
 
     def _resolve_dtype(self) -> torch.dtype:
         if self.dtype != "auto":

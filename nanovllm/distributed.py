@@ -1,16 +1,76 @@
-"""Tensor-parallel rank and world size of this process (1 process = rank 0 of 1)."""
+"""TPGroup: this process's place in its engine's tensor-parallel group, and the collectives
+the model uses. Each engine owns its own group (no global default group), so several engines
+can live in one process or on one host."""
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
 import torch.distributed as dist
 
 
-def get_tp_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+@dataclass
+class TPGroup:
+    rank: int = 0
+    size: int = 1
+    process_group: object = None   # a torch ProcessGroup (gloo on the CPU, NCCL on CUDA); None alone
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.process_group)
+        return x
+
+    def gather_to_first(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's x, on rank 0 (None elsewhere)."""
+        if self.size == 1:
+            return [x]
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(x, parts, group=self.process_group, group_dst=0)
+        return parts
+
+    def min_over_ranks(self, value: int, device: torch.device) -> int:
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.process_group)
+        return int(t.item())
+
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.broadcast(x, group=self.process_group, group_src=0)
+        return x
 
 
-def get_tp_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+SINGLE = TPGroup()
 
 
-def all_reduce(x):
-    if get_tp_size() > 1:
-        dist.all_reduce(x)
-    return x
+def connect(store_port: int, rank: int, size: int, device: torch.device, timeout_s: float = 300) -> TPGroup:
+    """Ranks > 0: join the group whose TCPStore (run by rank 0) listens on 127.0.0.1:store_port."""
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", store_port, size, is_master=False, timeout=timeout)
+    store.set(f"arrived/{rank}", "1")
+    return _make_group(store, rank, size, device, timeout)
+
+
+class Rendezvous:
+    """Rank 0's side: a TCPStore on a free port that the other ranks connect to."""
+
+    def __init__(self, size: int, device: torch.device, timeout_s: float = 300):
+        self.size, self.device = size, device
+        self.timeout = timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                                   timeout=self.timeout)
+        self.port = self.store.port
+
+    def has_arrived(self, rank: int) -> bool:
+        return self.store.check([f"arrived/{rank}"])
+
+    def join(self) -> TPGroup:
+        return _make_group(self.store, 0, self.size, self.device, self.timeout)
+
+
+def _make_group(store, rank: int, size: int, device: torch.device, timeout: timedelta) -> TPGroup:
+    if device.type == "cuda":
+        pg = dist.ProcessGroupNCCL(store, rank, size)
+    else:
+        pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+    return TPGroup(rank, size, pg)

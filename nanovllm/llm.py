@@ -1,5 +1,6 @@
 """LLM: the offline entry point, vLLM's `LLM.generate` / `LLM.chat`."""
 import time
+import weakref
 
 from tqdm.auto import tqdm
 
@@ -14,6 +15,19 @@ class LLM:
 
     def __init__(self, model: str, **kwargs):
         self.llm_engine = LLMEngine(Config.from_kwargs(model, **kwargs))
+        # Tensor-parallel workers end with this object: close(), `with`, `del`, or interpreter exit.
+        self._finalizer = weakref.finalize(self, self.llm_engine.close)
+        self.closed = False
+
+    def close(self):
+        self.closed = True
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -59,6 +73,8 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in input order."""
+        if self.closed:
+            raise RuntimeError("this LLM is closed; create a new one.")
         parsed = self._parse_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -82,6 +98,8 @@ class LLM:
             for request_id in request_ids:
                 engine.abort_request(request_id)
             engine.block_manager.reset_prefix_cache()   # the interrupted step may not have written its K/V
+            if engine.workers is not None:
+                self.close()   # the ranks may be mid-collective: end them rather than risk a hang
             raise
         return [outputs[request_id] for request_id in request_ids]
 

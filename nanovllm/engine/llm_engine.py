@@ -8,10 +8,12 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.distributed import SINGLE
+from nanovllm.engine.model_runner import ModelRunner, runner_device
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.tp_workers import TPWorkers
 from nanovllm.layers.sampler import SamplerOutput
 from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -35,7 +37,6 @@ class Request:
 class InFlightStep:
     """A launched step whose sampled tokens the host has not read yet."""
     seqs: list[Sequence]            # the sequences that sampled, in row order
-    device_tokens: torch.Tensor     # [len(seqs)] sampled token ids, on the device
     host: SamplerOutput             # the sampler's outputs, being copied to the host
     event: "torch.cuda.Event | None"  # recorded after the copy; None on the CPU
 
@@ -53,7 +54,20 @@ class LLMEngine:
                           else AutoTokenizer.from_pretrained(config.tokenizer))
         self.generation_config = self._load_generation_config()
         self.eos_token_ids = self._eos_token_ids()
-        self.model_runner = ModelRunner(config, self.eos_token_ids)
+        self.workers = None
+        if config.tensor_parallel_size > 1:
+            self.workers = TPWorkers(config, self.eos_token_ids, runner_device(config, 0))
+        try:
+            self.model_runner = ModelRunner(config, self.eos_token_ids,
+                                            tp=self.workers.group if self.workers else SINGLE,
+                                            workers=self.workers)
+        except BaseException:
+            if self.workers is not None:
+                try:
+                    self.workers.check_alive()
+                finally:
+                    self.close()
+            raise
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
@@ -170,9 +184,7 @@ class LLMEngine:
                 stats.num_prefill_tokens += n
 
         previous = self.in_flight
-        pending = None
-        if previous is not None:
-            pending = (previous.device_tokens, {seq.seq_id: i for i, seq in enumerate(previous.seqs)})
+        pending = None if previous is None else {seq.seq_id: i for i, seq in enumerate(previous.seqs)}
         sampled = self.model_runner.execute(out, sampling_seqs, pending)
         self.scheduler.update_computed(out)
         self.in_flight = None
@@ -180,7 +192,7 @@ class LLMEngine:
             for seq in sampling_seqs:
                 seq.append_pending()
             host, event = self.model_runner.copy_to_host(sampled)
-            self.in_flight = InFlightStep(sampling_seqs, sampled.token_ids, host, event)
+            self.in_flight = InFlightStep(sampling_seqs, host, event)
         if previous is not None:
             finished += self._resolve(previous)
         if not self.async_scheduling and self.in_flight is not None:
@@ -223,6 +235,11 @@ class LLMEngine:
 
     def abort_in_flight(self):
         self.in_flight = None
+
+    def close(self):
+        """End the tensor-parallel workers, if any. Idempotent."""
+        if self.workers is not None:
+            self.workers.close()
 
     @staticmethod
     def _make_output(request: Request) -> RequestOutput:

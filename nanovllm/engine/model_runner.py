@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from nanovllm.config import Config
+from nanovllm.distributed import SINGLE, TPGroup
 from nanovllm.engine.cuda_graph import DecodeGraphs, pinned
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
@@ -30,10 +31,29 @@ class HostBatch:
     seq_lens: list[int]          # [num_seqs]
 
 
+@dataclass
+class StepInputs:
+    """Everything a rank needs to run one step; rank 0 sends it to the other ranks."""
+    batch: HostBatch
+    pending_rows: list[int]         # input rows whose token id is only on the device:
+    pending_sources: list[int]      # ...row pending_sources[i] of the previous step's sampled tokens
+    logits_rows: list[int] | None   # rows whose hidden state becomes logits; None: every row
+    num_sampling: int               # number of logits rows (0: nothing is sampled)
+
+
+def runner_device(config: Config, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
+
+
 class ModelRunner:
-    def __init__(self, config: Config, eos_token_ids: set[int]):
+    def __init__(self, config: Config, eos_token_ids: set[int], tp: TPGroup = SINGLE, workers=None):
+        """tp: this rank's tensor-parallel group. workers: on rank 0 with tensor parallelism,
+        the TPWorkers that mirror every step."""
         self.config = config
-        self.device = torch.device(config.device)
+        self.tp, self.workers = tp, workers
+        self.device = runner_device(config, tp.rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.block_size = config.block_size
         self.eos_token_ids = sorted(eos_token_ids)
         hf = config.hf_config
@@ -45,11 +65,11 @@ class ModelRunner:
         torch.set_default_dtype(config.torch_dtype)
         try:
             with torch.device(self.device):
-                self.model = QwenForCausalLM(hf)
+                self.model = QwenForCausalLM(hf, tp)
         finally:
             torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
-            init_dummy_weights(self.model, config.seed)
+            init_dummy_weights(self.model, config.seed + tp.rank)
         else:
             load_model(self.model, config.model_path, hf.tie_word_embeddings)
         self.timings["load_s"] = time.perf_counter() - start
@@ -59,7 +79,8 @@ class ModelRunner:
             layer.backend = self.backend
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 1)
-        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed)) if tp.rank == 0 else None
+        self.last_sampled: torch.Tensor | None = None   # the latest step's sampled token ids, on the device
 
         start = time.perf_counter()
         self.num_kvcache_blocks = self._allocate_kv_cache()
@@ -102,6 +123,7 @@ class ModelRunner:
                 budget = CPU_KV_CACHE_BYTES
             # More blocks than max_num_seqs full-length sequences could ever use is waste.
             num_blocks = min(budget // self._kv_block_bytes(), cfg.max_num_seqs * self.max_blocks_per_seq)
+            num_blocks = self.tp.min_over_ranks(num_blocks, self.device)   # every rank holds the same blocks
             if num_blocks < 1:
                 raise ValueError(f"no memory is left for the KV cache at gpu_memory_utilization="
                                  f"{cfg.gpu_memory_utilization}; raise it or use a smaller model.")
@@ -135,7 +157,8 @@ class ModelRunner:
             top_p=torch.full((num_seqs,), 0.9, device=self.device),
             min_p=torch.full((num_seqs,), 0.1, device=self.device),
             row_seeds=[], banned_rows=None, banned_tokens=None, max_num_logprobs=cfg.max_logprobs)
-        self.sampler(logits, md)
+        if self.sampler is not None:
+            self.sampler(logits, md)
         del hidden, logits
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
@@ -239,15 +262,60 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, sampling_seqs: list[Sequence],
-                pending: tuple[torch.Tensor, dict[int, int]] | None = None) -> SamplerOutput | None:
-        """Run the model on the scheduled tokens; sample one token for each of `sampling_seqs`
-        (the sequences whose scheduled tokens reach their end). None if none sample.
+                pending: dict[int, int] | None = None) -> SamplerOutput | None:
+        """Rank 0: run the model on the scheduled tokens and sample one token for each of
+        `sampling_seqs` (the sequences whose scheduled tokens reach their end); None if none sample.
 
-        `pending`: (the previous step's sampled token ids on the device, {seq_id: row in them})
-        for sequences whose last token the host has not read yet (PENDING_TOKEN in token_ids)."""
+        pending: {seq_id: row in the previous step's sampled tokens} for sequences whose last
+        token the host has not read yet (PENDING_TOKEN in token_ids): its id is taken on the device."""
+        step = self.prepare_step(out, sampling_seqs, pending)
+        if self.workers is not None:
+            self.workers.send(("step", step))
+        try:
+            logits = self.run_step(step)
+        except RuntimeError:
+            if self.workers is not None:
+                self.workers.check_alive()   # a dead worker breaks the collectives: name it
+            raise
+        if logits is None:
+            return None
+        sampled = self.sampler(logits, self.prepare_sampling(sampling_seqs))
+        self.last_sampled = self.tp.broadcast_from_first(sampled.token_ids)
+        return sampled
+
+    @torch.inference_mode()
+    def run_worker_step(self, step: StepInputs):
+        """Ranks > 0: the same step as rank 0, then receive its sampled tokens."""
+        self.run_step(step)
+        if step.num_sampling:
+            tokens = torch.empty(step.num_sampling, dtype=torch.int64, device=self.device)
+            self.last_sampled = self.tp.broadcast_from_first(tokens)
+
+    def prepare_step(self, out: SchedulerOutput, sampling_seqs: list[Sequence],
+                     pending: dict[int, int] | None) -> StepInputs:
         batch = self.host_batch(out)
-        num_seqs = len(out.seqs)
-        patch = self._pending_patch(out, batch, pending)
+        rows, sources = [], []
+        for i, seq in enumerate(out.seqs):
+            if seq.num_pending_tokens:
+                assert seq.num_pending_tokens == 1 and batch.query_start_loc[i + 1] - batch.query_start_loc[i] == 1
+                rows.append(batch.query_start_loc[i + 1] - 1)
+                sources.append(pending[seq.seq_id])
+        num_tokens = len(batch.input_ids)
+        if len(sampling_seqs) == len(out.seqs) == num_tokens:
+            logits_rows = None                          # pure decode: every row samples
+        else:
+            sampling = {id(s) for s in sampling_seqs}
+            logits_rows = [batch.query_start_loc[i + 1] - 1 for i, seq in enumerate(out.seqs) if id(seq) in sampling]
+        return StepInputs(batch, rows, sources, logits_rows, len(sampling_seqs))
+
+    def run_step(self, step: StepInputs) -> torch.Tensor | None:
+        """Every rank: the forward pass, and the logits of the sampling rows (on rank 0)."""
+        batch = step.batch
+        num_seqs = len(batch.seq_lens)
+        patch = None
+        if step.pending_rows:
+            patch = (self._to_device(step.pending_rows, torch.int64),
+                     self.last_sampled[self._to_device(step.pending_sources, torch.int64)])
         if (self.graphs is not None and len(batch.input_ids) == num_seqs
                 and num_seqs <= self.graphs.max_batch_size):
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping,
@@ -257,28 +325,11 @@ class ModelRunner:
             if patch is not None:
                 input_ids[patch[0]] = patch[1]
             hidden = self.model(input_ids, positions, meta)
-        if not sampling_seqs:
+        if not step.num_sampling:
             return None
-        if len(sampling_seqs) == num_seqs and len(batch.input_ids) == num_seqs:
-            last_hidden = hidden                       # pure decode: every row samples
-        else:
-            sampling = {id(s) for s in sampling_seqs}
-            rows = [batch.query_start_loc[i + 1] - 1 for i, seq in enumerate(out.seqs) if id(seq) in sampling]
-            last_hidden = hidden[self._to_device(rows, torch.int64)]
-        logits = self.model.compute_logits(last_hidden)
-        return self.sampler(logits, self.prepare_sampling(sampling_seqs))
-
-    def _pending_patch(self, out: SchedulerOutput, batch: HostBatch, pending):
-        """-> (input rows, their token ids on the device) for input tokens still pending, or None."""
-        rows, sources = [], []
-        for i, seq in enumerate(out.seqs):
-            if seq.num_pending_tokens:
-                assert seq.num_pending_tokens == 1 and batch.query_start_loc[i + 1] - batch.query_start_loc[i] == 1
-                rows.append(batch.query_start_loc[i + 1] - 1)
-                sources.append(pending[1][seq.seq_id])
-        if not rows:
-            return None
-        return self._to_device(rows, torch.int64), pending[0][self._to_device(sources, torch.int64)]
+        if step.logits_rows is not None:
+            hidden = hidden[self._to_device(step.logits_rows, torch.int64)]
+        return self.model.compute_logits(hidden)
 
     def copy_to_host(self, sampled: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:
         """Start copying the sampler's outputs to the host; the event marks when they are there."""

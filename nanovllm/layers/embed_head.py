@@ -1,17 +1,17 @@
 """Token embedding and LM head, split along the vocabulary across tensor-parallel ranks."""
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.distributed import all_reduce, get_tp_rank, get_tp_size
+from nanovllm.distributed import SINGLE, TPGroup
 from nanovllm.layers.linear import copy_checked
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int):
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TPGroup = SINGLE):
         super().__init__()
-        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.tp = tp
+        self.tp_rank, self.tp_size = tp.rank, tp.size
         self.num_embeddings = num_embeddings
         self.shard_size = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.shard_size * self.tp_rank
@@ -32,7 +32,7 @@ class VocabParallelEmbedding(nn.Module):
         local = input_ids - self.vocab_start
         mask = (local >= 0) & (local < self.shard_size)
         y = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * mask.unsqueeze(-1)
-        return all_reduce(y)
+        return self.tp.all_reduce(y)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -42,6 +42,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = F.linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
-        parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
-        dist.gather(logits, parts, dst=0)
-        return torch.cat(parts, -1)[:, :self.num_embeddings] if self.tp_rank == 0 else None
+        parts = self.tp.gather_to_first(logits)
+        return torch.cat(parts, -1)[:, :self.num_embeddings] if parts is not None else None

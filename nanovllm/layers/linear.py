@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.distributed import all_reduce, get_tp_rank, get_tp_size
+from nanovllm.distributed import SINGLE, TPGroup
 
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str = "parameter"):
@@ -19,9 +19,10 @@ def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str = "paramet
 
 
 class LinearBase(nn.Module):
-    def __init__(self, input_size: int, output_size: int, bias: bool, shard_dim: int | None):
+    def __init__(self, input_size: int, output_size: int, bias: bool, shard_dim: int | None, tp: TPGroup):
         super().__init__()
-        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.tp = tp
+        self.tp_rank, self.tp_size = tp.rank, tp.size
         self.shard_dim = shard_dim
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -42,24 +43,23 @@ class LinearBase(nn.Module):
 
 class ReplicatedLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, output_size, bias, shard_dim=None)
+        super().__init__(input_size, output_size, bias, shard_dim=None, tp=SINGLE)
 
 
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        tp_size = get_tp_size()
-        super().__init__(input_size, output_size // tp_size, bias, shard_dim=0)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = SINGLE):
+        super().__init__(input_size, output_size // tp.size, bias, shard_dim=0, tp=tp)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input fused into one matmul
     (gate_up_proj); shard_id is the index of the part."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, tp: TPGroup = SINGLE):
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias)
+        super().__init__(input_size, sum(output_sizes), bias, tp)
 
     def shard_range(self, shard_id: int) -> tuple[int, int]:
         sizes = [s // self.tp_size for s in self.output_sizes]
@@ -75,10 +75,10 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     """q, k and v projections fused; each rank holds its own query and KV heads."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False):
+                 bias: bool = False, tp: TPGroup = SINGLE):
         self.shard_ids = {"q": 0, "k": 1, "v": 2}
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        super().__init__(hidden_size, sizes, bias)
+        super().__init__(hidden_size, sizes, bias, tp)
 
     def shard_range(self, shard_id) -> tuple[int, int]:
         return super().shard_range(self.shard_ids[shard_id])
@@ -87,11 +87,10 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs summed with an all-reduce."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        tp_size = get_tp_size()
-        super().__init__(input_size // tp_size, output_size, bias, shard_dim=1)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = SINGLE):
+        super().__init__(input_size // tp.size, output_size, bias, shard_dim=1, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Bias is added once, on rank 0, before the sum.
         y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        return all_reduce(y)
+        return self.tp.all_reduce(y)

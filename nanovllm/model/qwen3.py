@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanovllm.distributed import get_tp_size
+from nanovllm.distributed import SINGLE, TPGroup
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, AttentionMetadata
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -25,9 +25,9 @@ def rope_theta(config: PretrainedConfig) -> float:
 
 
 class QwenAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, tp: TPGroup):
         super().__init__()
-        tp_size = get_tp_size()
+        tp_size = tp.size
         self.is_qwen3 = config.model_type == "qwen3"
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_heads = config.num_attention_heads // tp_size
@@ -36,8 +36,8 @@ class QwenAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         qkv_bias = config.attention_bias if self.is_qwen3 else True
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=qkv_bias)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size)
+                                          config.num_key_value_heads, bias=qkv_bias, tp=tp)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, tp=tp)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_theta(config))
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
         if self.is_qwen3:
@@ -66,12 +66,12 @@ class QwenAttention(nn.Module):
 
 
 class QwenMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, tp: TPGroup):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu' is.")
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, tp=tp)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp=tp)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,10 +79,10 @@ class QwenMLP(nn.Module):
 
 
 class QwenDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, tp: TPGroup):
         super().__init__()
-        self.self_attn = QwenAttention(config)
-        self.mlp = QwenMLP(config)
+        self.self_attn = QwenAttention(config, tp)
+        self.mlp = QwenMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -97,10 +97,10 @@ class QwenDecoderLayer(nn.Module):
 
 
 class QwenModel(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, tp: TPGroup):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([QwenDecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList([QwenDecoderLayer(config, tp) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
@@ -121,12 +121,13 @@ class QwenForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, tp: TPGroup = SINGLE):
+        """tp: this rank's tensor-parallel group; each rank holds its shard of every layer."""
         super().__init__()
         if getattr(config, "use_sliding_window", False):
             raise ValueError("use_sliding_window=True is not supported.")
-        self.model = QwenModel(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.model = QwenModel(config, tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -1,0 +1,97 @@
+"""Tensor-parallel worker processes.
+
+Rank 0 runs in the caller's process; ranks 1..N-1 are spawned processes that build the same
+ModelRunner on their shard and mirror rank 0's steps. Control messages go through one pipe per
+worker (no port or shared-memory name to clash, any message size); tensors move through the
+group's collectives (gloo on the CPU, NCCL on CUDA), set up over a TCPStore on a free port.
+
+A step message is the flattened batch (new token ids, positions, slots, block tables), never
+the sequences. Workers end on close(), on `del`, at interpreter exit, or when the pipe to
+rank 0 closes; a dead worker is reported by rank, instead of hanging the caller.
+"""
+import multiprocessing as mp
+import signal
+import time
+
+from nanovllm import distributed
+
+JOIN_TIMEOUT_S = 5.0
+
+
+class WorkerDiedError(RuntimeError):
+    pass
+
+
+class TPWorkers:
+    def __init__(self, config, eos_token_ids: set[int], device):
+        size = config.tensor_parallel_size
+        rendezvous = distributed.Rendezvous(size, device)
+        port = rendezvous.port
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for rank in range(1, size):
+            parent_end, child_end = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, args=(config, eos_token_ids, rank, port, child_end),
+                               name=f"nanovllm-tp-rank{rank}", daemon=True)
+            proc.start()
+            child_end.close()
+            self.conns.append(parent_end)
+            self.procs.append(proc)
+        self.closed = False
+        try:
+            for rank in range(1, size):          # a worker that dies while starting is named, not waited for
+                while not rendezvous.has_arrived(rank):
+                    self.check_alive()
+                    time.sleep(0.01)
+            self.group = rendezvous.join()
+        except BaseException:
+            self.close()
+            raise
+
+    def check_alive(self):
+        for rank, proc in enumerate(self.procs, 1):
+            if proc.exitcode is not None:
+                raise WorkerDiedError(f"tensor-parallel worker rank {rank} exited with code {proc.exitcode}; "
+                                      f"the engine is closed.")
+
+    def send(self, message):
+        self.check_alive()
+        for rank, conn in enumerate(self.conns, 1):
+            try:
+                conn.send(message)
+            except (BrokenPipeError, ConnectionResetError, EOFError):
+                raise WorkerDiedError(f"tensor-parallel worker rank {rank} is gone; the engine is closed.") from None
+
+    def close(self):
+        if self.closed:
+            return
+        self.closed = True
+        for conn in self.conns:
+            try:
+                conn.send(("exit", None))
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(JOIN_TIMEOUT_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+
+
+def worker_main(config, eos_token_ids, rank: int, port: int, conn):
+    """Entry point of ranks 1..N-1."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is rank 0's to handle; it closes us
+    from nanovllm.engine.model_runner import ModelRunner, runner_device
+    group = distributed.connect(port, rank, config.tensor_parallel_size, runner_device(config, rank))
+    runner = ModelRunner(config, eos_token_ids, tp=group)
+    while True:
+        try:
+            command, payload = conn.recv()
+        except (EOFError, OSError):   # rank 0 is gone
+            break
+        if command == "exit":
+            break
+        if command == "step":
+            runner.run_worker_step(payload)

@@ -1,0 +1,164 @@
+"""Tensor parallelism on the CPU (gloo): same greedy tokens as one rank, and the worker
+processes' lifecycle (close, with, del, exception, Ctrl-C, interpreter exit, killed worker)."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import build_model_dir, hf_greedy, make_prompts
+from nanovllm import LLM, SamplingParams
+
+PROMPTS = make_prompts()
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+SMALL = dict(dtype="float32", block_size=16, num_kvcache_blocks=128)
+
+
+def greedy(llm, prompts=PROMPTS):
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                                                         use_tqdm=False)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:      # a zombie is not alive
+        return f.read().split()[2] != "Z"
+
+
+def worker_pids(llm) -> list[int]:
+    return [p.pid for p in llm.llm_engine.workers.procs]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_tp2_matches_tp1(model_dir, async_scheduling):
+    expected = hf_greedy(model_dir, PROMPTS, 10)
+    with LLM(model_dir, tensor_parallel_size=2, async_scheduling=async_scheduling, **SMALL) as llm:
+        assert greedy(llm) == expected
+    with LLM(model_dir, tensor_parallel_size=2, async_scheduling=async_scheduling,
+             **(SMALL | dict(num_kvcache_blocks=14, max_num_batched_tokens=32))) as llm:
+        assert greedy(llm) == expected          # with preemption and chunked prefill
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_tp4(tmp_path, tokenizer):
+    path = build_model_dir(tmp_path, "qwen3", tokenizer, num_attention_heads=8, num_key_value_heads=4, head_dim=8)
+    with LLM(path, tensor_parallel_size=4, **SMALL) as llm:
+        assert greedy(llm, PROMPTS[:6]) == hf_greedy(path, PROMPTS[:6], 10)
+
+
+def test_two_engines_at_once_and_close(qwen3_dir):
+    shm_before = set(os.listdir("/dev/shm"))
+    a = LLM(qwen3_dir, tensor_parallel_size=2, **SMALL)
+    b = LLM(qwen3_dir, tensor_parallel_size=2, **SMALL)
+    assert greedy(a, PROMPTS[:4]) == greedy(b, PROMPTS[:4])
+    pids = worker_pids(a) + worker_pids(b)
+    a.close()
+    b.close()
+    assert not any(alive(pid) for pid in pids)
+    assert set(os.listdir("/dev/shm")) == shm_before
+    with pytest.raises(RuntimeError, match="this LLM is closed"):
+        a.generate([[1, 2, 3]], use_tqdm=False)
+
+
+def test_with_and_del_end_workers(qwen3_dir):
+    with LLM(qwen3_dir, tensor_parallel_size=2, **SMALL) as llm:
+        pids = worker_pids(llm)
+    assert not any(alive(pid) for pid in pids)
+    llm = LLM(qwen3_dir, tensor_parallel_size=2, **SMALL)
+    pids = worker_pids(llm)
+    del llm
+    import gc
+    gc.collect()
+    assert not any(alive(pid) for pid in pids)
+
+
+def test_exception_in_generate_ends_workers(qwen3_dir, monkeypatch):
+    llm = LLM(qwen3_dir, tensor_parallel_size=2, **SMALL)
+    pids = worker_pids(llm)
+    engine = llm.llm_engine
+    real_step, calls = engine.step, []
+
+    def step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert not any(alive(pid) for pid in pids)
+
+
+def test_bad_input_keeps_workers(qwen3_dir):
+    with LLM(qwen3_dir, tensor_parallel_size=2, **SMALL) as llm:
+        with pytest.raises(ValueError, match="out of vocabulary"):
+            llm.generate([[1, 99999]], use_tqdm=False)
+        assert len(greedy(llm, PROMPTS[:2])) == 2
+
+
+def test_killed_worker_is_named(qwen3_dir):
+    llm = LLM(qwen3_dir, tensor_parallel_size=2, **SMALL)
+    greedy(llm, PROMPTS[:2])
+    os.kill(worker_pids(llm)[0], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker rank 1"):
+        greedy(llm)
+    assert time.monotonic() - start < 10
+
+
+def test_bad_tensor_parallel_size(qwen3_dir):
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by tensor_parallel_size \(3\)"):
+        LLM(qwen3_dir, tensor_parallel_size=3, **SMALL)
+
+
+SCRIPT = """
+import sys
+from nanovllm import LLM, SamplingParams
+
+if __name__ == "__main__":            # worker processes are spawned: the script re-imports
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, dtype="float32", block_size=16, num_kvcache_blocks=128)
+    print("PIDS", *[p.pid for p in llm.llm_engine.workers.procs], flush=True)
+    if sys.argv[2] == "exit":
+        sys.exit(0)                   # no close(): interpreter exit must end the workers
+    while True:                       # until Ctrl-C
+        llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "ctrl_c"])
+def test_process_end_ends_workers(qwen3_dir, tmp_path, how):
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    proc = subprocess.Popen([sys.executable, str(script), qwen3_dir, how], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("PIDS"), line
+    pids = [int(p) for p in line.split()[1:]]
+    if how == "ctrl_c":
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids)
+
+
+def test_worker_dying_at_start_is_named(qwen3_dir, tmp_path):
+    """A script without the `if __name__ == "__main__"` guard: its spawned worker fails at once."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        from nanovllm import LLM
+        LLM(sys.argv[1], tensor_parallel_size=2, dtype="float32", block_size=16, num_kvcache_blocks=128)
+    """))
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script), qwen3_dir], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "tensor-parallel worker rank 1 exited with code 1" in proc.stderr
+    assert time.monotonic() - start < 60
