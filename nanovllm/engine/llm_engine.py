@@ -7,8 +7,8 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from nanovllm.config import Config
-from nanovllm.engine.block_manager import BlockManager
 from nanovllm.distributed import SINGLE
+from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.model_runner import ModelRunner, runner_device
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.scheduler import Scheduler
