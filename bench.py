@@ -39,6 +39,8 @@ def preset_dir(name: str) -> str:
 def make_workload(args, on_cpu: bool):
     """-> (prompts as token-id lists, per-request (max_tokens, temperature))."""
     random.seed(args.seed)
+    if args.engine == "nanovllm":
+        result["startup_breakdown_s"] = {k: round(v, 2) for k, v in llm.llm_engine.model_runner.timings.items()}
     if args.workload == "latency":
         n_in, n_out = (512, 512) if not on_cpu else (64, 32)
         return [[random.randint(0, 10000) for _ in range(n_in)]], [(n_out, 0.0)]
@@ -111,6 +113,8 @@ def main():
     print(f"Total: {num_out}tok, Time: {elapsed:.2f}s, Throughput: {num_out / elapsed:.2f}tok/s")
     print(f"Total throughput: {result['total_tok_s']:.2f}tok/s (prompt {num_in}tok), "
           f"Requests: {result['req_s']:.2f}req/s, Cached prompt tokens: {num_cached}, Start-up: {startup:.1f}s")
+    if args.engine == "nanovllm":
+        result["startup_breakdown_s"] = {k: round(v, 2) for k, v in llm.llm_engine.model_runner.timings.items()}
     if args.workload == "latency":
         result["ms_per_token"] = round(elapsed * 1000 / num_out, 3)
         print(f"Latency: {result['ms_per_token']:.3f} ms/token (batch 1)")

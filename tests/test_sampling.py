@@ -43,6 +43,15 @@ def test_top_k_1_equals_greedy(llm):
     assert tokens(llm.generate(prompts, top1, use_tqdm=False)) == tokens(llm.generate(prompts, greedy, use_tqdm=False))
 
 
+def test_greedy_rows_unaffected_by_sampled_rows(llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    hot = SamplingParams(temperature=1.2, top_p=0.9, max_tokens=10, ignore_eos=True)
+    prompts = [ids(p) for p in PROMPTS[:6]]
+    alone = tokens(llm.generate(prompts, greedy, use_tqdm=False))
+    mixed = tokens(llm.generate(prompts, [greedy, hot] * 3, use_tqdm=False))
+    assert mixed[0::2] == alone[0::2]
+
+
 @torch.no_grad()
 def test_logprobs_equal_hf_log_softmax(llm, qwen3_dir):
     sp = SamplingParams(temperature=0.8, seed=7, max_tokens=6, logprobs=5, ignore_eos=True)
@@ -139,6 +148,7 @@ def test_repetition_penalty_matches_hf(llm, qwen3_dir):
 # ---- the sampler on hand-made logits ------------------------------------------------------
 def metadata(n, **kw) -> SamplingMetadata:
     base = dict(temperatures=torch.ones(n), is_greedy=torch.zeros(n, dtype=torch.bool), all_greedy=False,
+                any_greedy=False,
                 top_k=None, top_p=None, min_p=None, row_seeds=[], banned_rows=None, banned_tokens=None)
     return SamplingMetadata(**(base | kw))
 

@@ -13,8 +13,11 @@ from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, AttentionMetadata, select_backend
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
+from nanovllm.logger import init_logger
 from nanovllm.model.loader import init_dummy_weights, load_model
 from nanovllm.model.qwen3 import QwenForCausalLM
+
+logger = init_logger(__name__)
 
 CPU_KV_CACHE_BYTES = 4 << 30   # vLLM's default CPU KV-cache space
 MAX_GRAPH_BATCH_SIZE = 512
@@ -93,6 +96,19 @@ class ModelRunner:
                 hf.hidden_size, config.torch_dtype, self.device,
                 self.decode_split)
             self.timings["cuda_graphs_s"] = time.perf_counter() - start
+        if tp.rank == 0:
+            self._log_startup()
+
+    def _log_startup(self):
+        t = self.timings
+        kv_gib = self.kv_cache.numel() * self.kv_cache.element_size() / 2**30
+        message = (f"model loaded in {t['load_s']:.1f}s; KV cache: {self.num_kvcache_blocks} blocks of "
+                   f"{self.block_size} tokens ({kv_gib:.2f} GiB) sized in {t['kv_cache_s']:.1f}s; "
+                   f"attention backend: {type(self.backend).__name__}")
+        if self.graphs is not None:
+            message += (f"; CUDA graphs for {len(self.graphs.buckets)} batch sizes captured in "
+                        f"{t['cuda_graphs_s']:.1f}s")
+        logger.info(message)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -153,6 +169,7 @@ class ModelRunner:
         md = SamplingMetadata(
             temperatures=torch.ones(num_seqs, device=self.device),
             is_greedy=torch.zeros(num_seqs, dtype=torch.bool, device=self.device), all_greedy=False,
+            any_greedy=False,
             top_k=torch.full((num_seqs,), 5, device=self.device),
             top_p=torch.full((num_seqs,), 0.9, device=self.device),
             min_p=torch.full((num_seqs,), 0.1, device=self.device),
@@ -226,6 +243,7 @@ class ModelRunner:
             temperatures=self._to_device([1.0 if p.is_greedy else p.temperature for p in params], torch.float32),
             is_greedy=self._to_device([p.is_greedy for p in params], torch.bool),
             all_greedy=all(p.is_greedy for p in params),
+            any_greedy=any(p.is_greedy for p in params),
             top_k=None, top_p=None, min_p=None, row_seeds=[], banned_rows=None, banned_tokens=None,
         )
         if any(p.top_k > 0 for p in params):
@@ -251,8 +269,8 @@ class ModelRunner:
                 out_ids = torch.tensor(seq.output_token_ids, dtype=torch.int64)
                 counts[i].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=torch.int32))
                 prompt_mask[i, seq.token_ids[:seq.num_prompt_tokens]] = True
-            md.output_token_counts = counts.to(self.device)
-            md.prompt_token_mask = prompt_mask.to(self.device)
+            md.output_token_counts = self._to_device(counts.numpy())
+            md.prompt_token_mask = self._to_device(prompt_mask.numpy())
             md.presence_penalties = self._to_device([p.presence_penalty for p in params], torch.float32)
             md.frequency_penalties = self._to_device([p.frequency_penalty for p in params], torch.float32)
             md.repetition_penalties = self._to_device([p.repetition_penalty for p in params], torch.float32)

@@ -17,6 +17,7 @@ class SamplingMetadata:
     temperatures: torch.Tensor            # [B] float32; 1.0 for greedy rows
     is_greedy: torch.Tensor               # [B] bool
     all_greedy: bool
+    any_greedy: bool
     top_k: torch.Tensor | None            # [B] int64; vocab_size where disabled
     top_p: torch.Tensor | None            # [B] float32; 1.0 where disabled
     min_p: torch.Tensor | None            # [B] float32; 0.0 where disabled
@@ -88,7 +89,7 @@ class Sampler:
             logits[md.banned_rows, md.banned_tokens] = float("-inf")
         if md.output_token_counts is not None:
             logits = apply_penalties(logits, md)
-        token_ids = logits.argmax(-1)
+        token_ids = logits.argmax(-1) if md.any_greedy else None
         if not md.all_greedy:
             logits = logits / md.temperatures[:, None]
             if md.top_k is not None or md.top_p is not None:
@@ -98,7 +99,7 @@ class Sampler:
                 max_prob = probs.amax(-1, keepdim=True)
                 probs = probs.masked_fill(probs < md.min_p[:, None] * max_prob, 0.0)
             sampled = probs.div_(self._exponential_noise(probs, md)).argmax(-1)
-            token_ids = torch.where(md.is_greedy, token_ids, sampled)
+            token_ids = sampled if token_ids is None else torch.where(md.is_greedy, token_ids, sampled)
         out = SamplerOutput(token_ids)
         if raw_logprobs is not None:
             out.logprobs = raw_logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
