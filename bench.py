@@ -39,8 +39,6 @@ def preset_dir(name: str) -> str:
 def make_workload(args, on_cpu: bool):
     """-> (prompts as token-id lists, per-request (max_tokens, temperature))."""
     random.seed(args.seed)
-    if args.engine == "nanovllm":
-        result["startup_breakdown_s"] = {k: round(v, 2) for k, v in llm.llm_engine.model_runner.timings.items()}
     if args.workload == "latency":
         n_in, n_out = (512, 512) if not on_cpu else (64, 32)
         return [[random.randint(0, 10000) for _ in range(n_in)]], [(n_out, 0.0)]
