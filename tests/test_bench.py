@@ -1,0 +1,19 @@
+"""The README's main job, `python bench.py`, runs on the CPU path and reports its figures."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_runs_on_the_cpu():
+    proc = subprocess.run([sys.executable, "bench.py", "--json"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("No CUDA device: running a small workload on the CPU path")
+    assert any(line.startswith("Total: 48tok, Time: ") for line in lines)
+    result = json.loads(lines[-1])
+    assert (result["engine"], result["device"], result["output_tokens"]) == ("nanovllm", "cpu", 48)
+    assert set(result["startup_breakdown_s"]) == {"load_s", "kv_cache_s"}
