@@ -211,3 +211,14 @@ def test_incremental_detokenization_matches_full_decode(tokenizer):
     for t in target:
         proc.append(seq, t)
     assert seq.output_text == text
+
+
+def test_attention_backend_choice(qwen3_dir):
+    from nanovllm.layers.attention import TorchBackend
+    llm = LLM(qwen3_dir, attention_backend="torch", block_size=16, num_kvcache_blocks=8)
+    assert isinstance(llm.llm_engine.model_runner.backend, TorchBackend)
+    for name in ("triton", "flash_attn"):
+        with pytest.raises(ValueError, match=f"attention_backend '{name}' needs a CUDA device"):
+            LLM(qwen3_dir, attention_backend=name, device="cpu", block_size=16, num_kvcache_blocks=8)
+    with pytest.raises(ValueError, match="attention_backend must be 'auto', 'triton', 'flash_attn' or 'torch'"):
+        LLM(qwen3_dir, attention_backend="xformers")

@@ -8,7 +8,8 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.distributed import SINGLE, TPGroup
-from nanovllm.engine.cuda_graph import DecodeGraphs, pinned
+from nanovllm.engine.cuda_graph import DecodeGraphs
+from nanovllm.engine.sampling_inputs import build_sampling_metadata
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, AttentionMetadata, select_backend
@@ -237,46 +238,7 @@ class ModelRunner:
         return self._to_device(batch.input_ids), self._to_device(batch.positions), meta
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
-        params = [seq.sampling_params for seq in seqs]
-        vocab = self.vocab_size
-        md = SamplingMetadata(
-            temperatures=self._to_device([1.0 if p.is_greedy else p.temperature for p in params], torch.float32),
-            is_greedy=self._to_device([p.is_greedy for p in params], torch.bool),
-            all_greedy=all(p.is_greedy for p in params),
-            any_greedy=any(p.is_greedy for p in params),
-            top_k=None, top_p=None, min_p=None, row_seeds=[], banned_rows=None, banned_tokens=None,
-        )
-        if any(p.top_k > 0 for p in params):
-            md.top_k = self._to_device([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], torch.int64)
-        if any(p.top_p < 1.0 for p in params):
-            md.top_p = self._to_device([p.top_p for p in params], torch.float32)
-        if any(p.min_p > 0.0 for p in params):
-            md.min_p = self._to_device([p.min_p for p in params], torch.float32)
-        # Seeded rows: the noise of output token t depends only on (seed, t).
-        md.row_seeds = [(i, (p.seed * 1_000_003 + seq.num_output_tokens) % (1 << 63))
-                        for i, (seq, p) in enumerate(zip(seqs, params)) if p.seed is not None]
-        banned = [(i, t) for i, (seq, p) in enumerate(zip(seqs, params))
-                  if seq.num_output_tokens < p.min_tokens
-                  for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))]
-        if banned:
-            rows, tokens = zip(*banned)
-            md.banned_rows = self._to_device(rows, torch.int64)
-            md.banned_tokens = self._to_device(tokens, torch.int64)
-        if any(p.has_penalties for p in params):
-            counts = torch.zeros(len(seqs), vocab, dtype=torch.int32)
-            prompt_mask = torch.zeros(len(seqs), vocab, dtype=torch.bool)
-            for i, seq in enumerate(seqs):
-                out_ids = torch.tensor(seq.output_token_ids, dtype=torch.int64)
-                counts[i].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=torch.int32))
-                prompt_mask[i, seq.token_ids[:seq.num_prompt_tokens]] = True
-            md.output_token_counts = self._to_device(counts.numpy())
-            md.prompt_token_mask = self._to_device(prompt_mask.numpy())
-            md.presence_penalties = self._to_device([p.presence_penalty for p in params], torch.float32)
-            md.frequency_penalties = self._to_device([p.frequency_penalty for p in params], torch.float32)
-            md.repetition_penalties = self._to_device([p.repetition_penalty for p in params], torch.float32)
-        num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        md.max_num_logprobs = max(num_logprobs) if num_logprobs else None
-        return md
+        return build_sampling_metadata(seqs, self.vocab_size, self.eos_token_ids, self._to_device)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, sampling_seqs: list[Sequence],

@@ -1,5 +1,6 @@
 """Attention over the paged KV cache, the per-step metadata every attention layer reads, and
 the backends that compute it: plain torch (CPU, reference), our Triton kernels, flash-attn."""
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -82,26 +83,22 @@ class FlashAttnBackend:
                            block_table=meta.block_tables)
 
 
+def has_flash_attn() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
 def select_backend(name: str, device: torch.device, block_size: int):
-    """'auto': flash-attn when importable (and block_size fits it), else Triton on CUDA, else torch."""
+    """'auto': flash-attn when installed (and block_size fits it), else Triton on CUDA, else torch."""
     if name == "auto":
         if device.type != "cuda":
             return TorchBackend()
-        try:
-            import flash_attn  # noqa: F401
-            if block_size % 256 == 0:
-                return FlashAttnBackend()
-        except ImportError:
-            pass
-        return TritonBackend()
+        return FlashAttnBackend() if has_flash_attn() and block_size % 256 == 0 else TritonBackend()
     if name != "torch" and device.type != "cuda":
         raise ValueError(f"attention_backend {name!r} needs a CUDA device; use 'torch' or 'auto' on the CPU.")
     if name == "flash_attn":
-        try:
-            import flash_attn  # noqa: F401
-        except ImportError:
+        if not has_flash_attn():
             raise ValueError("attention_backend 'flash_attn' needs the flash-attn package "
-                             "(pip install 'nanovllm[flash-attn]').") from None
+                             "(pip install 'nanovllm[flash-attn]').")
         if block_size % 256:
             raise ValueError(f"attention_backend 'flash_attn' needs block_size to be a multiple of 256, "
                              f"got {block_size}.")

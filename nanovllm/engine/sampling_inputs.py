@@ -1,0 +1,53 @@
+"""Per-step sampling inputs: the batch's SamplingParams turned into the sampler's tensors."""
+from collections.abc import Callable
+
+import torch
+
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.sampler import SamplingMetadata
+
+
+def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int],
+                            to_device: Callable) -> SamplingMetadata:
+    """One row per sequence. Optional parts stay None when no row uses them; to_device(data,
+    dtype) moves host data to the sampler's device without a sync."""
+    params = [seq.sampling_params for seq in seqs]
+    vocab = vocab_size
+    md = SamplingMetadata(
+        temperatures=to_device([1.0 if p.is_greedy else p.temperature for p in params], torch.float32),
+        is_greedy=to_device([p.is_greedy for p in params], torch.bool),
+        all_greedy=all(p.is_greedy for p in params),
+        any_greedy=any(p.is_greedy for p in params),
+        top_k=None, top_p=None, min_p=None, row_seeds=[], banned_rows=None, banned_tokens=None,
+    )
+    if any(p.top_k > 0 for p in params):
+        md.top_k = to_device([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], torch.int64)
+    if any(p.top_p < 1.0 for p in params):
+        md.top_p = to_device([p.top_p for p in params], torch.float32)
+    if any(p.min_p > 0.0 for p in params):
+        md.min_p = to_device([p.min_p for p in params], torch.float32)
+    # Seeded rows: the noise of output token t depends only on (seed, t).
+    md.row_seeds = [(i, (p.seed * 1_000_003 + seq.num_output_tokens) % (1 << 63))
+                    for i, (seq, p) in enumerate(zip(seqs, params)) if p.seed is not None]
+    banned = [(i, t) for i, (seq, p) in enumerate(zip(seqs, params))
+              if seq.num_output_tokens < p.min_tokens
+              for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))]
+    if banned:
+        rows, tokens = zip(*banned)
+        md.banned_rows = to_device(rows, torch.int64)
+        md.banned_tokens = to_device(tokens, torch.int64)
+    if any(p.has_penalties for p in params):
+        counts = torch.zeros(len(seqs), vocab, dtype=torch.int32)
+        prompt_mask = torch.zeros(len(seqs), vocab, dtype=torch.bool)
+        for i, seq in enumerate(seqs):
+            out_ids = torch.tensor(seq.output_token_ids, dtype=torch.int64)
+            counts[i].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=torch.int32))
+            prompt_mask[i, seq.token_ids[:seq.num_prompt_tokens]] = True
+        md.output_token_counts = to_device(counts.numpy())
+        md.prompt_token_mask = to_device(prompt_mask.numpy())
+        md.presence_penalties = to_device([p.presence_penalty for p in params], torch.float32)
+        md.frequency_penalties = to_device([p.frequency_penalty for p in params], torch.float32)
+        md.repetition_penalties = to_device([p.repetition_penalty for p in params], torch.float32)
+    num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+    md.max_num_logprobs = max(num_logprobs) if num_logprobs else None
+    return md
