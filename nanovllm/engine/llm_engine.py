@@ -64,7 +64,7 @@ class LLMEngine:
         except BaseException:
             if self.workers is not None:
                 try:
-                    self.workers.check_alive()
+                    self.workers.check_alive(grace_s=5.0)
                 finally:
                     self.close()
             raise

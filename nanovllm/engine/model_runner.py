@@ -255,7 +255,7 @@ class ModelRunner:
             logits = self.run_step(step)
         except RuntimeError:
             if self.workers is not None:
-                self.workers.check_alive()   # a dead worker breaks the collectives: name it
+                self.workers.check_alive(grace_s=5.0)   # a dead worker breaks the collectives: name it
             raise
         if logits is None:
             return None

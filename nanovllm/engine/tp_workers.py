@@ -10,6 +10,7 @@ the sequences. Workers end on close(), on `del`, at interpreter exit, or when th
 rank 0 closes; a dead worker is reported by rank, instead of hanging the caller.
 """
 import multiprocessing as mp
+import multiprocessing.connection
 import signal
 import time
 
@@ -48,7 +49,11 @@ class TPWorkers:
             self.close()
             raise
 
-    def check_alive(self):
+    def check_alive(self, grace_s: float = 0.0):
+        """Raise WorkerDiedError naming the first dead worker. grace_s: how long to wait for one
+        to be seen dead (after a failed collective, a killed peer can still be exiting)."""
+        if grace_s:
+            multiprocessing.connection.wait([proc.sentinel for proc in self.procs], timeout=grace_s)
         for rank, proc in enumerate(self.procs, 1):
             if proc.exitcode is not None:
                 raise WorkerDiedError(f"tensor-parallel worker rank {rank} exited with code {proc.exitcode}; "
