@@ -253,15 +253,15 @@ class ModelRunner:
             self.workers.send(("step", step))
         try:
             logits = self.run_step(step)
+            if logits is None:
+                return None
+            sampled = self.sampler(logits, self.prepare_sampling(sampling_seqs))
+            self.last_sampled = self.tp.broadcast_from_first(sampled.token_ids)
+            return sampled
         except RuntimeError:
             if self.workers is not None:
                 self.workers.check_alive(grace_s=5.0)   # a dead worker breaks the collectives: name it
             raise
-        if logits is None:
-            return None
-        sampled = self.sampler(logits, self.prepare_sampling(sampling_seqs))
-        self.last_sampled = self.tp.broadcast_from_first(sampled.token_ids)
-        return sampled
 
     @torch.inference_mode()
     def run_worker_step(self, step: StepInputs):
