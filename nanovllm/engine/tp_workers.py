@@ -53,7 +53,10 @@ class TPWorkers:
         """Raise WorkerDiedError naming the first dead worker. grace_s: how long to wait for one
         to be seen dead (after a failed collective, a killed peer can still be exiting)."""
         if grace_s:
-            multiprocessing.connection.wait([proc.sentinel for proc in self.procs], timeout=grace_s)
+            ready = multiprocessing.connection.wait([proc.sentinel for proc in self.procs], timeout=grace_s)
+            for proc in self.procs:
+                if proc.sentinel in ready:
+                    proc.join(grace_s)   # its pipe closes a moment before its exit status is there
         for rank, proc in enumerate(self.procs, 1):
             if proc.exitcode is not None:
                 raise WorkerDiedError(f"tensor-parallel worker rank {rank} exited with code {proc.exitcode}; "
