@@ -6,7 +6,7 @@ from nanovllm import LLM, SamplingParams
 
 def main():
     model = sys.argv[1] if len(sys.argv) > 1 else "Qwen/Qwen3-0.6B"
-    llm = LLM(model, enforce_eager=True, max_model_len=4096)
+    llm = LLM(model, max_model_len=4096)
     params = SamplingParams(temperature=0.6, max_tokens=256)
 
     outputs = llm.generate(["Introduce yourself in one sentence.", "List all prime numbers below 30."], params)
