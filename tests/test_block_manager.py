@@ -137,3 +137,18 @@ def test_prefix_caching_disabled():
     compute_all(bm, a)
     assert bm.cached_block_ids == {}
     assert bm.get_computed_blocks(seq_of(list(range(9)))) == []
+
+
+def test_reset_prefix_cache_forgets_free_blocks_only():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a, b = seq_of(list(range(9))), seq_of(list(range(20, 29)))
+    for s in (a, b):
+        bm.allocate_slots(s, 9)
+        compute_all(bm, s)
+    bm.free(a)
+    assert list(bm.free_queue) == [2, 1, 0]
+    bm.reset_prefix_cache()
+    assert list(bm.free_queue) == [1, 0, 2]   # 0 and 1 now never-hashed, moved to the front
+    assert set(bm.cached_block_ids.values()) == {3, 4}
+    assert bm.get_computed_blocks(seq_of(list(range(9)))) == []
+    assert bm.get_computed_blocks(seq_of(list(range(20, 29)))) == [3, 4]

@@ -46,8 +46,9 @@ class BlockManager:
     def reset_prefix_cache(self):
         """Forget every cached block (after a step that may not have written its K/V)."""
         for block in self.blocks:
-            if block.ref_count == 0:
+            if block.ref_count == 0 and block.block_hash is not None:
                 block.block_hash, block.token_ids = None, []
+                self.free_queue.move_to_end(block.block_id, last=False)   # never-hashed blocks go first
         self.cached_block_ids = {h: b for h, b in self.cached_block_ids.items() if self.blocks[b].ref_count > 0}
 
     @property

@@ -35,8 +35,7 @@ class OutputProcessor:
             delta = self._detokenize(seq)
             if may_stop and seq.finish_reason is None and delta:
                 self._check_stop_strings(seq, len(delta))
-        if seq.finish_reason is None and (seq.num_output_tokens == sp.max_tokens
-                                          or seq.num_tokens >= self.max_model_len):
+        if seq.finish_reason is None and seq.reached_length_limit(self.max_model_len):
             seq.finish_reason = "length"
 
     def _decode_one(self, token_id: int) -> str | None:

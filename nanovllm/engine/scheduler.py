@@ -60,7 +60,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_pending_tokens and (seq.is_capped or seq.num_tokens >= self.max_model_len):
+            if seq.num_pending_tokens and seq.reached_length_limit(self.max_model_len):
                 i += 1      # done once its pending token is read; nothing left to compute
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)

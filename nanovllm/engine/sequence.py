@@ -77,11 +77,11 @@ class Sequence:
         """Tokens whose ids the host knows."""
         return len(self.token_ids) - self.num_pending_tokens
 
-    @property
-    def is_capped(self) -> bool:
-        """max_tokens reached, counting pending tokens: nothing more to schedule."""
+    def reached_length_limit(self, max_model_len: int) -> bool:
+        """max_tokens or max_model_len reached, pending tokens included: nothing more to generate."""
         max_tokens = self.sampling_params.max_tokens
-        return max_tokens is not None and self.num_output_tokens >= max_tokens
+        return ((max_tokens is not None and self.num_output_tokens >= max_tokens)
+                or self.num_tokens >= max_model_len)
 
     def append_token(self, token_id: int):
         self.token_ids.append(token_id)
