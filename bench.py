@@ -69,6 +69,7 @@ def main():
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--disable-custom-all-reduce", action="store_true", help="NCCL for every all-reduce (TP > 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="also print one JSON line with the results")
     args = p.parse_args()
@@ -80,6 +81,8 @@ def main():
     model = preset_dir(args.model) if args.model in PRESETS else args.model
     kwargs = dict(max_model_len=args.max_model_len if not on_cpu else 1024, enforce_eager=args.enforce_eager,
                   tensor_parallel_size=args.tp)
+    if args.disable_custom_all_reduce:
+        kwargs["disable_custom_all_reduce"] = True
     if args.model in PRESETS:
         kwargs |= dict(load_format="dummy", skip_tokenizer_init=True)
     if args.engine == "vllm":

@@ -28,6 +28,7 @@ class Config:
     num_kvcache_blocks: int | None = None
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    disable_custom_all_reduce: bool = False   # True: NCCL for every all-reduce (no symmetric memory)
     load_format: str = "auto"
     max_logprobs: int = 20
     attention_backend: str = "auto"     # "auto" | "triton" | "flash_attn" | "torch"

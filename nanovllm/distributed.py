@@ -7,16 +7,23 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from nanovllm.custom_all_reduce import SymmMemAllReduce, try_symm_mem_all_reduce
+
 
 @dataclass
 class TPGroup:
     rank: int = 0
     size: int = 1
     process_group: object = None   # a torch ProcessGroup (gloo on the CPU, NCCL on CUDA); None alone
+    custom_all_reduce: SymmMemAllReduce | None = None   # CUDA: NVLink all-reduce for small tensors
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            dist.all_reduce(x, group=self.process_group)
+        """x summed over the ranks, in place."""
+        if self.size == 1:
+            return x
+        if self.custom_all_reduce is not None and self.custom_all_reduce.can_reduce(x):
+            return self.custom_all_reduce(x)
+        dist.all_reduce(x, group=self.process_group)
         return x
 
     def gather_to_first(self, x: torch.Tensor) -> list[torch.Tensor] | None:
@@ -43,12 +50,14 @@ class TPGroup:
 SINGLE = TPGroup()
 
 
-def connect(store_port: int, rank: int, size: int, device: torch.device, timeout_s: float = 300) -> TPGroup:
-    """Ranks > 0: join the group whose TCPStore (run by rank 0) listens on 127.0.0.1:store_port."""
+def connect(store_port: int, rank: int, size: int, device: torch.device, custom_all_reduce: bool = True,
+            timeout_s: float = 300) -> TPGroup:
+    """Ranks > 0: join the group whose TCPStore (run by rank 0) listens on 127.0.0.1:store_port.
+    custom_all_reduce: try the symmetric-memory all-reduce on CUDA (every rank must agree)."""
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", store_port, size, is_master=False, timeout=timeout)
     store.set(f"arrived/{rank}", "1")
-    return _make_group(store, rank, size, device, timeout)
+    return _make_group(store, store_port, rank, size, device, timeout, custom_all_reduce)
 
 
 class Rendezvous:
@@ -64,13 +73,17 @@ class Rendezvous:
     def has_arrived(self, rank: int) -> bool:
         return self.store.check([f"arrived/{rank}"])
 
-    def join(self) -> TPGroup:
-        return _make_group(self.store, 0, self.size, self.device, self.timeout)
+    def join(self, custom_all_reduce: bool = True) -> TPGroup:
+        return _make_group(self.store, self.port, 0, self.size, self.device, self.timeout, custom_all_reduce)
 
 
-def _make_group(store, rank: int, size: int, device: torch.device, timeout: timedelta) -> TPGroup:
-    if device.type == "cuda":
-        pg = dist.ProcessGroupNCCL(store, rank, size)
-    else:
-        pg = dist.ProcessGroupGloo(store, rank, size, timeout)
-    return TPGroup(rank, size, pg)
+def _make_group(store, port: int, rank: int, size: int, device: torch.device, timeout: timedelta,
+                custom_all_reduce: bool) -> TPGroup:
+    if device.type != "cuda":
+        return TPGroup(rank, size, dist.ProcessGroupGloo(store, rank, size, timeout))
+    torch.cuda.set_device(device)
+    group = TPGroup(rank, size, dist.ProcessGroupNCCL(store, rank, size))
+    if custom_all_reduce:
+        group.custom_all_reduce = try_symm_mem_all_reduce(f"nanovllm-tp-{port}", rank, size, store, device,
+                                                          group.process_group)
+    return group

@@ -147,3 +147,46 @@ def test_silu_and_mul(rows, d):
     from nanovllm.layers.activation import SiluAndMul
     x = torch.randn(rows, 2 * d, generator=torch.Generator().manual_seed(d)).to(DTYPE)
     assert rel_err(silu_and_mul(x.to(DEVICE)).cpu(), SiluAndMul()(x)) < TOL
+
+
+# ---- fused sampler: greedy rows exact, sampled rows follow softmax(logits / T), seeds reproducible ----
+def sample_fused(logits, temperatures, is_greedy, seeds):
+    from nanovllm.kernels.triton_sampler import gumbel_argmax
+    return gumbel_argmax(logits.to(DEVICE), temperatures.to(DEVICE), is_greedy.to(DEVICE), seeds.to(DEVICE)).cpu()
+
+
+@pytest.mark.parametrize("batch, vocab", [(1, 151_936), (7, 8_193), (5, 1_000)])
+def test_gumbel_argmax_greedy_rows_are_argmax(batch, vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(batch, vocab, generator=gen).to(DTYPE)
+    logits[0, [5, vocab - 1]] = 50.0          # a tie: the first index wins, as in torch.argmax
+    out = sample_fused(logits, torch.ones(batch), torch.ones(batch, dtype=torch.bool),
+                       torch.randint(0, 1 << 62, (batch,), generator=gen))
+    assert out.tolist() == logits.float().argmax(-1).tolist()
+    assert out[0] == 5
+
+
+def test_gumbel_argmax_follows_softmax_of_scaled_logits():
+    n, temperature = 4000, 0.5
+    base = torch.tensor([0.0, 0.5, 1.0, -1.0, 0.25])
+    logits = torch.full((n, 300), -1e4)
+    logits[:, :5] = base                         # the rest of the vocabulary is never drawn
+    seeds = torch.randint(0, 1 << 62, (n,), generator=torch.Generator().manual_seed(0))
+    out = sample_fused(logits.to(DTYPE), torch.full((n,), temperature), torch.zeros(n, dtype=torch.bool), seeds)
+    freq = torch.bincount(out, minlength=300)[:5] / n
+    expected = (base.to(DTYPE).float() / temperature).softmax(-1)
+    assert out.max() < 5
+    assert torch.allclose(freq, expected, atol=0.03), (freq, expected)
+
+
+def test_gumbel_argmax_noise_depends_only_on_the_seed():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 2_000, generator=gen).to(DTYPE)
+    seeds = torch.randint(0, 1 << 62, (6,), generator=gen)
+    temps, sampled = torch.full((6,), 1.0), torch.zeros(6, dtype=torch.bool)
+    full = sample_fused(logits, temps, sampled, seeds)
+    alone = sample_fused(logits[3:4], temps[3:4], sampled[3:4], seeds[3:4])
+    assert alone.item() == full[3].item()
+    assert sample_fused(logits, temps, sampled, seeds).tolist() == full.tolist()
+    other = sample_fused(logits, temps, sampled, seeds + 1)
+    assert other.tolist() != full.tolist()

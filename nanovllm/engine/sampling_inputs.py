@@ -29,6 +29,9 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids
     # Seeded rows: the noise of output token t depends only on (seed, t).
     md.row_seeds = [(i, (p.seed * 1_000_003 + seq.num_output_tokens) % (1 << 63))
                     for i, (seq, p) in enumerate(zip(seqs, params)) if p.seed is not None]
+    if md.row_seeds:
+        rows, seeds = zip(*md.row_seeds)
+        md.seeded_rows, md.seed_values = to_device(rows, torch.int64), to_device(seeds, torch.int64)
     banned = [(i, t) for i, (seq, p) in enumerate(zip(seqs, params))
               if seq.num_output_tokens < p.min_tokens
               for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))]

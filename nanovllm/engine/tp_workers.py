@@ -44,7 +44,7 @@ class TPWorkers:
                 while not rendezvous.has_arrived(rank):
                     self.check_alive()
                     time.sleep(0.01)
-            self.group = rendezvous.join()
+            self.group = rendezvous.join(not config.disable_custom_all_reduce)
         except BaseException:
             self.close()
             raise
@@ -92,7 +92,8 @@ def worker_main(config, eos_token_ids, rank: int, port: int, conn):
     """Entry point of ranks 1..N-1."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is rank 0's to handle; it closes us
     from nanovllm.engine.model_runner import ModelRunner, runner_device
-    group = distributed.connect(port, rank, config.tensor_parallel_size, runner_device(config, rank))
+    group = distributed.connect(port, rank, config.tensor_parallel_size, runner_device(config, rank),
+                                not config.disable_custom_all_reduce)
     runner = ModelRunner(config, eos_token_ids, tp=group)
     while True:
         try:

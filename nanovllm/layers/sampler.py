@@ -3,7 +3,9 @@
 Order of operations (vLLM v1's): raw logprobs are taken first, from the unprocessed logits;
 then min_tokens masking and penalties; greedy rows take the argmax of that; the others go
 through temperature, top-k, top-p and min-p, and are sampled by the exponential race
-argmax(probs / q), q ~ Exponential(1), which needs no sort and no host sync.
+argmax(probs / q), q ~ Exponential(1), which needs no sort and no host sync. On CUDA, a batch
+without top-k/top-p/min-p takes temperature, noise and argmax in one fused Triton pass
+(kernels/triton_sampler.py: the same race as Gumbel noise on the logits).
 """
 from dataclasses import dataclass
 
@@ -33,6 +35,9 @@ class SamplingMetadata:
     output_token_counts: torch.Tensor | None = None   # [B, V] int
     prompt_token_mask: torch.Tensor | None = None     # [B, V] bool
     max_num_logprobs: int | None = None
+    # row_seeds again, as [S] row indices and [S] int64 seeds on the device (for the fused sampler).
+    seeded_rows: torch.Tensor | None = None
+    seed_values: torch.Tensor | None = None
 
 
 @dataclass
@@ -72,6 +77,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
 class Sampler:
     def __init__(self, generator: torch.Generator):
         self.generator = generator
+        # On CUDA, batches without top-k/top-p/min-p sample in one fused Triton pass.
+        self.fused = generator.device.type == "cuda"
 
     def _exponential_noise(self, probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         q = torch.empty_like(probs).exponential_(generator=self.generator)
@@ -80,26 +87,44 @@ class Sampler:
             q[row].exponential_(generator=gen)
         return q.clamp_min_(1e-20)
 
+    def _row_seeds(self, md: SamplingMetadata, batch: int, device: torch.device) -> torch.Tensor:
+        """[B] int64 noise seeds for the fused kernel: the request's own where it has one."""
+        seeds = torch.randint(0, 1 << 62, (batch,), generator=self.generator, device=device)
+        if md.seeded_rows is not None:
+            seeds[md.seeded_rows] = md.seed_values
+        return seeds
+
+    def _sample_torch(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """logits: [B, V] float32 -> token ids [B]."""
+        token_ids = logits.argmax(-1) if md.any_greedy else None
+        if md.all_greedy:
+            return token_ids
+        logits = logits / md.temperatures[:, None]
+        if md.top_k is not None or md.top_p is not None:
+            logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        probs = logits.softmax(-1)
+        if md.min_p is not None:
+            max_prob = probs.amax(-1, keepdim=True)
+            probs = probs.masked_fill(probs < md.min_p[:, None] * max_prob, 0.0)
+        sampled = probs.div_(self._exponential_noise(probs, md)).argmax(-1)
+        return sampled if token_ids is None else torch.where(md.is_greedy, token_ids, sampled)
+
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         # logits: [B, V]
-        logits = logits.float()
-        raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs is not None else None
-        if md.banned_rows is not None:
-            logits[md.banned_rows, md.banned_tokens] = float("-inf")
-        if md.output_token_counts is not None:
-            logits = apply_penalties(logits, md)
-        token_ids = logits.argmax(-1) if md.any_greedy else None
-        if not md.all_greedy:
-            logits = logits / md.temperatures[:, None]
-            if md.top_k is not None or md.top_p is not None:
-                logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-            probs = logits.softmax(-1)
-            if md.min_p is not None:
-                max_prob = probs.amax(-1, keepdim=True)
-                probs = probs.masked_fill(probs < md.min_p[:, None] * max_prob, 0.0)
-            sampled = probs.div_(self._exponential_noise(probs, md)).argmax(-1)
-            token_ids = sampled if token_ids is None else torch.where(md.is_greedy, token_ids, sampled)
+        raw_logprobs = logits.float().log_softmax(-1) if md.max_num_logprobs is not None else None
+        if md.banned_rows is not None or md.output_token_counts is not None:
+            logits = logits.float()
+            if md.banned_rows is not None:
+                logits[md.banned_rows, md.banned_tokens] = float("-inf")
+            if md.output_token_counts is not None:
+                logits = apply_penalties(logits, md)
+        if self.fused and md.top_k is None and md.top_p is None and md.min_p is None:
+            from nanovllm.kernels.triton_sampler import gumbel_argmax
+            seeds = self._row_seeds(md, logits.shape[0], logits.device)
+            token_ids = gumbel_argmax(logits, md.temperatures, md.is_greedy, seeds)
+        else:
+            token_ids = self._sample_torch(logits.float(), md)
         out = SamplerOutput(token_ids)
         if raw_logprobs is not None:
             out.logprobs = raw_logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
