@@ -106,7 +106,8 @@ def main():
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_in = sum(len(ids) for ids in prompts)
     num_cached = sum(o.num_cached_tokens or 0 for o in outputs)
-    result = dict(engine=args.engine, model=args.model, workload=args.workload, num_requests=len(prompts),
+    result = dict(engine=args.engine, model=args.model, workload=args.workload, tp=args.tp,
+                  custom_all_reduce=not args.disable_custom_all_reduce, num_requests=len(prompts),
                   prompt_tokens=num_in, output_tokens=num_out, cached_prompt_tokens=num_cached,
                   time_s=round(elapsed, 3), output_tok_s=round(num_out / elapsed, 2),
                   total_tok_s=round((num_in + num_out) / elapsed, 2), req_s=round(len(prompts) / elapsed, 3),

@@ -119,26 +119,36 @@ def test_rms_norm(rows, hidden):
 
 @pytest.mark.parametrize("q_heads, kv_heads, head_dim, qk_norm", [(4, 2, 16, True), (16, 8, 128, True),
                                                                  (7, 1, 64, False)])
-def test_qk_norm_rope(q_heads, kv_heads, head_dim, qk_norm):
-    from nanovllm.kernels.triton_fused import qk_norm_rope
+def test_qk_norm_rope_store(q_heads, kv_heads, head_dim, qk_norm):
+    from nanovllm.kernels.triton_fused import qk_norm_rope_store
     from nanovllm.layers.layernorm import RMSNorm
     from nanovllm.layers.rotary import RotaryEmbedding
     gen = torch.Generator().manual_seed(q_heads * head_dim)
-    n = 29
+    n, page, blocks = 29, 16, 4
     rope = RotaryEmbedding(head_dim, 4096, 1e6)
     qkv = torch.randn(n, (q_heads + 2 * kv_heads) * head_dim, generator=gen).to(DTYPE)
     positions = torch.randint(0, 4096, (n,), generator=gen)
+    slots = torch.randperm(blocks * page, generator=gen)[:n]
+    slots[[2, 11]] = -1                                                          # padding
     q_norm, k_norm = RMSNorm(head_dim), RMSNorm(head_dim)
     q_norm.weight.data, k_norm.weight.data = (torch.randn(head_dim, generator=gen).to(DTYPE) for _ in range(2))
-    q, k, _ = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
-    q, k = q.reshape(n, q_heads, head_dim), k.reshape(n, kv_heads, head_dim)
+    q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q, k, v = q.reshape(n, q_heads, head_dim), k.reshape(n, kv_heads, head_dim), v.reshape(n, kv_heads, head_dim)
     if qk_norm:
         q, k = q_norm(q), k_norm(k)
     ref_q, ref_k = rope(positions, q, k)
-    out_q, out_k = qk_norm_rope(qkv.to(DEVICE), positions.to(DEVICE), rope.cos_sin_cache.to(DEVICE), q_heads,
-                                kv_heads, head_dim, q_norm.weight.to(DEVICE) if qk_norm else None,
-                                k_norm.weight.to(DEVICE) if qk_norm else None, 1e-6)
-    assert rel_err(out_q.cpu(), ref_q) < TOL and rel_err(out_k.cpu(), ref_k) < TOL
+    caches = [torch.full((blocks, page, kv_heads, head_dim), float("nan"), dtype=DTYPE) for _ in range(4)]
+    torch_attention.store_kvcache(ref_k, v, caches[0], caches[1], slots)
+    caches[2:] = [c.to(DEVICE) for c in caches[2:]]
+    out_q = qk_norm_rope_store(qkv.to(DEVICE), positions.to(DEVICE), rope.cos_sin_cache.to(DEVICE), q_heads,
+                               kv_heads, head_dim, q_norm.weight.to(DEVICE) if qk_norm else None,
+                               k_norm.weight.to(DEVICE) if qk_norm else None, 1e-6, caches[2], caches[3],
+                               slots.to(DEVICE))
+    assert rel_err(out_q.cpu(), ref_q) < TOL
+    written = ~caches[0].isnan()
+    assert torch.equal(written, ~caches[2].cpu().isnan())                       # same slots, padding skipped
+    assert rel_err(caches[2].cpu()[written], caches[0][written]) < TOL
+    assert torch.equal(caches[3].cpu().nan_to_num(7.0), caches[1].nan_to_num(7.0))   # v copied exactly
 
 
 @pytest.mark.parametrize("rows, d", [(1, 128), (33, 3072), (4, 1500)])

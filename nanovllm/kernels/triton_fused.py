@@ -1,8 +1,9 @@
 """Fused element-wise kernels for the decoder layer, in Triton. Their references are the plain-torch
-modules in nanovllm/layers (RMSNorm, RotaryEmbedding + q/k RMSNorm, SiluAndMul).
+modules in nanovllm/layers (RMSNorm; q/k RMSNorm + RotaryEmbedding + the KV-cache store of
+kernels/torch_attention.py; SiluAndMul).
 
 A decode step is short enough that kernel count, not bytes, sets its time: unfused, the norms,
-RoPE and activation cost ~45 small kernels per layer; fused, 4.
+RoPE, KV-cache store and activation cost ~45 small kernels per layer; fused, 4.
 """
 import torch
 import triton
@@ -40,13 +41,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, out_ptr, stride_qkv, stride_out, eps,
-                         NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
-    token, head = tl.program_id(0), tl.program_id(1)      # heads: q heads, then k heads
+def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+                               slot_ptr, stride_qkv, stride_q, eps, NUM_Q_HEADS: tl.constexpr,
+                               NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    token, head = tl.program_id(0), tl.program_id(1)      # heads: q heads, then k heads, then v heads
     offs = tl.arange(0, HALF)
     src = qkv_ptr + token * stride_qkv + head * 2 * HALF
     x1 = tl.load(src + offs)
     x2 = tl.load(src + HALF + offs)
+    slot = tl.load(slot_ptr + token)
+    kv_head = (head - NUM_Q_HEADS) % NUM_KV_HEADS          # (for k and v heads)
+    cache_row = slot * (NUM_KV_HEADS * 2 * HALF) + kv_head * 2 * HALF
+    if head >= NUM_Q_HEADS + NUM_KV_HEADS:                 # v: copied to the cache as is
+        if slot >= 0:
+            tl.store(v_cache_ptr + cache_row + offs, x1)
+            tl.store(v_cache_ptr + cache_row + HALF + offs, x2)
+        return
     dtype = x1.dtype
     if HAS_NORM:
         w_ptr = qw_ptr if head < NUM_Q_HEADS else kw_ptr
@@ -58,25 +68,32 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, out_ptr,
     cos = tl.load(cos_sin_ptr + pos * 2 * HALF + offs)
     sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + offs)
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    dst = out_ptr + token * stride_out + head * 2 * HALF
-    tl.store(dst + offs, (f1 * cos - f2 * sin).to(dtype))
-    tl.store(dst + HALF + offs, (f2 * cos + f1 * sin).to(dtype))
+    y1, y2 = (f1 * cos - f2 * sin).to(dtype), (f2 * cos + f1 * sin).to(dtype)
+    if head < NUM_Q_HEADS:
+        dst = q_out_ptr + token * stride_q + head * 2 * HALF
+        tl.store(dst + offs, y1)
+        tl.store(dst + HALF + offs, y2)
+    elif slot >= 0:                                        # k: to the cache
+        tl.store(k_cache_ptr + cache_row + offs, y1)
+        tl.store(k_cache_ptr + cache_row + HALF + offs, y2)
 
 
-def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_q_heads: int,
-                 num_kv_heads: int, head_dim: int, q_weight: torch.Tensor | None,
-                 k_weight: torch.Tensor | None, eps: float):
-    """qkv: [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim] -> q [num_tokens, num_q_heads, head_dim]
-    and k [num_tokens, num_kv_heads, head_dim]: per-head RMSNorm (if weights are given), then RoPE.
-    q and k are views of one [num_tokens, num_q_heads + num_kv_heads, head_dim] buffer."""
+def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_q_heads: int,
+                       num_kv_heads: int, head_dim: int, q_weight: torch.Tensor | None,
+                       k_weight: torch.Tensor | None, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> torch.Tensor:
+    """qkv: [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim] -> q [num_tokens, num_q_heads, head_dim]:
+    per-head RMSNorm (if weights are given), then RoPE, on q and k; k and v are written straight
+    into the paged cache ([num_blocks, page, num_kv_heads, head_dim]) at slot_mapping (slot -1: skipped),
+    which is all the attention kernels read them from."""
     num_tokens = qkv.shape[0]
-    out = torch.empty(num_tokens, num_q_heads + num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty(num_tokens, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     has_norm = q_weight is not None
-    _qk_norm_rope_kernel[(num_tokens, num_q_heads + num_kv_heads)](
-        qkv, positions, cos_sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv, out,
-        qkv.stride(0), out.stride(0), eps, NUM_Q_HEADS=num_q_heads, HALF=head_dim // 2, HAS_NORM=has_norm,
-        num_warps=1)
-    return out[:, :num_q_heads], out[:, num_q_heads:]
+    _qk_norm_rope_store_kernel[(num_tokens, num_q_heads + 2 * num_kv_heads)](
+        qkv, positions, cos_sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv, q,
+        k_cache, v_cache, slot_mapping, qkv.stride(0), q.stride(0), eps, NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, HAS_NORM=has_norm, num_warps=1)
+    return q
 
 
 @triton.jit

@@ -38,7 +38,8 @@ class TorchBackend:
     needs_cu_seqlens_k = False
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        torch_attention.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if k is not None:
+            torch_attention.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         return torch_attention.paged_attention(q, k_cache, v_cache, meta.block_tables,
                                                meta.query_start_loc_cpu, meta.seq_lens_cpu, scale)
 
@@ -52,7 +53,8 @@ class TritonBackend:
         self.kernels = triton_attention
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if k is not None:
+            self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.decode_split is not None:
             return self.kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                                  scale, *meta.decode_split)
@@ -72,7 +74,8 @@ class FlashAttnBackend:
         self.store = triton_attention.store_kvcache
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        self.store(k, v, k_cache, v_cache, meta.slot_mapping)
+        if k is not None:
+            self.store(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.decode_split is not None:
             return self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
                                      block_table=meta.block_tables, softmax_scale=scale,
@@ -116,7 +119,9 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.tensor([])
         self.backend = TorchBackend()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 meta: AttentionMetadata) -> torch.Tensor:
-        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim], stored into
+        the cache at meta.slot_mapping first; None when the caller already stored them (CUDA's
+        fused RoPE kernel does). Every backend reads K/V from the cache only."""
         return self.backend(q, k, v, self.k_cache, self.v_cache, meta, self.scale)

@@ -49,12 +49,14 @@ class QwenAttention(nn.Module):
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if qkv.is_cuda:   # one fused kernel for q/k norms and RoPE
-            from nanovllm.kernels.triton_fused import qk_norm_rope
-            q, k = qk_norm_rope(qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads,
-                                self.head_dim, self.q_norm.weight if self.is_qwen3 else None,
-                                self.k_norm.weight if self.is_qwen3 else None,
-                                self.q_norm.eps if self.is_qwen3 else 0.0)
+        if qkv.is_cuda:   # one fused kernel: q/k norms, RoPE, and k/v written into the KV cache
+            from nanovllm.kernels.triton_fused import qk_norm_rope_store
+            q = qk_norm_rope_store(qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads,
+                                   self.num_kv_heads, self.head_dim, self.q_norm.weight if self.is_qwen3 else None,
+                                   self.k_norm.weight if self.is_qwen3 else None,
+                                   self.q_norm.eps if self.is_qwen3 else 0.0,
+                                   self.attn.k_cache, self.attn.v_cache, meta.slot_mapping)
+            k = v = None
         else:
             q = q.view(-1, self.num_heads, self.head_dim)
             k = k.view(-1, self.num_kv_heads, self.head_dim)

@@ -1,0 +1,23 @@
+"""Print one table row per bench.py --json result found in the given log files (device scripts)."""
+import json
+import os
+import sys
+
+
+def main(paths: list[str]):
+    print(f"{'log':28} {'engine':9} {'model':10} {'workload':8} {'tp':>2} {'allreduce':9} {'time':>8} {'out tok/s':>10} "
+          f"{'start-up':>8}  ms/token")
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                if not line.startswith("{"):
+                    continue
+                r = json.loads(line)
+                allreduce = "-" if r.get("tp", 1) == 1 else ("custom" if r.get("custom_all_reduce", True) else "nccl")
+                name = os.path.basename(path).removesuffix(".log")
+                print(f"{name[:28]:28} {r['engine']:9} {r['model']:10} {r['workload']:8} {r.get('tp', 1):2} {allreduce:9} "
+                      f"{r['time_s']:7.2f}s {r['output_tok_s']:10.0f} {r['startup_s']:7.1f}s  {r.get('ms_per_token', '')}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,84 @@
+"""Where a whole bench.py run's time goes (a developer tool, not a test).
+
+1. Every engine step timed on the host, by kind: steps with prompt tokens, and decode steps by
+   batch size (the tail of small batches shows up here).
+2. The same run under the profiler (CUDA activity only): GPU time per kernel, and the time the
+   GPU sat idle (wall time minus kernel time: one stream, so kernels do not overlap).
+
+    PYTHONPATH=. python3 tests/profile_run.py [--model qwen3-0.6b] [--workload default]
+"""
+import argparse
+import collections
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import make_workload, preset_dir
+from nanovllm import LLM, SamplingParams
+
+DECODE_BUCKETS = (1, 8, 32, 64, 128, 192, 256, 512)
+
+
+def run_steps(llm, prompts, settings) -> list[tuple[str, float]]:
+    """Run the workload step by step -> (kind, seconds) per step."""
+    engine = llm.llm_engine
+    for ids, (max_tokens, temperature) in zip(prompts, settings):
+        engine.add_request(None, ids, SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True))
+    steps = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        _, stats = engine.step()
+        elapsed = time.perf_counter() - start
+        if stats.num_prefill_tokens:
+            kind = "with prompt tokens"
+        else:
+            bucket = next(b for b in DECODE_BUCKETS if stats.num_decode_tokens <= b)
+            kind = f"decode, batch <= {bucket:3}"
+        steps.append((kind, elapsed))
+    torch.cuda.synchronize()
+    return steps
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--workload", default="default")
+    p.add_argument("--tp", type=int, default=1)
+    args = p.parse_args()
+    args.seed, args.num_seqs = 0, 256
+    args.min_input_len, args.max_input_len, args.min_output_len, args.max_output_len = 100, 1024, 100, 1024
+    llm = LLM(preset_dir(args.model), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
+              tensor_parallel_size=args.tp)
+    prompts, settings = make_workload(args, on_cpu=False)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)
+
+    start = time.perf_counter()
+    steps = run_steps(llm, prompts, settings)
+    wall = time.perf_counter() - start
+    by_kind = collections.defaultdict(lambda: [0, 0.0])
+    for kind, seconds in steps:
+        by_kind[kind][0] += 1
+        by_kind[kind][1] += seconds
+    print(f"host view: {len(steps)} steps in {wall:.2f} s")
+    for kind, (n, seconds) in sorted(by_kind.items()):
+        print(f"  {kind:22} {n:5} steps {seconds:7.3f} s  {seconds / n * 1000:7.3f} ms/step")
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        run_steps(llm, prompts, settings)
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6
+    print(f"profiled run: {wall:.2f} s wall, GPU busy {busy:.2f} s, idle {wall - busy:.2f} s")
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    for e in kernels[:25]:
+        print(f"  {e.self_device_time_total / 1e6:7.3f} s {e.count:8} calls  {e.key[:90]}")
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()
