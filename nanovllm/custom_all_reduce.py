@@ -23,11 +23,19 @@ ONE_SHOT_MAX_BYTES = 512 << 10   # above this, two-shot when there are more than
 
 
 class SymmMemAllReduce:
-    def __init__(self, name: str, rank: int, size: int, store, device: torch.device):
-        """name: a group name unique in this process; store: the group's TCPStore. Collective:
-        every rank of the group must construct it. Raises if symmetric memory is unusable."""
+    def __init__(self, name: str, rank: int, size: int, store, device: torch.device, backend):
+        """name: a group name unique in this process; store: the group's TCPStore; backend: its
+        NCCL backend. Collective: every rank of the group must construct it. Raises if symmetric
+        memory is unusable."""
         from torch.distributed import _symmetric_memory as symm_mem
         self.name, self.size = name, size
+        # symm_mem finds its group by name in c10d's registry: register a ProcessGroup over our backend.
+        group = dist.ProcessGroup(store, rank, size)
+        group._register_backend(device, dist.ProcessGroup.BackendType.NCCL, backend)
+        group._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
+        group._set_group_name(name)
+        torch._C._distributed_c10d._register_process_group(name, group)
+        self.group = group
         symm_mem._SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore(f"{name}/", store))
         self.buffer = symm_mem.empty(BUFFER_BYTES, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, name)
@@ -55,7 +63,7 @@ def try_symm_mem_all_reduce(name: str, rank: int, size: int, store, device: torc
     (every rank then agrees to use NCCL). Collective."""
     reducer, reason = None, ""
     try:
-        reducer = SymmMemAllReduce(name, rank, size, store, device)
+        reducer = SymmMemAllReduce(name, rank, size, store, device, process_group)
         if not _sums_correctly(reducer, rank, size, device):
             reducer, reason = None, "its self-check gave a wrong sum"
     except Exception as e:   # not built with symm_mem, no P2P between the GPUs, driver too old, ...

@@ -54,6 +54,10 @@ def test_custom_all_reduce_sums_like_nccl(size):
             group.all_reduce(x)
             expected = sum(part(rank, numel).float() for rank in range(size))
             torch.testing.assert_close(x.float().cpu(), expected, rtol=2e-2, atol=2e-2, msg=f"numel {numel}")
+    except BaseException:
+        for proc in procs:   # they wait in collectives rank 0 will not join
+            proc.kill()
+        raise
     finally:
         for proc in procs:
             proc.join(60)

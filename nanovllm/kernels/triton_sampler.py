@@ -4,8 +4,9 @@ Sampling from softmax(logits / T) is the Gumbel-max trick: argmax(logits / T + g
 g = -log(-log(u)), u ~ U(0, 1), the same race as the torch sampler's argmax(probs / q),
 q ~ Exponential(1) (-log q is the Gumbel noise), without forming probabilities. The torch
 version makes ~10 float32 passes over [batch, vocab]; this kernel reads the logits once, in
-their own dtype. Greedy rows skip the noise and return exactly torch's argmax (first index
-of the maximum). The noise of row r is philox(seeds[r], token id): a seeded request gets the
+their own dtype; each philox call yields four of the uniforms (philox is most of the kernel's
+arithmetic). Greedy rows skip the noise and return exactly torch's argmax (first index of the
+maximum). Row r's noise is a function of (seeds[r], token id) alone: a seeded request gets the
 same noise whatever batch it is in. The plain-torch reference is layers/sampler.py's path.
 """
 import torch
@@ -16,24 +17,46 @@ CHUNK = 8192    # vocab entries per program: ~19 programs per row for a 152k voc
 
 
 @triton.jit
+def _noisy(logits_ptr, offs, vocab_size, inv_temp, u, SAMPLE: tl.constexpr):
+    x = tl.load(logits_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
+    if SAMPLE:
+        x = x * inv_temp - tl.log(-tl.log(tl.maximum(u, 1e-20)))
+    return x
+
+
+@triton.jit
+def _keep_best(best_val, best_idx, x, offs):
+    better = x > best_val            # strict: each lane keeps its earliest maximum
+    return tl.where(better, x, best_val), tl.where(better, offs, best_idx)
+
+
+@triton.jit
 def _gumbel_argmax_kernel(logits_ptr, stride, temps_ptr, greedy_ptr, seeds_ptr, best_val_ptr, best_idx_ptr,
-                          vocab_size, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                          vocab_size, num_chunks, CHUNK: tl.constexpr, QUARTER: tl.constexpr):
     row, chunk = tl.program_id(0), tl.program_id(1)
-    sample = tl.load(greedy_ptr + row) == 0
+    row_ptr = logits_ptr + row * stride
     inv_temp = 1.0 / tl.load(temps_ptr + row)
     seed = tl.load(seeds_ptr + row)
-    best_val = tl.full((BLOCK,), float("-inf"), tl.float32)
-    best_idx = tl.zeros((BLOCK,), tl.int32)
-    for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < vocab_size
-        x = tl.load(logits_ptr + row * stride + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        if sample:
-            u = tl.maximum(tl.rand(seed, offs), 1e-20)
-            x = x * inv_temp - tl.log(-tl.log(u))
-        better = x > best_val            # strict: each lane keeps its earliest maximum
-        best_val = tl.where(better, x, best_val)
-        best_idx = tl.where(better, offs, best_idx)
+    best_val = tl.full((QUARTER,), float("-inf"), tl.float32)
+    best_idx = tl.zeros((QUARTER,), tl.int32)
+    if tl.load(greedy_ptr + row) != 0:
+        for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, QUARTER):
+            offs = start + tl.arange(0, QUARTER)
+            x = _noisy(row_ptr, offs, vocab_size, inv_temp, 0.0, SAMPLE=False)
+            best_val, best_idx = _keep_best(best_val, best_idx, x, offs)
+    else:
+        # One philox call gives four uniforms: tokens start + i + {0, 1, 2, 3} * QUARTER.
+        for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, 4 * QUARTER):
+            offs = start + tl.arange(0, QUARTER)
+            u0, u1, u2, u3 = tl.rand4x(seed, offs)
+            best_val, best_idx = _keep_best(best_val, best_idx,
+                                            _noisy(row_ptr, offs, vocab_size, inv_temp, u0, SAMPLE=True), offs)
+            best_val, best_idx = _keep_best(best_val, best_idx, _noisy(
+                row_ptr, offs + QUARTER, vocab_size, inv_temp, u1, SAMPLE=True), offs + QUARTER)
+            best_val, best_idx = _keep_best(best_val, best_idx, _noisy(
+                row_ptr, offs + 2 * QUARTER, vocab_size, inv_temp, u2, SAMPLE=True), offs + 2 * QUARTER)
+            best_val, best_idx = _keep_best(best_val, best_idx, _noisy(
+                row_ptr, offs + 3 * QUARTER, vocab_size, inv_temp, u3, SAMPLE=True), offs + 3 * QUARTER)
     top = tl.max(best_val, 0)
     top_idx = tl.min(tl.where(best_val == top, best_idx, vocab_size), 0)
     tl.store(best_val_ptr + row * num_chunks + chunk, top)
@@ -51,6 +74,6 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, is_greedy: t
     best_idx = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device)
     _gumbel_argmax_kernel[(batch, num_chunks)](
         logits, logits.stride(0), temperatures, is_greedy, seeds, best_val, best_idx, vocab_size, num_chunks,
-        CHUNK=CHUNK, BLOCK=1024, num_warps=4)
+        CHUNK=CHUNK, QUARTER=256, num_warps=4)
     winner = best_val.argmax(-1, keepdim=True)           # first chunk among ties: the smallest id
     return best_idx.gather(-1, winner).squeeze(-1).long()

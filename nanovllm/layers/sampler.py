@@ -3,9 +3,9 @@
 Order of operations (vLLM v1's): raw logprobs are taken first, from the unprocessed logits;
 then min_tokens masking and penalties; greedy rows take the argmax of that; the others go
 through temperature, top-k, top-p and min-p, and are sampled by the exponential race
-argmax(probs / q), q ~ Exponential(1), which needs no sort and no host sync. On CUDA, a batch
-without top-k/top-p/min-p takes temperature, noise and argmax in one fused Triton pass
-(kernels/triton_sampler.py: the same race as Gumbel noise on the logits).
+argmax(probs / q), q ~ Exponential(1), which needs no sort and no host sync. On CUDA the race
+runs as Gumbel noise on the logits in one fused Triton pass (kernels/triton_sampler.py), with
+temperature inside it unless top-k/top-p/min-p filter the scaled logits first.
 """
 from dataclasses import dataclass
 
@@ -74,10 +74,22 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def filter_logits(scaled: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Top-k, top-p, then min-p on temperature-scaled float32 logits [B, V]: dropped tokens get -inf.
+    min-p keeps p >= min_p * p_max, i.e. logit >= max logit + log(min_p)."""
+    if md.top_k is not None or md.top_p is not None:
+        scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p)
+    if md.min_p is not None:
+        floor = scaled.amax(-1, keepdim=True) + md.min_p[:, None].log()
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
+    return scaled
+
+
 class Sampler:
     def __init__(self, generator: torch.Generator):
         self.generator = generator
-        # On CUDA, batches without top-k/top-p/min-p sample in one fused Triton pass.
+        # On CUDA every batch samples through the fused Triton kernel, so a seeded request draws
+        # the same noise whatever else is in its batch; the torch race is the CPU path.
         self.fused = generator.device.type == "cuda"
 
     def _exponential_noise(self, probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -94,18 +106,20 @@ class Sampler:
             seeds[md.seeded_rows] = md.seed_values
         return seeds
 
+    def _sample_fused(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        from nanovllm.kernels.triton_sampler import gumbel_argmax
+        temperatures = md.temperatures
+        if md.top_k is not None or md.top_p is not None or md.min_p is not None:
+            logits = filter_logits(logits.float() / temperatures[:, None], md)
+            temperatures = torch.ones_like(temperatures)      # already applied
+        return gumbel_argmax(logits, temperatures, md.is_greedy, self._row_seeds(md, logits.shape[0], logits.device))
+
     def _sample_torch(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """logits: [B, V] float32 -> token ids [B]."""
         token_ids = logits.argmax(-1) if md.any_greedy else None
         if md.all_greedy:
             return token_ids
-        logits = logits / md.temperatures[:, None]
-        if md.top_k is not None or md.top_p is not None:
-            logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        probs = logits.softmax(-1)
-        if md.min_p is not None:
-            max_prob = probs.amax(-1, keepdim=True)
-            probs = probs.masked_fill(probs < md.min_p[:, None] * max_prob, 0.0)
+        probs = filter_logits(logits / md.temperatures[:, None], md).softmax(-1)
         sampled = probs.div_(self._exponential_noise(probs, md)).argmax(-1)
         return sampled if token_ids is None else torch.where(md.is_greedy, token_ids, sampled)
 
@@ -119,12 +133,7 @@ class Sampler:
                 logits[md.banned_rows, md.banned_tokens] = float("-inf")
             if md.output_token_counts is not None:
                 logits = apply_penalties(logits, md)
-        if self.fused and md.top_k is None and md.top_p is None and md.min_p is None:
-            from nanovllm.kernels.triton_sampler import gumbel_argmax
-            seeds = self._row_seeds(md, logits.shape[0], logits.device)
-            token_ids = gumbel_argmax(logits, md.temperatures, md.is_greedy, seeds)
-        else:
-            token_ids = self._sample_torch(logits.float(), md)
+        token_ids = self._sample_fused(logits, md) if self.fused else self._sample_torch(logits.float(), md)
         out = SamplerOutput(token_ids)
         if raw_logprobs is not None:
             out.logprobs = raw_logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
