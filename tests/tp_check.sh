@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Tensor-parallel benchmarks in one device call: bench.py's default workload on one model shape at
-# every TP size the machine has GPUs for; nanovllm also with NCCL alone (--disable-custom-all-reduce).
+# every TP size the machine has GPUs for; nanovllm also with NCCL alone (--disable-custom-all-reduce)
+# at the sizes in NCCL_SIZES (default: all).
 # Usage (repo root, on the GPU machine): ENGINES="nanovllm vllm" MODEL=qwen3-8b SIZES="1 2 4" bash tests/tp_check.sh
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -11,7 +12,7 @@ SIZES=${SIZES:-$(for n in 1 2 4 8; do [ "$n" -le "$NUM_GPUS" ] && echo $n; done)
 for engine in ${ENGINES:-nanovllm}; do
   for tp in $SIZES; do
     variants=("")
-    if [ "$engine" = nanovllm ] && [ "$tp" -gt 1 ] && [ "${NCCL_TOO:-1}" = 1 ]; then
+    if [ "$engine" = nanovllm ] && [ "$tp" -gt 1 ] && [[ " ${NCCL_SIZES:-$SIZES} " == *" $tp "* ]]; then
       variants+=("--disable-custom-all-reduce")
     fi
     for flag in "${variants[@]}"; do
