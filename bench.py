@@ -69,7 +69,9 @@ def main():
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--disable-custom-all-reduce", action="store_true", help="NCCL for every all-reduce (TP > 1)")
+    p.add_argument("--custom-all-reduce", choices=["default", "on", "off"], default="default",
+                   help="TP > 1: the engine's own all-reduce kernels (on) or NCCL alone (off); default: "
+                        "the engine's default (nanovllm: off, vLLM: on)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="also print one JSON line with the results")
     args = p.parse_args()
@@ -81,8 +83,8 @@ def main():
     model = preset_dir(args.model) if args.model in PRESETS else args.model
     kwargs = dict(max_model_len=args.max_model_len if not on_cpu else 1024, enforce_eager=args.enforce_eager,
                   tensor_parallel_size=args.tp)
-    if args.disable_custom_all_reduce:
-        kwargs["disable_custom_all_reduce"] = True
+    if args.custom_all_reduce != "default":
+        kwargs["disable_custom_all_reduce"] = args.custom_all_reduce == "off"
     if args.model in PRESETS:
         kwargs |= dict(load_format="dummy", skip_tokenizer_init=True)
     if args.engine == "vllm":
@@ -107,7 +109,7 @@ def main():
     num_in = sum(len(ids) for ids in prompts)
     num_cached = sum(o.num_cached_tokens or 0 for o in outputs)
     result = dict(engine=args.engine, model=args.model, workload=args.workload, tp=args.tp,
-                  custom_all_reduce=not args.disable_custom_all_reduce, num_requests=len(prompts),
+                  custom_all_reduce=args.custom_all_reduce, num_requests=len(prompts),
                   prompt_tokens=num_in, output_tokens=num_out, cached_prompt_tokens=num_cached,
                   time_s=round(elapsed, 3), output_tok_s=round(num_out / elapsed, 2),
                   total_tok_s=round((num_in + num_out) / elapsed, 2), req_s=round(len(prompts) / elapsed, 3),

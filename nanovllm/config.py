@@ -28,7 +28,9 @@ class Config:
     num_kvcache_blocks: int | None = None
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
-    disable_custom_all_reduce: bool = False   # True: NCCL for every all-reduce (no symmetric memory)
+    # The symmetric-memory all-reduce (custom_all_reduce.py) is experimental, so unlike vLLM it is
+    # off by default: False turns it on; True or unset: NCCL for every all-reduce.
+    disable_custom_all_reduce: bool = True
     load_format: str = "auto"
     max_logprobs: int = 20
     attention_backend: str = "auto"     # "auto" | "triton" | "flash_attn" | "torch"

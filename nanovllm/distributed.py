@@ -26,6 +26,11 @@ class TPGroup:
         dist.all_reduce(x, group=self.process_group)
         return x
 
+    def close(self):
+        if self.custom_all_reduce is not None:
+            self.custom_all_reduce.close()
+            self.custom_all_reduce = None
+
     def gather_to_first(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's x, on rank 0 (None elsewhere)."""
         if self.size == 1:

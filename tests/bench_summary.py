@@ -13,7 +13,7 @@ def main(paths: list[str]):
                 if not line.startswith("{"):
                     continue
                 r = json.loads(line)
-                allreduce = "-" if r.get("tp", 1) == 1 else ("custom" if r.get("custom_all_reduce", True) else "nccl")
+                allreduce = "-" if r.get("tp", 1) == 1 else r.get("custom_all_reduce", "default")
                 name = os.path.basename(path).removesuffix(".log")
                 print(f"{name[:28]:28} {r['engine']:9} {r['model']:10} {r['workload']:8} {r.get('tp', 1):2} {allreduce:9} "
                       f"{r['time_s']:7.2f}s {r['output_tok_s']:10.0f} {r['startup_s']:7.1f}s  {r.get('ms_per_token', '')}")

@@ -7,7 +7,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150")   # a hung test fails alone
+  timeout "${TEST_TIMEOUT:-600}" python3 -m pytest -q -m gpu $per_test tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 fi
 for engine in ${ENGINES:-nanovllm}; do
   for w in ${@:-default prefix latency}; do

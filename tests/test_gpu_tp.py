@@ -52,8 +52,10 @@ def test_custom_all_reduce_sums_like_nccl(size):
         for numel in NUMELS:
             x = part(0, numel).cuda()
             group.all_reduce(x)
-            expected = sum(part(rank, numel).float() for rank in range(size))
-            torch.testing.assert_close(x.float().cpu(), expected, rtol=2e-2, atol=2e-2, msg=f"numel {numel}")
+            parts = [part(rank, numel).float() for rank in range(size)]
+            # bf16 additions round by up to 2^-8 of the partial sums (see custom_all_reduce._sums_correctly)
+            bound = 2 ** -5 * sum(p.abs() for p in parts) + 1e-3
+            assert ((x.float().cpu() - sum(parts)).abs() <= bound).all(), f"numel {numel}"
     except BaseException:
         for proc in procs:   # they wait in collectives rank 0 will not join
             proc.kill()
