@@ -67,6 +67,7 @@ def main():
     for kind, (n, seconds) in sorted(by_kind.items()):
         print(f"  {kind:22} {n:5} steps {seconds:7.3f} s  {seconds / n * 1000:7.3f} ms/step")
 
+    llm.reset_prefix_cache()          # the same prompts again: without this they would all be cache hits
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         run_steps(llm, prompts, settings)
