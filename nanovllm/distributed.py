@@ -26,6 +26,13 @@ class TPGroup:
         dist.all_reduce(x, group=self.process_group)
         return x
 
+    def abort(self):
+        """Make every pending and later collective of this group fail (a peer is gone)."""
+        try:
+            self.process_group.abort()
+        except Exception:   # a backend without abort: its collectives fail on their own
+            pass
+
     def close(self):
         if self.custom_all_reduce is not None:
             self.custom_all_reduce.close()

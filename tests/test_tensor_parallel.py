@@ -58,9 +58,11 @@ def test_two_engines_at_once_and_close(qwen3_dir):
     b = LLM(qwen3_dir, tensor_parallel_size=2, **SMALL)
     assert greedy(a, PROMPTS[:4]) == greedy(b, PROMPTS[:4])
     pids = worker_pids(a) + worker_pids(b)
+    watchdogs = [a.llm_engine.workers.watchdog, b.llm_engine.workers.watchdog]
     a.close()
     b.close()
     assert not any(alive(pid) for pid in pids)
+    assert not any(w.is_alive() for w in watchdogs)
     assert set(os.listdir("/dev/shm")) == shm_before
     with pytest.raises(RuntimeError, match="this LLM is closed"):
         a.generate([[1, 2, 3]], use_tqdm=False)
@@ -107,6 +109,9 @@ def test_killed_worker_is_named(qwen3_dir):
     llm = LLM(qwen3_dir, tensor_parallel_size=2, **SMALL)
     greedy(llm, PROMPTS[:2])
     os.kill(worker_pids(llm)[0], signal.SIGKILL)
+    workers = llm.llm_engine.workers
+    workers.watchdog.join(5)                 # it saw the death and aborted the group (NCCL would wait)
+    assert not workers.watchdog.is_alive() and not workers.closed
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="worker rank 1"):
         greedy(llm)

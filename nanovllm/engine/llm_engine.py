@@ -203,7 +203,11 @@ class LLMEngine:
     def _resolve(self, step: "InFlightStep") -> list[RequestOutput]:
         """Read a launched step's sampled tokens: replace the placeholders, check stops."""
         if step.event is not None:
-            step.event.synchronize()
+            try:
+                step.event.synchronize()
+            finally:
+                if self.workers is not None:   # a dead worker aborts the group (TPWorkers._watch):
+                    self.workers.check_alive()  # name it, rather than use what the aborted step left
         sampled = step.host
         token_ids = sampled.token_ids.tolist()
         logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None

@@ -7,11 +7,13 @@ group's collectives (gloo on the CPU, NCCL on CUDA), set up over a TCPStore on a
 
 A step message is the flattened batch (new token ids, positions, slots, block tables), never
 the sequences. Workers end on close(), on `del`, at interpreter exit, or when the pipe to
-rank 0 closes; a dead worker is reported by rank, instead of hanging the caller.
+rank 0 closes; a dead worker is reported by rank, instead of hanging the caller: a watchdog
+thread aborts the group the moment a worker exits, so no collective waits for it.
 """
 import multiprocessing as mp
 import multiprocessing.connection
 import signal
+import threading
 import time
 
 from nanovllm import distributed
@@ -48,6 +50,18 @@ class TPWorkers:
         except BaseException:
             self.close()
             raise
+        self._wake_watchdog, wake_end = ctx.Pipe()
+        self.watchdog = threading.Thread(target=self._watch, args=(wake_end,), name="nanovllm-tp-watchdog",
+                                         daemon=True)
+        self.watchdog.start()
+
+    def _watch(self, wake_end):
+        """Wait for a worker to die; then abort the group. With NCCL, rank 0 would otherwise wait in
+        a collective for the dead peer until NCCL's own timeout (minutes); aborted, its collectives
+        fail at once and the caller names the rank (check_alive). close() wakes it to end quietly."""
+        multiprocessing.connection.wait([proc.sentinel for proc in self.procs] + [wake_end])
+        if not self.closed:
+            self.group.abort()
 
     def check_alive(self, grace_s: float = 0.0):
         """Raise WorkerDiedError naming the first dead worker. grace_s: how long to wait for one
@@ -74,6 +88,13 @@ class TPWorkers:
         if self.closed:
             return
         self.closed = True
+        if hasattr(self, "watchdog"):
+            try:
+                self._wake_watchdog.send(None)
+            except OSError:   # it has already returned (a worker died)
+                pass
+            self.watchdog.join()
+            self._wake_watchdog.close()
         for conn in self.conns:
             try:
                 conn.send(("exit", None))
