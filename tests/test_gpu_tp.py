@@ -2,13 +2,16 @@
 all-reduce sums like NCCL at every size class, and TP=2/4/8 logprobs are close to TP=1 in bf16
 with CUDA graphs on and off. Each case skips when the machine has too few GPUs."""
 import multiprocessing as mp
+import os
+import signal
+import time
 
 import pytest
 import torch
 
 from test_gpu import SIZES, check_logprobs_close, run  # noqa: F401  (shared helpers)
 from conftest import build_model_dir
-from nanovllm import LLM, distributed
+from nanovllm import LLM, SamplingParams, distributed
 from nanovllm.custom_all_reduce import BUFFER_BYTES
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]
@@ -92,3 +95,23 @@ def test_tp_logprobs_close_to_tp1(tp_model_dir, tp1_reference, tp, enforce_eager
         assert (runner.graphs is None) == enforce_eager
         assert (runner.tp.custom_all_reduce is not None) == custom_all_reduce
     assert check_logprobs_close(ours, tp1_reference) >= len(tp1_reference) // 2
+
+
+def test_worker_killed_mid_generate_is_named(tp_model_dir):
+    """NCCL waits for a dead peer until its own timeout; the watchdog must abort the group instead."""
+    llm = LLM(tp_model_dir, dtype="bfloat16", max_model_len=1024, block_size=16, tensor_parallel_size=2)
+    engine = llm.llm_engine
+    real_step, calls, pid = engine.step, [], engine.workers.procs[0].pid
+
+    def step():
+        calls.append(1)
+        if len(calls) == 20:
+            os.kill(pid, signal.SIGKILL)
+        return real_step()
+
+    engine.step = step
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker rank 1"):
+        llm.generate([[1, 2, 3, i] for i in range(32)], SamplingParams(max_tokens=900, ignore_eos=True),
+                     use_tqdm=False)
+    assert time.monotonic() - start < 30
