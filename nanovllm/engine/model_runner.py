@@ -1,13 +1,14 @@
 """ModelRunner: owns the model, its KV cache, the attention backend, the decode CUDA graphs and
 the sampler; turns a SchedulerOutput into sampled tokens."""
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from nanovllm.config import Config
 from nanovllm.distributed import SINGLE, TPGroup
+from nanovllm.engine.block_table_sync import BlockTableReceiver, BlockTableSender, TableUpdates
 from nanovllm.engine.cuda_graph import DecodeGraphs
 from nanovllm.engine.sampling_inputs import build_sampling_metadata
 from nanovllm.engine.scheduler import SchedulerOutput
@@ -30,7 +31,7 @@ class HostBatch:
     input_ids: np.ndarray        # [num_tokens] int64
     positions: np.ndarray        # [num_tokens] int64
     slot_mapping: np.ndarray     # [num_tokens] int64
-    block_tables: np.ndarray     # [num_seqs, max_num_blocks] int32
+    block_tables: np.ndarray | None   # [num_seqs, max_num_blocks] int32; None in a worker's message
     query_start_loc: list[int]   # [num_seqs + 1]
     seq_lens: list[int]          # [num_seqs]
 
@@ -43,6 +44,7 @@ class StepInputs:
     pending_sources: list[int]      # ...row pending_sources[i] of the previous step's sampled tokens
     logits_rows: list[int] | None   # rows whose hidden state becomes logits; None: every row
     num_sampling: int               # number of logits rows (0: nothing is sampled)
+    table_updates: TableUpdates | None = None   # to the workers, in place of batch.block_tables
 
 
 def runner_device(config: Config, rank: int) -> torch.device:
@@ -55,6 +57,8 @@ class ModelRunner:
         the TPWorkers that mirror every step."""
         self.config = config
         self.tp, self.workers = tp, workers
+        self.table_sender = BlockTableSender() if workers is not None else None
+        self.table_receiver = BlockTableReceiver() if tp.rank > 0 else None
         self.device = runner_device(config, tp.rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -249,8 +253,9 @@ class ModelRunner:
         pending: {seq_id: row in the previous step's sampled tokens} for sequences whose last
         token the host has not read yet (PENDING_TOKEN in token_ids): its id is taken on the device."""
         step = self.prepare_step(out, sampling_seqs, pending)
-        if self.workers is not None:
-            self.workers.send(("step", step))
+        if self.workers is not None:   # block tables travel as changes
+            self.workers.send(("step", replace(step, batch=replace(step.batch, block_tables=None),
+                                               table_updates=self.table_sender.updates(out.seqs))))
         try:
             logits = self.run_step(step)
             if logits is None:
@@ -266,6 +271,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run_worker_step(self, step: StepInputs):
         """Ranks > 0: the same step as rank 0, then receive its sampled tokens."""
+        step.batch.block_tables = self.table_receiver.apply(step.table_updates)
         self.run_step(step)
         if step.num_sampling:
             tokens = torch.empty(step.num_sampling, dtype=torch.int64, device=self.device)
