@@ -131,6 +131,19 @@ def test_n_completions(llm):
     assert [c.token_ids for c in again.outputs] == seqs
 
 
+def test_penalty_request_joins_a_batch_with_pending_tokens(qwen3_dir):
+    """Async scheduling: C (with penalties) is admitted when A finishes, while B's latest token is
+    still on the device (a placeholder on the host): its penalties must ignore B's placeholder."""
+    llm = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=256, async_scheduling=True,
+              max_num_seqs=2)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 12)]
+    params.append(SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, repetition_penalty=1.5))
+    mixed = llm.generate([ids(p) for p in PROMPTS[:3]], params, use_tqdm=False)
+    alone = llm.generate([ids(PROMPTS[2])], params[2], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in mixed] == [2, 12, 6]
+    assert mixed[2].outputs[0].token_ids == alone[0].outputs[0].token_ids
+
+
 @torch.no_grad()
 def test_repetition_penalty_matches_hf(llm, qwen3_dir):
     sp = SamplingParams(temperature=0, repetition_penalty=1.8, max_tokens=10, ignore_eos=True)
@@ -179,8 +192,8 @@ def test_penalties_exact_values():
     logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]])
     md = metadata(1, presence_penalties=torch.tensor([0.5]), frequency_penalties=torch.tensor([0.25]),
                   repetition_penalties=torch.tensor([2.0]),
-                  output_token_counts=torch.tensor([[2, 1, 0, 0]]),
-                  prompt_token_mask=torch.tensor([[False, False, True, False]]))
+                  output_token_ids=torch.tensor([[0, 1, 0, 4, 4]]),     # token 0 twice, token 1 once; 4: pad
+                  prompt_token_ids=torch.tensor([[2, 4]]))
     out = apply_penalties(logits, md)
     # token 0: 2/2 - 0.25*2 - 0.5; token 1: -1*2 - 0.25 - 0.5; token 2: prompt only, 0.5/2; token 3 untouched
     assert out.tolist() == [[0.0, -2.75, 0.25, 1.0]]

@@ -1,6 +1,7 @@
 """Per-step sampling inputs: the batch's SamplingParams turned into the sampler's tensors."""
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from nanovllm.engine.sequence import Sequence
@@ -40,17 +41,22 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids
         md.banned_rows = to_device(rows, torch.int64)
         md.banned_tokens = to_device(tokens, torch.int64)
     if any(p.has_penalties for p in params):
-        counts = torch.zeros(len(seqs), vocab, dtype=torch.int32)
-        prompt_mask = torch.zeros(len(seqs), vocab, dtype=torch.bool)
-        for i, seq in enumerate(seqs):
-            out_ids = torch.tensor(seq.output_token_ids, dtype=torch.int64)
-            counts[i].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=torch.int32))
-            prompt_mask[i, seq.token_ids[:seq.num_prompt_tokens]] = True
-        md.output_token_counts = to_device(counts.numpy())
-        md.prompt_token_mask = to_device(prompt_mask.numpy())
+        # Token ids, not [B, V] counts: the sampler counts them on the device. Pad: vocab (one past
+        # the last id); a row's pending tokens (not read yet: never a row with penalties) count as pad.
+        md.output_token_ids = to_device(padded([seq.output_token_ids for seq in seqs], vocab))
+        md.prompt_token_ids = to_device(padded([seq.token_ids[:seq.num_prompt_tokens] for seq in seqs], vocab))
         md.presence_penalties = to_device([p.presence_penalty for p in params], torch.float32)
         md.frequency_penalties = to_device([p.frequency_penalty for p in params], torch.float32)
         md.repetition_penalties = to_device([p.repetition_penalty for p in params], torch.float32)
     num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
     md.max_num_logprobs = max(num_logprobs) if num_logprobs else None
     return md
+
+
+def padded(rows: list[list[int]], pad: int) -> np.ndarray:
+    """[len(rows), longest row] int64, right-padded with pad; negative ids become pad too."""
+    out = np.full((len(rows), max(1, max(len(r) for r in rows))), pad, dtype=np.int64)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    out[out < 0] = pad
+    return out

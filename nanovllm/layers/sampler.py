@@ -28,12 +28,12 @@ class SamplingMetadata:
     # Banned (row, token) pairs: stop tokens of rows still under min_tokens.
     banned_rows: torch.Tensor | None
     banned_tokens: torch.Tensor | None
-    # Penalties: all [B] or [B, V]; None when no row has any.
+    # Penalties: [B] each, and the tokens they look at; None when no row has any.
     presence_penalties: torch.Tensor | None = None
     frequency_penalties: torch.Tensor | None = None
     repetition_penalties: torch.Tensor | None = None
-    output_token_counts: torch.Tensor | None = None   # [B, V] int
-    prompt_token_mask: torch.Tensor | None = None     # [B, V] bool
+    output_token_ids: torch.Tensor | None = None   # [B, max output len] int64, padded with V
+    prompt_token_ids: torch.Tensor | None = None   # [B, max prompt len] int64, padded with V
     max_num_logprobs: int | None = None
     # row_seeds again, as [S] row indices and [S] int64 seeds on the device (for the fused sampler).
     seeded_rows: torch.Tensor | None = None
@@ -50,8 +50,14 @@ class SamplerOutput:
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    counts = md.output_token_counts
-    seen = md.prompt_token_mask | (counts > 0)
+    batch, vocab_size = logits.shape
+    # Count each row's output tokens and mark its prompt tokens; column V collects the padding.
+    ids = md.output_token_ids
+    counts = torch.zeros(batch, vocab_size + 1, dtype=torch.int32, device=logits.device)
+    counts = counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32))[:, :vocab_size]
+    in_prompt = torch.zeros(batch, vocab_size + 1, dtype=torch.bool, device=logits.device)
+    in_prompt = in_prompt.scatter_(1, md.prompt_token_ids, True)[:, :vocab_size]
+    seen = in_prompt | (counts > 0)
     rep = md.repetition_penalties[:, None].expand_as(logits)
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalised, logits)
@@ -127,11 +133,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         # logits: [B, V]
         raw_logprobs = logits.float().log_softmax(-1) if md.max_num_logprobs is not None else None
-        if md.banned_rows is not None or md.output_token_counts is not None:
+        if md.banned_rows is not None or md.output_token_ids is not None:
             logits = logits.float()
             if md.banned_rows is not None:
                 logits[md.banned_rows, md.banned_tokens] = float("-inf")
-            if md.output_token_counts is not None:
+            if md.output_token_ids is not None:
                 logits = apply_penalties(logits, md)
         token_ids = self._sample_fused(logits, md) if self.fused else self._sample_torch(logits.float(), md)
         out = SamplerOutput(token_ids)
