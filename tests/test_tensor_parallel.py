@@ -98,6 +98,26 @@ def test_exception_in_generate_ends_workers(qwen3_dir, monkeypatch):
     assert not any(alive(pid) for pid in pids)
 
 
+def test_rank0_failing_at_start_ends_workers(qwen3_dir, monkeypatch):
+    """rank 0's own start-up error reaches the caller as is, and no worker is left behind."""
+    import nanovllm.engine.llm_engine as llm_engine
+    spawned = []
+    real_workers = llm_engine.TPWorkers
+
+    def workers(*args):
+        spawned.append(real_workers(*args))
+        return spawned[-1]
+
+    def runner(*args, **kwargs):
+        raise RuntimeError("rank 0 could not start")
+
+    monkeypatch.setattr(llm_engine, "TPWorkers", workers)
+    monkeypatch.setattr(llm_engine, "ModelRunner", runner)
+    with pytest.raises(RuntimeError, match="rank 0 could not start"):
+        LLM(qwen3_dir, tensor_parallel_size=2, **SMALL)
+    assert not any(alive(p.pid) for p in spawned[0].procs)
+
+
 def test_bad_input_keeps_workers(qwen3_dir):
     with LLM(qwen3_dir, tensor_parallel_size=2, **SMALL) as llm:
         with pytest.raises(ValueError, match="out of vocabulary"):

@@ -244,7 +244,6 @@ class LLMEngine:
         """End the tensor-parallel workers, if any. Idempotent."""
         if self.workers is not None:
             self.workers.close()
-            self.model_runner.tp.close()
 
     @staticmethod
     def _make_output(request: Request) -> RequestOutput:

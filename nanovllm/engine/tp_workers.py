@@ -41,6 +41,7 @@ class TPWorkers:
             self.conns.append(parent_end)
             self.procs.append(proc)
         self.closed = False
+        self.group = self.watchdog = None
         try:
             for rank in range(1, size):          # a worker that dies while starting is named, not waited for
                 while not rendezvous.has_arrived(rank):
@@ -88,7 +89,7 @@ class TPWorkers:
         if self.closed:
             return
         self.closed = True
-        if hasattr(self, "watchdog"):
+        if self.watchdog is not None:
             try:
                 self._wake_watchdog.send(None)
             except OSError:   # it has already returned (a worker died)
@@ -107,6 +108,8 @@ class TPWorkers:
                 proc.join()
         for conn in self.conns:
             conn.close()
+        if self.group is not None:
+            self.group.close()
 
 
 def worker_main(config, eos_token_ids, rank: int, port: int, conn):
