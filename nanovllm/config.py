@@ -7,6 +7,7 @@ from transformers import AutoConfig, PretrainedConfig
 from nanovllm.utils.hub import resolve_model_path
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM")
+ATTENTION_BACKENDS = ("auto", "triton", "flash_attn", "torch")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "half": torch.float16, "float": torch.float32}
 
@@ -98,7 +99,7 @@ class Config:
               f"num_kvcache_blocks must be at least 1, got {self.num_kvcache_blocks}.")
         check(self.tensor_parallel_size >= 1,
               f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
-        check(self.attention_backend in ("auto", "triton", "flash_attn", "torch"),
+        check(self.attention_backend in ATTENTION_BACKENDS,
               f"attention_backend must be 'auto', 'triton', 'flash_attn' or 'torch', "
               f"got {self.attention_backend!r}.")
         check(self.max_logprobs >= 0, f"max_logprobs must be non-negative, got {self.max_logprobs}.")

@@ -62,7 +62,7 @@ class TPGroup:
 SINGLE = TPGroup()
 
 
-def connect(store_port: int, rank: int, size: int, device: torch.device, custom_all_reduce: bool = True,
+def connect(store_port: int, rank: int, size: int, device: torch.device, custom_all_reduce: bool = False,
             timeout_s: float = 300) -> TPGroup:
     """Ranks > 0: join the group whose TCPStore (run by rank 0) listens on 127.0.0.1:store_port.
     custom_all_reduce: try the symmetric-memory all-reduce on CUDA (every rank must agree)."""
@@ -85,7 +85,7 @@ class Rendezvous:
     def has_arrived(self, rank: int) -> bool:
         return self.store.check([f"arrived/{rank}"])
 
-    def join(self, custom_all_reduce: bool = True) -> TPGroup:
+    def join(self, custom_all_reduce: bool = False) -> TPGroup:
         return _make_group(self.store, self.port, 0, self.size, self.device, self.timeout, custom_all_reduce)
 
 

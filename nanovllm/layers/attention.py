@@ -8,8 +8,6 @@ from torch import nn
 
 from nanovllm.kernels import torch_attention
 
-ATTENTION_BACKENDS = ("auto", "triton", "flash_attn", "torch")
-
 
 @dataclass
 class AttentionMetadata:
