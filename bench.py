@@ -4,6 +4,7 @@
     python bench.py --workload prefix          # 256 requests sharing a 2048-token prefix
     python bench.py --workload latency         # batch 1: 512-token prompt, 512 greedy tokens
     python bench.py --engine vllm              # the same through vLLM
+    python bench.py --kv-cache-dtype fp8       # K/V cached in fp8 (half the bytes), either engine
 
 Without CUDA it runs a small workload on the CPU path and says so.
 """
@@ -72,6 +73,7 @@ def main():
     p.add_argument("--custom-all-reduce", choices=["default", "on", "off"], default="default",
                    help="TP > 1: the engine's own all-reduce kernels (on) or NCCL alone (off); default: "
                         "the engine's default (nanovllm: off, vLLM: on)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="'auto' (the model's dtype), 'fp8', 'fp8_e5m2', ...")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="also print one JSON line with the results")
     args = p.parse_args()
@@ -82,7 +84,7 @@ def main():
         print("No CUDA device: running a small workload on the CPU path (figures are not GPU figures).")
     model = preset_dir(args.model) if args.model in PRESETS else args.model
     kwargs = dict(max_model_len=args.max_model_len if not on_cpu else 1024, enforce_eager=args.enforce_eager,
-                  tensor_parallel_size=args.tp)
+                  tensor_parallel_size=args.tp, kv_cache_dtype=args.kv_cache_dtype)
     if args.custom_all_reduce != "default":
         kwargs["disable_custom_all_reduce"] = args.custom_all_reduce == "off"
     if args.model in PRESETS:
@@ -109,7 +111,7 @@ def main():
     num_in = sum(len(ids) for ids in prompts)
     num_cached = sum(o.num_cached_tokens or 0 for o in outputs)
     result = dict(engine=args.engine, model=args.model, workload=args.workload, tp=args.tp,
-                  custom_all_reduce=args.custom_all_reduce, num_requests=len(prompts),
+                  custom_all_reduce=args.custom_all_reduce, kv_cache_dtype=args.kv_cache_dtype, num_requests=len(prompts),
                   prompt_tokens=num_in, output_tokens=num_out, cached_prompt_tokens=num_cached,
                   time_s=round(elapsed, 3), output_tok_s=round(num_out / elapsed, 2),
                   total_tok_s=round((num_in + num_out) / elapsed, 2), req_s=round(len(prompts) / elapsed, 3),

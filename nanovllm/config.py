@@ -10,6 +10,10 @@ SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM")
 ATTENTION_BACKENDS = ("auto", "triton", "flash_attn", "torch")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "half": torch.float16, "float": torch.float32}
+# vLLM's kv_cache_dtype values ("auto": the model's dtype). fp8 values are stored unscaled
+# (vLLM's k_scale = v_scale = 1.0 for checkpoints without scales), clamped to the format's range.
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
+                   "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 @dataclass
@@ -35,11 +39,13 @@ class Config:
     load_format: str = "auto"
     max_logprobs: int = 20
     attention_backend: str = "auto"     # "auto" | "triton" | "flash_attn" | "torch"
+    kv_cache_dtype: str = "auto"        # "auto" (the model's dtype) | "bfloat16" | "fp8" | "fp8_e4m3" | "fp8_e5m2"
     async_scheduling: bool | None = None   # None: on with CUDA (overlaps host work with the GPU)
     # Derived in __post_init__.
     model_path: str = field(init=False)
     hf_config: PretrainedConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
+    kv_cache_torch_dtype: torch.dtype = field(init=False)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":
@@ -66,6 +72,7 @@ class Config:
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}.")
         self._validate_tensor_parallel()
         self.torch_dtype = self._resolve_dtype()
+        self.kv_cache_torch_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
         max_len = self.hf_config.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = max_len
@@ -102,6 +109,9 @@ class Config:
         check(self.attention_backend in ATTENTION_BACKENDS,
               f"attention_backend must be 'auto', 'triton', 'flash_attn' or 'torch', "
               f"got {self.attention_backend!r}.")
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+              f"kv_cache_dtype must be one of {', '.join(repr(k) for k in KV_CACHE_DTYPES)}, "
+              f"got {self.kv_cache_dtype!r}.")
         check(self.max_logprobs >= 0, f"max_logprobs must be non-negative, got {self.max_logprobs}.")
 
     def _validate_tensor_parallel(self):

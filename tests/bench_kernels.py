@@ -1,6 +1,7 @@
 """Attention kernel timings on the GPU for a few configurations (a developer tool, not a test).
-Qwen3-0.6B attention shape: 16 query heads, 8 KV heads, head_dim 128, bf16, block_size 256,
-pages scattered at random over a large cache (so reads come from HBM, not L2).
+Qwen3-0.6B attention shape: 16 query heads, 8 KV heads, head_dim 128, bf16 queries, a bf16 or
+fp8 cache, block_size 256, pages scattered at random over a large cache (so reads come from HBM,
+not L2).
 
     PYTHONPATH=. python3 tests/bench_kernels.py
 """
@@ -12,10 +13,10 @@ from nanovllm.kernels import triton_attention as ta
 H, KV, D, PAGE = 16, 8, 128, 256
 
 
-def paged(seq_lens, num_blocks=6000):
+def paged(seq_lens, num_blocks=6000, cache_dtype=torch.bfloat16):
     gen = torch.Generator(device="cuda").manual_seed(0)
-    k = torch.randn(num_blocks, PAGE, KV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-    v = torch.randn_like(k)
+    k = torch.randn(num_blocks, PAGE, KV, D, device="cuda", dtype=torch.bfloat16, generator=gen).to(cache_dtype)
+    v = torch.randn_like(k, dtype=torch.bfloat16).to(cache_dtype)
     width = max(-(-n // PAGE) for n in seq_lens)
     perm = torch.randperm(num_blocks, device="cuda", generator=gen)
     tables = perm[:len(seq_lens) * width].view(len(seq_lens), width).to(torch.int32)
@@ -23,16 +24,21 @@ def paged(seq_lens, num_blocks=6000):
 
 
 def main():
-    print("decode: batch x context, config (splits, min_split, block_n, stages, warps) -> us, GB/s of K/V")
+    print("decode: cache dtype, batch x context, config (splits, min_split, block_n, stages, warps) -> us, GB/s of K/V")
     configs = [(16, 256, 64, 2, 4), (16, 64, 64, 2, 4), (1, 64, 64, 2, 4), (16, 128, 64, 2, 4),
-               (16, 256, 128, 2, 4), (16, 256, 64, 3, 4), (16, 256, 128, 3, 8), (16, 512, 64, 2, 4)]
-    for bs, ctx in ((256, 1024), (64, 2048), (1, 1024)):
-        k, v, tables, lens = paged([ctx] * bs)
-        q = torch.randn(bs, H, D, device="cuda", dtype=torch.bfloat16)
-        kv_bytes = 2 * bs * ctx * KV * D * 2
-        for cfg in configs:
-            ms = do_bench(lambda: ta.decode_attention(q, k, v, tables, lens, D ** -0.5, *cfg), return_mode="median")
-            print(f"  {bs:3} x {ctx:4}  {cfg}: {ms * 1000:8.1f} us  {kv_bytes / ms / 1e6:7.0f} GB/s")
+               (16, 256, 128, 2, 4), (16, 256, 64, 3, 4), (16, 256, 128, 3, 8), (16, 512, 64, 2, 4),
+               (16, 256, 128, 3, 4), (16, 64, 128, 2, 4)]
+    for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        for bs, ctx in ((256, 1024), (64, 2048), (1, 1024)):
+            k, v, tables, lens = paged([ctx] * bs, cache_dtype=cache_dtype)
+            q = torch.randn(bs, H, D, device="cuda", dtype=torch.bfloat16)
+            kv_bytes = 2 * bs * ctx * KV * D * cache_dtype.itemsize
+            for cfg in configs:
+                ms = do_bench(lambda: ta.decode_attention(q, k, v, tables, lens, D ** -0.5, *cfg),
+                              return_mode="median")
+                print(f"  {str(cache_dtype)[6:]:13} {bs:3} x {ctx:4}  {cfg}: {ms * 1000:8.1f} us  "
+                      f"{kv_bytes / ms / 1e6:7.0f} GB/s")
+            del k, v
     print("prefill: 16 x 1024 new tokens, config (block_m, block_n, warps, stages) -> us, TFLOP/s")
     lens = [1024] * 16
     k, v, tables, seq_lens = paged(lens)

@@ -100,3 +100,18 @@ def make_prompts(seed: int = 0, num: int = 16) -> list[list[int]]:
     shared2 = rand(48)
     prompts += [shared2 + rand(n) for n in (3, 9, 20, 31)]
     return prompts[:num]
+
+
+def check_logprobs_close(ours, ref):
+    """As vLLM's check: where the greedy tokens first differ, each side's token must be in the
+    other side's top-N; after that the sequences are not compared. Returns how many matched fully."""
+    full = 0
+    for i, ((our_tokens, our_tops), (ref_tokens, ref_tops)) in enumerate(zip(ours, ref)):
+        for t, (a, b) in enumerate(zip(our_tokens, ref_tokens)):
+            if a != b:
+                assert a in ref_tops[t] and b in our_tops[t], \
+                    f"prompt {i}, token {t}: ours {a} (top {our_tops[t]}) vs HF {b} (top {ref_tops[t]})"
+                break
+        else:
+            full += 1
+    return full

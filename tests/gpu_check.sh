@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check in one device call: GPU tests, then bench.py workloads. Logs under $OUT.
-# Usage (repo root, on the GPU machine): [ENGINES="nanovllm vllm"] [SKIP_TESTS=1] bash tests/gpu_check.sh [workloads...]
+# Usage (repo root, on the GPU machine):
+#   [ENGINES="nanovllm vllm"] [KV_DTYPES="auto fp8"] [SKIP_TESTS=1] bash tests/gpu_check.sh [workloads...]
+# ENGINES=none runs the tests alone.
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -11,9 +13,12 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout "${TEST_TIMEOUT:-600}" python3 -m pytest -q -m gpu $per_test tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 fi
 for engine in ${ENGINES:-nanovllm}; do
-  for w in ${@:-default prefix latency}; do
-    timeout "${BENCH_TIMEOUT:-240}" python3 bench.py --engine "$engine" --workload "$w" --json 2>&1 \
-      | tee "$OUT/bench_${engine}_$w.log" | grep -v '^{' | tail -4
+  [ "$engine" = none ] && continue
+  for kv in ${KV_DTYPES:-auto}; do
+    for w in ${@:-default prefix latency}; do
+      timeout "${BENCH_TIMEOUT:-240}" python3 bench.py --engine "$engine" --workload "$w" --kv-cache-dtype "$kv" \
+        --json 2>&1 | tee "$OUT/bench_${engine}_${w}_$kv.log" | grep -v '^{' | tail -4
+    done
   done
 done
 echo "== summary"

@@ -1,5 +1,6 @@
 """The public API: vLLM's input forms and output shapes, bad input, and recovery after errors."""
 import pytest
+import torch
 
 from conftest import make_prompts
 from nanovllm import LLM, SamplingParams
@@ -144,6 +145,8 @@ def test_interrupted_generate_aborts_its_requests(llm, monkeypatch):
     (dict(max_model_len=100000), "max_model_len (100000) is greater than the model's max_position_embeddings (512)."),
     (dict(no_such_option=1), "unexpected keyword argument(s): no_such_option"),
     (dict(load_format="pickle"), "load_format must be 'auto', 'safetensors' or 'dummy', got 'pickle'."),
+    (dict(kv_cache_dtype="int4"), "kv_cache_dtype must be one of 'auto', 'bfloat16', 'fp8', 'fp8_e4m3', "
+                                  "'fp8_e5m2', got 'int4'."),
 ])
 def test_bad_engine_arguments(qwen3_dir, kwargs, message):
     with pytest.raises(ValueError) as e:
@@ -222,3 +225,14 @@ def test_attention_backend_choice(qwen3_dir):
             LLM(qwen3_dir, attention_backend=name, device="cpu", block_size=16, num_kvcache_blocks=8)
     with pytest.raises(ValueError, match="attention_backend must be 'auto', 'triton', 'flash_attn' or 'torch'"):
         LLM(qwen3_dir, attention_backend="xformers")
+
+
+def test_fp8_cache_keeps_auto_off_flash_attn(monkeypatch):
+    """flash-attn's kernels read only a cache in the model's dtype: 'auto' takes Triton instead,
+    and asking for flash_attn with an fp8 cache is a clear error."""
+    from nanovllm.layers import attention
+    monkeypatch.setattr(attention, "has_flash_attn", lambda: True)
+    cuda = torch.device("cuda")
+    assert isinstance(attention.select_backend("auto", cuda, 256, fp8_cache=True), attention.TritonBackend)
+    with pytest.raises(ValueError, match="attention_backend 'flash_attn' does not read an fp8 KV cache"):
+        attention.select_backend("flash_attn", cuda, 256, fp8_cache=True)

@@ -5,7 +5,7 @@ import functools
 import pytest
 import torch
 
-from conftest import build_model_dir, make_prompts
+from conftest import build_model_dir, check_logprobs_close, make_prompts
 from nanovllm import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -47,21 +47,6 @@ def hf_reference(path):
     return results
 
 
-def check_logprobs_close(ours, ref):
-    """As vLLM's check: where the greedy tokens first differ, each side's token must be in the
-    other side's top-N; after that the sequences are not compared. Returns how many matched fully."""
-    full = 0
-    for i, ((our_tokens, our_tops), (ref_tokens, ref_tops)) in enumerate(zip(ours, ref)):
-        for t, (a, b) in enumerate(zip(our_tokens, ref_tokens)):
-            if a != b:
-                assert a in ref_tops[t] and b in our_tops[t], \
-                    f"prompt {i}, token {t}: ours {a} (top {our_tops[t]}) vs HF {b} (top {ref_tops[t]})"
-                break
-        else:
-            full += 1
-    return full
-
-
 def run(llm):
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=NUM_LOGPROBS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
@@ -76,6 +61,8 @@ VARIANTS = {
     "chunked_prefill": dict(block_size=16, max_num_batched_tokens=48),
     "preemption": dict(block_size=16, num_kvcache_blocks=16),
     "torch_backend": dict(attention_backend="torch", block_size=16),
+    "fp8_kv_graphs": dict(kv_cache_dtype="fp8"),
+    "fp8_kv_chunked_prefill": dict(kv_cache_dtype="fp8", block_size=16, max_num_batched_tokens=48),
 }
 
 

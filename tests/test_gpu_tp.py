@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from test_gpu import SIZES, check_logprobs_close, run  # noqa: F401  (shared helpers)
-from conftest import build_model_dir
+from conftest import build_model_dir, check_logprobs_close
+from test_gpu import SIZES, run
 from nanovllm import LLM, SamplingParams, distributed
 from nanovllm.custom_all_reduce import BUFFER_BYTES
 

@@ -17,11 +17,27 @@ DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 TOL = 2e-2 if DTYPE == torch.bfloat16 else 1e-4
 
 
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)    # kv_cache_dtype "fp8" / "fp8_e4m3", "fp8_e5m2"
+INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
 def rel_err(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def random_batch(seq_lens, q_lens, num_kv_heads, head_dim, page, gen):
+def skip_fp8_store_in_interpreter(cache_dtype):
+    if INTERPRET and cache_dtype.itemsize == 1:
+        pytest.skip("the Triton interpreter rounds to fp8 wrongly where the exponent steps up (31.8 -> 16)")
+
+
+def same_bits(a, b):
+    """Bitwise equality (NaN sentinels in never-written slots compare equal)."""
+    a, b = a.cpu(), b.cpu()
+    return a.dtype == b.dtype and torch.equal(a.view(INT_OF_SIZE[a.element_size()]),
+                                              b.view(INT_OF_SIZE[b.element_size()]))
+
+
+def random_batch(seq_lens, q_lens, num_kv_heads, head_dim, page, gen, cache_dtype=DTYPE):
     """A paged cache with the sequences' blocks scattered at random, and their block tables."""
     num_blocks = sum(-(-n // page) for n in seq_lens) + 3
     perm = torch.randperm(num_blocks, generator=gen).tolist()
@@ -33,8 +49,8 @@ def random_batch(seq_lens, q_lens, num_kv_heads, head_dim, page, gen):
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     shape = (num_blocks, page, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(DTYPE)
-    v_cache = torch.randn(shape, generator=gen).to(DTYPE)
+    k_cache = torch.randn(shape, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(shape, generator=gen).to(cache_dtype)
     qsl = [0]
     for n in q_lens:
         qsl.append(qsl[-1] + n)
@@ -42,33 +58,39 @@ def random_batch(seq_lens, q_lens, num_kv_heads, head_dim, page, gen):
 
 
 @pytest.mark.parametrize("num_kv_heads, group, head_dim", [(2, 1, 16), (2, 4, 32), (8, 2, 128), (1, 7, 64)])
-def test_store_kvcache(num_kv_heads, group, head_dim):
+@pytest.mark.parametrize("cache_dtype", [DTYPE, *FP8])
+def test_store_kvcache(num_kv_heads, group, head_dim, cache_dtype):
     from nanovllm.kernels import triton_attention
+    skip_fp8_store_in_interpreter(cache_dtype)
     gen = torch.Generator().manual_seed(num_kv_heads * 100 + head_dim)
     n, page, blocks = 37, 16, 5
-    qkv = torch.randn(n, (group + 2) * num_kv_heads * head_dim, generator=gen).to(DTYPE)
+    qkv = torch.randn(n, (group + 2) * num_kv_heads * head_dim, generator=gen) * 100   # some beyond fp8's 448
+    qkv = qkv.to(DTYPE)
     q_size = group * num_kv_heads * head_dim
     _, k, v = qkv.split([q_size, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
     k, v = k.view(n, num_kv_heads, head_dim), v.view(n, num_kv_heads, head_dim)   # strided views
     slots = torch.randperm(blocks * page, generator=gen)[:n]
     slots[[3, 17, 30]] = -1                                                      # padding
-    caches = [torch.full((blocks, page, num_kv_heads, head_dim), float("nan"), dtype=DTYPE) for _ in range(4)]
+    caches = [torch.full((blocks, page, num_kv_heads, head_dim), float("nan"), dtype=cache_dtype) for _ in range(4)]
     torch_attention.store_kvcache(k, v, caches[0], caches[1], slots)
     caches[2:] = [c.to(DEVICE) for c in caches[2:]]
     triton_attention.store_kvcache(k.to(DEVICE), v.to(DEVICE), caches[2], caches[3], slots.to(DEVICE))
-    assert torch.equal(caches[0].nan_to_num(7.0), caches[2].cpu().nan_to_num(7.0))
-    assert torch.equal(caches[1].nan_to_num(7.0), caches[3].cpu().nan_to_num(7.0))
+    assert same_bits(caches[0], caches[2]) and same_bits(caches[1], caches[3])
+    if cache_dtype.itemsize == 1:                  # clamped to the format's range, never inf/NaN
+        written = caches[0][slots[slots >= 0] // page, slots[slots >= 0] % page].float()
+        assert written.isfinite().all() and written.abs().max() == torch.finfo(cache_dtype).max
 
 
 @pytest.mark.parametrize("num_kv_heads, group, head_dim, page", [(2, 1, 16, 16), (2, 4, 64, 16), (8, 2, 128, 256),
                                                                  (1, 7, 32, 32)])
 @pytest.mark.parametrize("seq_lens", [[1, 17, 300, 64, 1000, 5], [2048]])
-def test_decode_attention(num_kv_heads, group, head_dim, page, seq_lens):
+@pytest.mark.parametrize("cache_dtype", [DTYPE, FP8[0]])
+def test_decode_attention(num_kv_heads, group, head_dim, page, seq_lens, cache_dtype):
     from nanovllm.kernels import triton_attention
     gen = torch.Generator().manual_seed(sum(seq_lens) + head_dim)
     seq_lens = seq_lens + [0]                      # a CUDA-graph padding row
     k_cache, v_cache, tables, qsl = random_batch([max(n, 1) for n in seq_lens], [1] * len(seq_lens),
-                                                 num_kv_heads, head_dim, page, gen)
+                                                 num_kv_heads, head_dim, page, gen, cache_dtype)
     q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen).to(DTYPE)
     scale = head_dim ** -0.5
     ref = torch_attention.paged_attention(q[:-1], k_cache, v_cache, tables, qsl[:-1], seq_lens[:-1], scale)
@@ -82,14 +104,15 @@ def test_decode_attention(num_kv_heads, group, head_dim, page, seq_lens):
 
 @pytest.mark.parametrize("num_kv_heads, group, head_dim, page", [(2, 1, 16, 16), (2, 4, 64, 16), (8, 2, 128, 256),
                                                                  (1, 7, 32, 32)])
-def test_prefill_attention_with_cached_prefix(num_kv_heads, group, head_dim, page):
+@pytest.mark.parametrize("cache_dtype", [DTYPE, FP8[0]])
+def test_prefill_attention_with_cached_prefix(num_kv_heads, group, head_dim, page, cache_dtype):
     from nanovllm.kernels import triton_attention
     gen = torch.Generator().manual_seed(page + head_dim)
     # (context already cached, new tokens): plain prefill, prefix hits, chunks, a decode row.
     ctx = [0, 0, 48, 100, 7, 300]
     new = [1, 77, 33, 130, 1, 64]
     seq_lens = [c + n for c, n in zip(ctx, new)]
-    k_cache, v_cache, tables, qsl = random_batch(seq_lens, new, num_kv_heads, head_dim, page, gen)
+    k_cache, v_cache, tables, qsl = random_batch(seq_lens, new, num_kv_heads, head_dim, page, gen, cache_dtype)
     q = torch.randn(qsl[-1], num_kv_heads * group, head_dim, generator=gen).to(DTYPE)
     scale = head_dim ** -0.5
     ref = torch_attention.paged_attention(q, k_cache, v_cache, tables, qsl, seq_lens, scale)
@@ -119,10 +142,12 @@ def test_rms_norm(rows, hidden):
 
 @pytest.mark.parametrize("q_heads, kv_heads, head_dim, qk_norm", [(4, 2, 16, True), (16, 8, 128, True),
                                                                  (7, 1, 64, False)])
-def test_qk_norm_rope_store(q_heads, kv_heads, head_dim, qk_norm):
+@pytest.mark.parametrize("cache_dtype", [DTYPE, FP8[0]])
+def test_qk_norm_rope_store(q_heads, kv_heads, head_dim, qk_norm, cache_dtype):
     from nanovllm.kernels.triton_fused import qk_norm_rope_store
     from nanovllm.layers.layernorm import RMSNorm
     from nanovllm.layers.rotary import RotaryEmbedding
+    skip_fp8_store_in_interpreter(cache_dtype)
     gen = torch.Generator().manual_seed(q_heads * head_dim)
     n, page, blocks = 29, 16, 4
     rope = RotaryEmbedding(head_dim, 4096, 1e6)
@@ -137,7 +162,7 @@ def test_qk_norm_rope_store(q_heads, kv_heads, head_dim, qk_norm):
     if qk_norm:
         q, k = q_norm(q), k_norm(k)
     ref_q, ref_k = rope(positions, q, k)
-    caches = [torch.full((blocks, page, kv_heads, head_dim), float("nan"), dtype=DTYPE) for _ in range(4)]
+    caches = [torch.full((blocks, page, kv_heads, head_dim), float("nan"), dtype=cache_dtype) for _ in range(4)]
     torch_attention.store_kvcache(ref_k, v, caches[0], caches[1], slots)
     caches[2:] = [c.to(DEVICE) for c in caches[2:]]
     out_q = qk_norm_rope_store(qkv.to(DEVICE), positions.to(DEVICE), rope.cos_sin_cache.to(DEVICE), q_heads,
@@ -145,10 +170,11 @@ def test_qk_norm_rope_store(q_heads, kv_heads, head_dim, qk_norm):
                                k_norm.weight.to(DEVICE) if qk_norm else None, 1e-6, caches[2], caches[3],
                                slots.to(DEVICE))
     assert rel_err(out_q.cpu(), ref_q) < TOL
-    written = ~caches[0].isnan()
-    assert torch.equal(written, ~caches[2].cpu().isnan())                       # same slots, padding skipped
-    assert rel_err(caches[2].cpu()[written], caches[0][written]) < TOL
-    assert torch.equal(caches[3].cpu().nan_to_num(7.0), caches[1].nan_to_num(7.0))   # v copied exactly
+    written = ~caches[0].float().isnan()
+    assert torch.equal(written, ~caches[2].cpu().float().isnan())               # same slots, padding skipped
+    tol = TOL if cache_dtype == DTYPE else 5e-2                                  # fp8 steps are 1/8 apart
+    assert rel_err(caches[2].cpu().float()[written], caches[0].float()[written]) < tol
+    assert same_bits(caches[3], caches[1])                                      # v copied exactly
 
 
 @pytest.mark.parametrize("rows, d", [(1, 128), (33, 3072), (4, 1500)])

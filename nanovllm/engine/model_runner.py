@@ -81,7 +81,8 @@ class ModelRunner:
         else:
             load_model(self.model, config.model_path, hf.tie_word_embeddings)
         self.timings["load_s"] = time.perf_counter() - start
-        self.backend = select_backend(config.attention_backend, self.device, config.block_size)
+        self.backend = select_backend(config.attention_backend, self.device, config.block_size,
+                                      config.kv_cache_torch_dtype.itemsize == 1)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = self.backend
@@ -108,7 +109,7 @@ class ModelRunner:
         t = self.timings
         kv_gib = self.kv_cache.numel() * self.kv_cache.element_size() / 2**30
         message = (f"model loaded in {t['load_s']:.1f}s; KV cache: {self.num_kvcache_blocks} blocks of "
-                   f"{self.block_size} tokens ({kv_gib:.2f} GiB) sized in {t['kv_cache_s']:.1f}s; "
+                   f"{self.block_size} tokens ({kv_gib:.2f} GiB, {self.config.kv_cache_dtype}) sized in {t['kv_cache_s']:.1f}s; "
                    f"attention backend: {type(self.backend).__name__}")
         if self.graphs is not None:
             message += (f"; CUDA graphs for {len(self.graphs.buckets)} batch sizes captured in "
@@ -123,13 +124,13 @@ class ModelRunner:
     def _kv_block_bytes(self) -> int:
         attn = self.attention_layers[0]
         per_layer = 2 * self.block_size * attn.num_kv_heads * attn.head_dim
-        return per_layer * len(self.attention_layers) * self.config.torch_dtype.itemsize
+        return per_layer * len(self.attention_layers) * self.config.kv_cache_torch_dtype.itemsize
 
     def _make_kv_cache(self, num_blocks: int) -> torch.Tensor:
         attn = self.attention_layers[0]
         # kv_cache: [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
         kv_cache = torch.empty(2, len(self.attention_layers), num_blocks, self.block_size, attn.num_kv_heads,
-                               attn.head_dim, dtype=self.config.torch_dtype, device=self.device)
+                               attn.head_dim, dtype=self.config.kv_cache_torch_dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
         return kv_cache

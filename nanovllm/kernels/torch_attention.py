@@ -10,11 +10,19 @@ import torch.nn.functional as F
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor):
-    """k, v: [num_tokens, num_kv_heads, head_dim] -> the cache slots in slot_mapping; slot -1 is skipped."""
+    """k, v: [num_tokens, num_kv_heads, head_dim] -> the cache slots in slot_mapping; slot -1 is skipped.
+    An fp8 cache gets the values clamped to its range, then rounded to nearest."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_cache.view(-1, *k.shape[1:])[slots] = k[valid]
-    v_cache.view(-1, *v.shape[1:])[slots] = v[valid]
+    k_cache.view(-1, *k.shape[1:])[slots] = to_cache_dtype(k[valid], k_cache.dtype)
+    v_cache.view(-1, *v.shape[1:])[slots] = to_cache_dtype(v[valid], v_cache.dtype)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype.itemsize == 1:
+        limit = torch.finfo(dtype).max
+        x = x.float().clamp(-limit, limit)
+    return x.to(dtype)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -33,8 +41,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         start, end = query_start_loc[i], query_start_loc[i + 1]
         q_len = end - start
         blocks = block_tables[i, :-(-seq_len // block_size)]
-        k = k_cache[blocks].flatten(0, 1)[:seq_len]        # [seq_len, num_kv_heads, head_dim]
-        v = v_cache[blocks].flatten(0, 1)[:seq_len]
+        k = k_cache[blocks].flatten(0, 1)[:seq_len].to(q.dtype)   # [seq_len, num_kv_heads, head_dim]
+        v = v_cache[blocks].flatten(0, 1)[:seq_len].to(q.dtype)
         query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
         o = F.scaled_dot_product_attention(

@@ -4,6 +4,8 @@ KV cache layout, per layer: [num_blocks, block_size, num_kv_heads, head_dim]; a 
 lives in page block_table[t // block_size] at row t % block_size.
 
 - store_kvcache: writes this step's k, v into their slots (slot -1, CUDA-graph padding, is skipped).
+  The cache may be fp8 (kv_cache_dtype): values are stored unscaled, clamped to the format's
+  range, and the attention kernels convert each tile back to the queries' dtype after loading it.
 - decode_attention: one new query per sequence. Each program owns one (sequence, KV head,
   context split) and loads every K/V row once for all query heads of its group (GQA); the splits
   are merged by a second small kernel (flash-decoding), so a few long sequences still fill the GPU.
@@ -17,6 +19,17 @@ import triton.language as tl
 
 # ---- store ------------------------------------------------------------------------------------
 @triton.jit
+def to_cache_dtype(x, cache_ptr):
+    """x in the cache's element type; for fp8, clamped to the format's largest value first."""
+    dtype = cache_ptr.dtype.element_ty
+    if dtype == tl.float8e4nv:
+        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+    elif dtype == tl.float8e5:
+        x = tl.clamp(x.to(tl.float32), -57344.0, 57344.0)
+    return x.to(dtype)
+
+
+@triton.jit
 def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                           stride_k, stride_v, ROW: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0)
@@ -27,8 +40,8 @@ def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     mask = offs < ROW
     k = tl.load(k_ptr + token * stride_k + offs, mask=mask)
     v = tl.load(v_ptr + token * stride_v + offs, mask=mask)
-    tl.store(k_cache_ptr + slot * ROW + offs, k, mask=mask)
-    tl.store(v_cache_ptr + slot * ROW + offs, v, mask=mask)
+    tl.store(k_cache_ptr + slot * ROW + offs, to_cache_dtype(k, k_cache_ptr), mask=mask)
+    tl.store(v_cache_ptr + slot * ROW + offs, to_cache_dtype(v, v_cache_ptr), mask=mask)
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -74,14 +87,14 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
         n_mask = offs_n < end
         pages = tl.load(block_tables_ptr + seq * stride_bt + offs_n // PAGE, mask=n_mask, other=0)
         rows = pages.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cr + kv_head * stride_ch
-        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale                     # [BLOCK_G, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
@@ -189,7 +202,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
         n_mask = offs_n < end
         pages = tl.load(block_tables_ptr + seq * stride_bt + offs_n // PAGE, mask=n_mask, other=0)
         rows = pages.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cr + kv_head * stride_ch
-        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale                     # [BLOCK_M, BLOCK_N]
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -197,8 +210,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)    # padded query rows see nothing
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.triton_attention import to_cache_dtype
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro,
@@ -54,8 +56,8 @@ def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, q_
     cache_row = slot * (NUM_KV_HEADS * 2 * HALF) + kv_head * 2 * HALF
     if head >= NUM_Q_HEADS + NUM_KV_HEADS:                 # v: copied to the cache as is
         if slot >= 0:
-            tl.store(v_cache_ptr + cache_row + offs, x1)
-            tl.store(v_cache_ptr + cache_row + HALF + offs, x2)
+            tl.store(v_cache_ptr + cache_row + offs, to_cache_dtype(x1, v_cache_ptr))
+            tl.store(v_cache_ptr + cache_row + HALF + offs, to_cache_dtype(x2, v_cache_ptr))
         return
     dtype = x1.dtype
     if HAS_NORM:
@@ -74,8 +76,8 @@ def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, q_
         tl.store(dst + offs, y1)
         tl.store(dst + HALF + offs, y2)
     elif slot >= 0:                                        # k: to the cache
-        tl.store(k_cache_ptr + cache_row + offs, y1)
-        tl.store(k_cache_ptr + cache_row + HALF + offs, y2)
+        tl.store(k_cache_ptr + cache_row + offs, to_cache_dtype(y1, k_cache_ptr))
+        tl.store(k_cache_ptr + cache_row + HALF + offs, to_cache_dtype(y2, k_cache_ptr))
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_q_heads: int,

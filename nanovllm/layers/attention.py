@@ -88,12 +88,14 @@ def has_flash_attn() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def select_backend(name: str, device: torch.device, block_size: int):
-    """'auto': flash-attn when installed (and block_size fits it), else Triton on CUDA, else torch."""
+def select_backend(name: str, device: torch.device, block_size: int, fp8_cache: bool = False):
+    """'auto': flash-attn when installed (and block_size and the cache dtype fit it), else Triton on
+    CUDA, else torch."""
     if name == "auto":
         if device.type != "cuda":
             return TorchBackend()
-        return FlashAttnBackend() if has_flash_attn() and block_size % 256 == 0 else TritonBackend()
+        fits_flash_attn = has_flash_attn() and block_size % 256 == 0 and not fp8_cache
+        return FlashAttnBackend() if fits_flash_attn else TritonBackend()
     if name != "torch" and device.type != "cuda":
         raise ValueError(f"attention_backend {name!r} needs a CUDA device; use 'torch' or 'auto' on the CPU.")
     if name == "flash_attn":
@@ -103,6 +105,9 @@ def select_backend(name: str, device: torch.device, block_size: int):
         if block_size % 256:
             raise ValueError(f"attention_backend 'flash_attn' needs block_size to be a multiple of 256, "
                              f"got {block_size}.")
+        if fp8_cache:
+            raise ValueError("attention_backend 'flash_attn' does not read an fp8 KV cache; use "
+                             "attention_backend 'triton' or 'auto' with kv_cache_dtype fp8.")
         return FlashAttnBackend()
     return TritonBackend() if name == "triton" else TorchBackend()
 
