@@ -85,7 +85,8 @@ def test_store_kvcache(num_kv_heads, group, head_dim, cache_dtype):
                                                                  (1, 7, 32, 32)])
 @pytest.mark.parametrize("seq_lens", [[1, 17, 300, 64, 1000, 5], [2048]])
 @pytest.mark.parametrize("cache_dtype", [DTYPE, FP8[0]])
-def test_decode_attention(num_kv_heads, group, head_dim, page, seq_lens, cache_dtype):
+@pytest.mark.parametrize("use_dot", [True, False])
+def test_decode_attention(num_kv_heads, group, head_dim, page, seq_lens, cache_dtype, use_dot):
     from nanovllm.kernels import triton_attention
     gen = torch.Generator().manual_seed(sum(seq_lens) + head_dim)
     seq_lens = seq_lens + [0]                      # a CUDA-graph padding row
@@ -97,7 +98,8 @@ def test_decode_attention(num_kv_heads, group, head_dim, page, seq_lens, cache_d
     for num_splits, min_split in ((1, 64), (3, 64), (16, 64), (16, 256), (4, 512)):
         out = triton_attention.decode_attention(
             q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE),
-            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), scale, num_splits, min_split).cpu()
+            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), scale, num_splits, min_split,
+            use_dot=use_dot).cpu()
         assert rel_err(out[:-1], ref) < TOL, (num_splits, min_split)
         assert torch.equal(out[-1], torch.zeros_like(out[-1]))
 
