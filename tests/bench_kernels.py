@@ -24,21 +24,19 @@ def paged(seq_lens, num_blocks=6000, cache_dtype=torch.bfloat16):
 
 
 def main():
-    print("decode: cache dtype, batch x context, config (splits, min_split, block_n, stages, warps, use_dot)"
-          " -> us, GB/s of K/V")
-    configs = [(16, 256, 64, 2, 4, True), (1, 64, 64, 2, 4, True), (16, 512, 64, 2, 4, True),
-               (16, 256, 32, 2, 4, False), (16, 256, 16, 2, 4, False), (16, 256, 64, 2, 8, False),
-               (16, 256, 32, 1, 4, False), (1, 64, 32, 2, 4, False), (16, 512, 32, 2, 4, False),
-               (16, 256, 32, 2, 8, False)]
+    print("decode: cache dtype, batch x context, config (splits, min_split, block_n, stages, warps) -> us, GB/s of K/V")
+    configs = [(16, 256, 64, 2, 4), (16, 64, 64, 2, 4), (1, 64, 64, 2, 4), (16, 128, 64, 2, 4),
+               (16, 256, 128, 2, 4), (16, 256, 64, 3, 4), (16, 256, 128, 3, 8), (16, 512, 64, 2, 4),
+               (16, 256, 128, 3, 4), (16, 64, 128, 2, 4)]
     for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-        for bs, ctx in ((256, 1024), (64, 2048)):
+        for bs, ctx in ((256, 1024), (64, 2048), (1, 1024)):
             k, v, tables, lens = paged([ctx] * bs, cache_dtype=cache_dtype)
             q = torch.randn(bs, H, D, device="cuda", dtype=torch.bfloat16)
             kv_bytes = 2 * bs * ctx * KV * D * cache_dtype.itemsize
-            for *cfg, use_dot in configs:
-                ms = do_bench(lambda: ta.decode_attention(q, k, v, tables, lens, D ** -0.5, *cfg, use_dot=use_dot),
+            for cfg in configs:
+                ms = do_bench(lambda: ta.decode_attention(q, k, v, tables, lens, D ** -0.5, *cfg),
                               return_mode="median")
-                print(f"  {str(cache_dtype)[6:]:13} {bs:3} x {ctx:4}  {(*cfg, use_dot)}: {ms * 1000:8.1f} us  "
+                print(f"  {str(cache_dtype)[6:]:13} {bs:3} x {ctx:4}  {cfg}: {ms * 1000:8.1f} us  "
                       f"{kv_bytes / ms / 1e6:7.0f} GB/s")
             del k, v
     print("prefill: 16 x 1024 new tokens, config (block_m, block_n, warps, stages) -> us, TFLOP/s")
@@ -47,7 +45,7 @@ def main():
     q = torch.randn(sum(lens), H, D, device="cuda", dtype=torch.bfloat16)
     qsl = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device="cuda")
     flops = 2 * 2 * H * D * sum(n * n / 2 for n in lens)
-    for cfg in ((64, 64, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2)):
+    for cfg in ((64, 64, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)):
         ms = do_bench(lambda: ta.prefill_attention(q, k, v, tables, qsl, seq_lens, 1024, D ** -0.5, *cfg),
                       return_mode="median")
         print(f"  {cfg}: {ms * 1000:8.1f} us  {flops / ms / 1e9:6.0f} TFLOP/s")

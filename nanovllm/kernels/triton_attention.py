@@ -60,8 +60,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
                          o_part_ptr, lse_part_ptr, scale,
                          stride_qt, stride_qh, stride_bt, stride_cb, stride_cr, stride_ch,
                          NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, GROUP: tl.constexpr,
-                         BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         USE_DOT: tl.constexpr):
+                         BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -82,28 +81,20 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     qk_scale = scale * 1.4426950408889634   # log2(e): exp2 below
-    q_f32 = q.to(tl.float32)
 
     for n_start in range(start, end, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         pages = tl.load(block_tables_ptr + seq * stride_bt + offs_n // PAGE, mask=n_mask, other=0)
         rows = pages.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cr + kv_head * stride_ch
-        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        if USE_DOT:     # tensor cores; K/V tiles go through shared memory
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))                # [BLOCK_G, BLOCK_N]
-        else:           # CUDA cores, tiles stay in registers (an fp8 tile is converted there)
-            s = tl.sum(q_f32[:, None, :] * k[None, :, :].to(tl.float32), 2)
-        s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
+        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k)) * qk_scale                     # [BLOCK_G, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        if USE_DOT:
-            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
-        else:
-            pv = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), 1)
-        acc = acc * alpha[:, None] + pv
+        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
@@ -154,29 +145,22 @@ def decode_split_config(num_seqs: int, num_kv_heads: int, num_sms: int) -> tuple
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     num_splits: int = 16, min_split: int = 64, block_n: int | None = None, num_stages: int = 2,
-                     num_warps: int = 4, use_dot: bool | None = None) -> torch.Tensor:
+                     num_splits: int = 16, min_split: int = 64, block_n: int = 64, num_stages: int = 2,
+                     num_warps: int = 4) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim], one query per sequence at position seq_lens - 1.
     A context is split into ceil(seq_len / split_len) parts, split_len = max(seq_len / num_splits,
-    min_split) rounded up to block_n. A sequence with seq_len 0 (padding) gets zeros.
-    use_dot (default: for a cache in q's dtype) computes the two products with tl.dot (tensor
-    cores, the group's query heads padded to 16 rows), else in registers on CUDA cores."""
+    min_split) rounded up to block_n. A sequence with seq_len 0 (padding) gets zeros."""
     num_seqs, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    if use_dot is None:
-        use_dot = k_cache.dtype == q.dtype
-    if block_n is None:
-        block_n = 64 if use_dot else 32
     o_part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, scale,
         q.stride(0), q.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_SPLITS=num_splits, MIN_SPLIT=min_split, GROUP=group,
-        BLOCK_G=triton.next_power_of_2(group) if not use_dot else max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n, USE_DOT=use_dot, num_warps=num_warps, num_stages=num_stages)
+        NUM_SPLITS=num_splits, MIN_SPLIT=min_split, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty_like(q)
     _decode_merge_kernel[(num_seqs, num_heads)](
         o_part, lse_part, seq_lens, out, out.stride(0), out.stride(1),
