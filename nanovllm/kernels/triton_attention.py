@@ -55,7 +55,9 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 
 # ---- decode -----------------------------------------------------------------------------------
-@triton.jit
+# stride_bt, the block-table width, changes from step to step: not specialised on (Triton would
+# otherwise compile a kernel for width 1 and for multiples of 16, in the middle of a run).
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
                          o_part_ptr, lse_part_ptr, scale,
                          stride_qt, stride_qh, stride_bt, stride_cb, stride_cr, stride_ch,
@@ -170,7 +172,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 # ---- prefill ----------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
                     out_ptr, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     stride_cb, stride_cr, stride_ch,
