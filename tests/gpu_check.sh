@@ -1,26 +1,37 @@
 #!/usr/bin/env bash
 # The whole GPU check in one device call: GPU tests, then bench.py workloads. Logs under $OUT.
 # Usage (repo root, on the GPU machine):
-#   [ENGINES="nanovllm vllm"] [KV_DTYPES="auto fp8"] [SKIP_TESTS=1] bash tests/gpu_check.sh [workloads...]
-# ENGINES=none runs the tests alone.
+#   [ENGINES="nanovllm vllm"] [KV_DTYPES="auto fp8"] [REPEATS=2] [SKIP_TESTS=1] bash tests/gpu_check.sh [workloads...]
+# ENGINES=none runs the tests alone. Each GPU test file runs in its own pytest under its own
+# time limit (TEST_TIMEOUT, seconds), so a test blocked in a collective costs only its file;
+# faulthandler prints where it hung. REPEATS runs every benchmark that many times, each in a
+# new process (the first run on a fresh machine also compiles kernels its warm-up missed).
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150")   # a hung test fails alone
-  timeout "${TEST_TIMEOUT:-600}" python3 -m pytest -q -m gpu $per_test tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  limit=${TEST_TIMEOUT:-300}
+  for file in $(grep -l "pytest.mark.gpu" tests/test_*.py); do
+    name=$(basename "$file" .py)
+    timeout -s KILL "$limit" python3 -m pytest -q -m gpu -o faulthandler_timeout=$((limit - 20)) "$file" \
+      > "$OUT/gpu_$name.log" 2>&1
+    echo "$name: $(tail -1 "$OUT/gpu_$name.log")"
+  done | tee "$OUT/gpu_tests.log"
 fi
 for engine in ${ENGINES:-nanovllm}; do
   [ "$engine" = none ] && continue
   for kv in ${KV_DTYPES:-auto}; do
     for w in ${@:-default prefix latency}; do
-      timeout "${BENCH_TIMEOUT:-240}" python3 bench.py --engine "$engine" --workload "$w" --kv-cache-dtype "$kv" \
-        --json 2>&1 | tee "$OUT/bench_${engine}_${w}_$kv.log" | grep -v '^{' | tail -4
+      for i in $(seq "${REPEATS:-1}"); do
+        timeout "${BENCH_TIMEOUT:-240}" python3 bench.py --engine "$engine" --workload "$w" --kv-cache-dtype "$kv" \
+          --json 2>&1 | tee "$OUT/bench_${engine}_${w}_${kv}_$i.log" | grep -v '^{' | tail -4
+      done
     done
   done
 done
 echo "== summary"
-python3 tests/bench_summary.py "$OUT"/bench_*.log
-tail -1 "$OUT/gpu_tests.log" 2>/dev/null
+logs=$(ls "$OUT"/bench_*.log 2>/dev/null)
+[ -n "$logs" ] && python3 tests/bench_summary.py $logs
+cat "$OUT/gpu_tests.log" 2>/dev/null
