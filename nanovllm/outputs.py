@@ -12,6 +12,8 @@ class Logprob:
 
 # One entry per output token: {token_id: Logprob} holding the sampled token and the top-N.
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token, the same way; the first is None (nothing comes before it).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -43,6 +45,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0

@@ -21,6 +21,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None         # top-N logprobs per output token (0: the sampled token only)
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (0: the prompt token only)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -76,6 +77,8 @@ class SamplingParams:
               f"got {self.min_tokens}.")
         check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
               f"logprobs must be non-negative, got {self.logprobs}.")
+        check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
+              f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         check(all(isinstance(s, str) and s for s in stops),
               f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}.")

@@ -85,6 +85,7 @@ def test_default_sampling_params_come_from_generation_config(llm):
     (dict(presence_penalty=3.0), "presence_penalty must be in [-2, 2], got 3.0."),
     (dict(repetition_penalty=0.0), "repetition_penalty must be greater than zero, got 0.0."),
     (dict(logprobs=-1), "logprobs must be non-negative, got -1."),
+    (dict(prompt_logprobs=-2), "prompt_logprobs must be non-negative, got -2."),
     (dict(stop=[""]), "stop must be a non-empty string"),
 ])
 def test_bad_sampling_params(kwargs, message):
@@ -99,6 +100,7 @@ def test_bad_sampling_params(kwargs, message):
     ([[1, 2], {"prompt_token_ids": []}], None, "prompt 1 is empty."),
     ([[1, 2]], [SamplingParams(), SamplingParams()], "sampling_params has 2 entries but there are 1 prompts"),
     ([[1, 2]], SamplingParams(logprobs=25), "Requested sample logprobs of 25, which is greater than max allowed: 20."),
+    ([[1, 2]], SamplingParams(prompt_logprobs=21), "Requested prompt logprobs of 21, which is greater than max allowed: 20."),
     ([[1, 2], 3.5], None, "prompt 1 must be a string"),
 ])
 def test_bad_requests_leave_engine_usable(llm, prompts, params, message):

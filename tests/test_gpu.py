@@ -104,3 +104,20 @@ def test_kv_cache_is_sized_from_memory(gpu_model_dir):
     runner = llm.llm_engine.model_runner
     assert runner.num_kvcache_blocks == 8 * 4      # capped at max_num_seqs full-length sequences
     assert set(runner.timings) >= {"load_s", "kv_cache_s", "cuda_graphs_s"}
+
+
+@torch.no_grad()
+def test_prompt_logprobs_close_to_hf(gpu_model_dir):
+    """Prompt logprobs (scored chunk by chunk, in bf16) against HF's bf16 log_softmax."""
+    from transformers import AutoModelForCausalLM
+    llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, block_size=16, max_num_batched_tokens=64)
+    prompts = PROMPTS[4:12]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, prompt_logprobs=2),
+                        use_tqdm=False)
+    model = AutoModelForCausalLM.from_pretrained(gpu_model_dir, dtype=torch.bfloat16).cuda().eval()
+    for prompt, out in zip(prompts, outs):
+        ref = model(torch.tensor([prompt], device="cuda")).logits[0].float().log_softmax(-1).cpu()
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        ours = torch.tensor([out.prompt_logprobs[j][prompt[j]].logprob for j in range(1, len(prompt))])
+        theirs = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+        assert (ours - theirs).abs().max() < 0.1

@@ -206,3 +206,55 @@ def test_sampling_follows_the_distribution():
     counts = torch.bincount(sampler(logits, metadata(4000)).token_ids, minlength=3) / 4000
     assert torch.allclose(counts, probs, atol=0.03)
     assert math.isclose(counts.sum().item(), 1.0)
+
+
+# ---- prompt logprobs ----------------------------------------------------------------------
+def check_prompt_logprobs(model, prompt, prompt_logprobs, num_top):
+    """Entry j scores prompt token j given tokens < j, like HF's log_softmax; entry 0 is None."""
+    assert len(prompt_logprobs) == len(prompt) and prompt_logprobs[0] is None
+    ref = model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    for j in range(1, len(prompt)):
+        entry, row, token = prompt_logprobs[j], ref[j - 1], prompt[j]
+        assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
+        assert entry[token].rank == int((row > row[token]).sum()) + 1
+        top_vals, top_ids = row.topk(num_top) if num_top else (torch.tensor([]), torch.tensor([], dtype=torch.long))
+        for r, (tid, val) in enumerate(zip(top_ids.tolist(), top_vals.tolist()), 1):
+            assert entry[tid].logprob == pytest.approx(val, abs=1e-4)
+            assert tid == token or entry[tid].rank == r
+        assert set(entry) == {token} | set(top_ids.tolist())
+
+
+@pytest.mark.parametrize("variant", [
+    dict(),
+    dict(max_num_batched_tokens=32),        # prompts scored chunk by chunk
+    dict(num_kvcache_blocks=14),            # preempted and recomputed: tokens are not scored twice
+])
+@torch.no_grad()
+def test_prompt_logprobs_equal_hf_log_softmax(qwen3_dir, tokenizer, variant):
+    llm = LLM(qwen3_dir, dtype="float32", block_size=16, **({"num_kvcache_blocks": 256} | variant))
+    model = hf_model(qwen3_dir)
+    prompts = PROMPTS[:12]
+    plain = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    scored = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)
+    for call in range(2):               # the second call's prompts are all in the prefix cache
+        outs = llm.generate([ids(p) for p in prompts], [scored, plain] * 6, use_tqdm=False)
+        for i, (prompt, out) in enumerate(zip(prompts, outs)):
+            if i % 2:
+                assert out.prompt_logprobs is None
+                continue
+            check_prompt_logprobs(model, prompt, out.prompt_logprobs, 3)
+            assert out.num_cached_tokens == 0      # as vLLM: a scored prompt is computed in full
+            first = out.prompt_logprobs[1] if len(prompt) > 1 else {}
+            assert all(lp.decoded_token == tokenizer.decode([t]) for t, lp in first.items())
+        assert tokens(outs) == tokens(llm.generate([ids(p) for p in prompts], plain, use_tqdm=False))
+    if "num_kvcache_blocks" in variant:
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@torch.no_grad()
+def test_prompt_logprobs_zero_gives_only_the_prompt_tokens(llm, qwen3_dir):
+    prompt = PROMPTS[6]
+    out = llm.generate([ids(prompt)], SamplingParams(max_tokens=2, prompt_logprobs=0), use_tqdm=False)[0]
+    check_prompt_logprobs(hf_model(qwen3_dir), prompt, out.prompt_logprobs, 0)

@@ -46,6 +46,21 @@ def test_tp2_matches_tp1(model_dir, async_scheduling):
         assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
+def test_tp2_prompt_logprobs_match_tp1(qwen3_dir):
+    """Prompt rows' logits are a collective too (vocabulary gathered to rank 0), in chunks."""
+    sp = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[5:9]]
+    results = []
+    for tp in (1, 2):
+        with LLM(qwen3_dir, tensor_parallel_size=tp, **(SMALL | dict(max_num_batched_tokens=32))) as llm:
+            results.append([o.prompt_logprobs for o in llm.generate(prompts, sp, use_tqdm=False)])
+    for tp1, tp2 in zip(*results):
+        assert tp1[0] is None and tp2[0] is None and len(tp1) == len(tp2)
+        for a, b in zip(tp1[1:], tp2[1:]):
+            assert a.keys() == b.keys()
+            assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) and a[t].rank == b[t].rank for t in a)
+
+
 def test_tp4(tmp_path, tokenizer):
     path = build_model_dir(tmp_path, "qwen3", tokenizer, num_attention_heads=8, num_key_value_heads=4, head_dim=8)
     with LLM(path, tensor_parallel_size=4, **SMALL) as llm:

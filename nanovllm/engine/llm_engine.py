@@ -127,6 +127,9 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
             raise ValueError(f"Requested sample logprobs of {params.logprobs}, which is greater "
                              f"than max allowed: {cfg.max_logprobs}.")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > cfg.max_logprobs:
+            raise ValueError(f"Requested prompt logprobs of {params.prompt_logprobs}, which is greater "
+                             f"than max allowed: {cfg.max_logprobs}.")
 
     def add_request(self, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams) -> str:
@@ -185,7 +188,9 @@ class LLMEngine:
 
         previous = self.in_flight
         pending = None if previous is None else {seq.seq_id: i for i, seq in enumerate(previous.seqs)}
-        sampled = self.model_runner.execute(out, sampling_seqs, pending)
+        sampled, prompt_logprobs = self.model_runner.execute(out, sampling_seqs, pending)
+        for chunk in prompt_logprobs:
+            self.output_processor.append_prompt_logprobs(chunk)
         self.scheduler.update_computed(out)
         self.in_flight = None
         if sampled is not None:
@@ -253,5 +258,6 @@ class LLMEngine:
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason) for seq in request.seqs]
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids, outputs=outputs, finished=True,
+            prompt_token_ids=request.prompt_token_ids, prompt_logprobs=request.seqs[0].prompt_logprobs,
+            outputs=outputs, finished=True,
             num_cached_tokens=request.seqs[0].num_cached_tokens, metrics=request.metrics)

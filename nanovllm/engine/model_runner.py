@@ -1,7 +1,7 @@
 """ModelRunner: owns the model, its KV cache, the attention backend, the decode CUDA graphs and
 the sampler; turns a SchedulerOutput into sampled tokens."""
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -14,7 +14,7 @@ from nanovllm.engine.sampling_inputs import build_sampling_metadata
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, AttentionMetadata, select_backend
-from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
+from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, token_logprobs
 from nanovllm.logger import init_logger
 from nanovllm.model.loader import init_dummy_weights, load_model
 from nanovllm.model.qwen3 import QwenForCausalLM
@@ -23,6 +23,9 @@ logger = init_logger(__name__)
 
 CPU_KV_CACHE_BYTES = 4 << 30   # vLLM's default CPU KV-cache space
 MAX_GRAPH_BATCH_SIZE = 512
+# Prompt tokens scored per logits pass (prompt_logprobs): keeps their [rows, vocab] logits
+# within the memory the start-up profile measured for the sampler's rows.
+PROMPT_LOGITS_ROWS = 256
 
 
 @dataclass
@@ -45,6 +48,18 @@ class StepInputs:
     logits_rows: list[int] | None   # rows whose hidden state becomes logits; None: every row
     num_sampling: int               # number of logits rows (0: nothing is sampled)
     table_updates: TableUpdates | None = None   # to the workers, in place of batch.block_tables
+    prompt_rows: list[int] = field(default_factory=list)   # rows whose logits score the next prompt token
+
+
+@dataclass
+class PromptLogprobsChunk:
+    """Prompt tokens first, first + 1, ... of one sequence, scored in one step (host values),
+    each given the tokens before it."""
+    seq: Sequence
+    first: int
+    logprobs: list[float]
+    ranks: list[int]
+    top: list[list[tuple[int, float]]] | None   # per token: (token id, logprob), best first
 
 
 def runner_device(config: Config, rank: int) -> torch.device:
@@ -246,24 +261,28 @@ class ModelRunner:
         return build_sampling_metadata(seqs, self.vocab_size, self.eos_token_ids, self._to_device)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, sampling_seqs: list[Sequence],
-                pending: dict[int, int] | None = None) -> SamplerOutput | None:
+    def execute(self, out: SchedulerOutput, sampling_seqs: list[Sequence], pending: dict[int, int] | None = None
+                ) -> tuple[SamplerOutput | None, list[PromptLogprobsChunk]]:
         """Rank 0: run the model on the scheduled tokens and sample one token for each of
-        `sampling_seqs` (the sequences whose scheduled tokens reach their end); None if none sample.
+        `sampling_seqs` (the sequences whose scheduled tokens reach their end; None if none
+        sample), and score the prompt tokens of sequences that asked for prompt logprobs.
 
         pending: {seq_id: row in the previous step's sampled tokens} for sequences whose last
         token the host has not read yet (PENDING_TOKEN in token_ids): its id is taken on the device."""
         step = self.prepare_step(out, sampling_seqs, pending)
+        spans = self._prompt_spans(out, step.batch)
+        step.prompt_rows = [row for _, _, rows in spans for row in rows]
         if self.workers is not None:   # block tables travel as changes
             self.workers.send(("step", replace(step, batch=replace(step.batch, block_tables=None),
                                                table_updates=self.table_sender.updates(out.seqs))))
         try:
-            logits = self.run_step(step)
+            logits, prompt_logits = self.run_step(step)
+            prompt_chunks = self._score_prompts(spans, prompt_logits) if spans else []
             if logits is None:
-                return None
+                return None, prompt_chunks
             sampled = self.sampler(logits, self.prepare_sampling(sampling_seqs))
             self.last_sampled = self.tp.broadcast_from_first(sampled.token_ids)
-            return sampled
+            return sampled, prompt_chunks
         except RuntimeError:
             if self.workers is not None:
                 self.workers.check_alive(grace_s=5.0)   # a dead worker breaks the collectives: name it
@@ -295,8 +314,49 @@ class ModelRunner:
             logits_rows = [batch.query_start_loc[i + 1] - 1 for i, seq in enumerate(out.seqs) if id(seq) in sampling]
         return StepInputs(batch, rows, sources, logits_rows, len(sampling_seqs))
 
-    def run_step(self, step: StepInputs) -> torch.Tensor | None:
-        """Every rank: the forward pass, and the logits of the sampling rows (on rank 0)."""
+    @staticmethod
+    def _prompt_spans(out: SchedulerOutput, batch: HostBatch) -> list[tuple[Sequence, int, list[int]]]:
+        """(seq, first prompt token scored, batch rows) for each sequence that asked for prompt
+        logprobs and has prompt tokens to score in this step: the row of position p scores
+        prompt token p + 1. Tokens scored before a preemption are not scored again."""
+        spans = []
+        for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
+            if seq.prompt_logprobs is None:
+                continue
+            start = seq.num_computed_tokens
+            first = max(start, len(seq.prompt_logprobs) - 1)
+            end = min(start + n, seq.num_prompt_tokens - 1)
+            row0 = batch.query_start_loc[i] - start
+            if first < end:
+                spans.append((seq, first + 1, list(range(row0 + first, row0 + end))))
+        return spans
+
+    def _score_prompts(self, spans, prompt_logits: list[torch.Tensor]) -> list[PromptLogprobsChunk]:
+        targets = [seq.token_ids[t] for seq, first, rows in spans for t in range(first, first + len(rows))]
+        targets = torch.tensor(targets, device=self.device)
+        num_top = max(seq.sampling_params.prompt_logprobs for seq, _, _ in spans)
+        parts, start = [], 0
+        for logits in prompt_logits:
+            end = start + logits.shape[0]
+            parts.append(token_logprobs(logits.float().log_softmax(-1), targets[start:end], num_top))
+            start = end
+        logprobs = torch.cat([p.logprobs for p in parts]).tolist()
+        ranks = torch.cat([p.ranks for p in parts]).tolist()
+        top = None
+        if num_top:
+            top = [list(zip(ids, lps)) for ids, lps in zip(torch.cat([p.top_ids for p in parts]).tolist(),
+                                                          torch.cat([p.top_logprobs for p in parts]).tolist())]
+        chunks, start = [], 0
+        for seq, first, rows in spans:
+            end = start + len(rows)
+            chunks.append(PromptLogprobsChunk(seq, first, logprobs[start:end], ranks[start:end],
+                                              top[start:end] if top else None))
+            start = end
+        return chunks
+
+    def run_step(self, step: StepInputs) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """Every rank: the forward pass, then (on rank 0) the logits of the sampling rows, None
+        if no row samples, and those of the prompt rows, PROMPT_LOGITS_ROWS rows at a time."""
         batch = step.batch
         num_seqs = len(batch.seq_lens)
         patch = None
@@ -312,11 +372,14 @@ class ModelRunner:
             if patch is not None:
                 input_ids[patch[0]] = patch[1]
             hidden = self.model(input_ids, positions, meta)
-        if not step.num_sampling:
-            return None
-        if step.logits_rows is not None:
-            hidden = hidden[self._to_device(step.logits_rows, torch.int64)]
-        return self.model.compute_logits(hidden)
+        logits = None
+        if step.num_sampling:
+            rows = hidden if step.logits_rows is None else hidden[self._to_device(step.logits_rows, torch.int64)]
+            logits = self.model.compute_logits(rows)
+        prompt_logits = [
+            self.model.compute_logits(hidden[self._to_device(step.prompt_rows[i:i + PROMPT_LOGITS_ROWS], torch.int64)])
+            for i in range(0, len(step.prompt_rows), PROMPT_LOGITS_ROWS)]
+        return logits, prompt_logits
 
     def copy_to_host(self, sampled: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:
         """Start copying the sampler's outputs to the host; the event marks when they are there."""

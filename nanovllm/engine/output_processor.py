@@ -20,10 +20,7 @@ class OutputProcessor:
         seq.append_token(token_id)
         sp = seq.sampling_params
         if seq.logprobs is not None:
-            entry = {token_id: Logprob(logprob, rank, self._decode_one(token_id))}
-            for r, (tid, lp) in enumerate((top or [])[:sp.logprobs], 1):
-                entry.setdefault(tid, Logprob(lp, r, self._decode_one(tid)))
-            seq.logprobs.append(entry)
+            seq.logprobs.append(self._logprob_entry(token_id, logprob, rank, top, sp.logprobs))
             seq.cumulative_logprob += logprob
 
         may_stop = seq.num_output_tokens >= sp.min_tokens
@@ -37,6 +34,21 @@ class OutputProcessor:
                 self._check_stop_strings(seq, len(delta))
         if seq.finish_reason is None and seq.reached_length_limit(self.max_model_len):
             seq.finish_reason = "length"
+
+    def append_prompt_logprobs(self, chunk):
+        """chunk: a PromptLogprobsChunk; its tokens follow the ones already scored."""
+        seq, num_top = chunk.seq, chunk.seq.sampling_params.prompt_logprobs
+        assert chunk.first == len(seq.prompt_logprobs)
+        for i, (logprob, rank) in enumerate(zip(chunk.logprobs, chunk.ranks)):
+            top = chunk.top[i] if chunk.top else None
+            seq.prompt_logprobs.append(self._logprob_entry(seq.token_ids[chunk.first + i], logprob, rank, top, num_top))
+
+    def _logprob_entry(self, token_id: int, logprob: float, rank: int, top, num_top: int) -> dict[int, Logprob]:
+        """{token_id: Logprob} for the token itself and the num_top best of top ([(id, logprob)])."""
+        entry = {token_id: Logprob(logprob, rank, self._decode_one(token_id))}
+        for r, (tid, lp) in enumerate((top or [])[:num_top], 1):
+            entry.setdefault(tid, Logprob(lp, r, self._decode_one(tid)))
+        return entry
 
     def _decode_one(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])

@@ -83,7 +83,9 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            computed_blocks = self.block_manager.get_computed_blocks(seq)
+            # A request for prompt logprobs computes its whole prompt (as vLLM: no prefix-cache hits).
+            computed_blocks = ([] if seq.sampling_params.prompt_logprobs is not None
+                               else self.block_manager.get_computed_blocks(seq))
             num_cached = len(computed_blocks) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
             if not self.block_manager.allocate_slots(seq, num_new, computed_blocks):

@@ -53,6 +53,9 @@ class Sequence:
         self.read_offset = 0
         self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if sampling_params.logprobs is not None else None
+        # Entry j: {token_id: Logprob} for prompt token j given the ones before it; None for token 0.
+        self.prompt_logprobs: list[dict | None] | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
 

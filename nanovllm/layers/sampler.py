@@ -140,10 +140,17 @@ class Sampler:
             if md.output_token_ids is not None:
                 logits = apply_penalties(logits, md)
         token_ids = self._sample_fused(logits, md) if self.fused else self._sample_torch(logits.float(), md)
-        out = SamplerOutput(token_ids)
-        if raw_logprobs is not None:
-            out.logprobs = raw_logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
-            out.ranks = (raw_logprobs > out.logprobs[:, None]).sum(-1) + 1
-            if md.max_num_logprobs > 0:
-                out.top_logprobs, out.top_ids = raw_logprobs.topk(md.max_num_logprobs, -1)
-        return out
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids)
+        return token_logprobs(raw_logprobs, token_ids, md.max_num_logprobs)
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> SamplerOutput:
+    """logprobs: [B, V] log_softmax of raw logits; token_ids: [B] -> each token's logprob and
+    rank (1 = most likely), and the rows' num_top best (none when num_top is 0)."""
+    out = SamplerOutput(token_ids)
+    out.logprobs = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
+    out.ranks = (logprobs > out.logprobs[:, None]).sum(-1) + 1
+    if num_top > 0:
+        out.top_logprobs, out.top_ids = logprobs.topk(num_top, -1)
+    return out
