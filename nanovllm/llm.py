@@ -85,10 +85,14 @@ class LLM:
                              f"{len(parsed)} prompts; pass one SamplingParams or one per prompt.")
         engine = self.llm_engine
         # Validate the whole call before any request is added: a bad prompt leaves no trace.
-        for i, ((_, token_ids), params) in enumerate(zip(parsed, sampling_params)):
+        for i, ((text, token_ids), params) in enumerate(zip(parsed, sampling_params)):
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}.")
-            engine.validate_request(i, token_ids, params)
+            keep = params.truncate_prompt_tokens
+            if keep is not None:   # the prompt's last tokens, as vLLM truncates
+                keep = engine.config.max_model_len if keep == -1 else keep
+                parsed[i] = (text, token_ids[-keep:])
+            engine.validate_request(i, parsed[i][1], params)
         request_ids = [engine.add_request(text, token_ids, params)
                        for (text, token_ids), params in zip(parsed, sampling_params)]
         try:

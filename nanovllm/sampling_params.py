@@ -25,6 +25,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None     # added to the raw logits of those token ids
+    allowed_token_ids: list[int] | None = None     # only these ids may be sampled
+    truncate_prompt_tokens: int | None = None      # keep only the prompt's last k tokens (-1: max_model_len)
+    detokenize: bool = True                        # False: token ids only, text stays ""
     # Normalised copies, filled in __post_init__.
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -79,7 +83,19 @@ class SamplingParams:
               f"logprobs must be non-negative, got {self.logprobs}.")
         check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
               f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
+        check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+            isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) for t, b in self.logit_bias.items())),
+              f"logit_bias must map non-negative token ids to numbers, got {self.logit_bias!r:.200}.")
+        check(self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0 and all(
+            isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)),
+              f"allowed_token_ids must be a non-empty list of non-negative token ids, "
+              f"got {self.allowed_token_ids!r:.200}.")
+        check(self.truncate_prompt_tokens is None or (isinstance(self.truncate_prompt_tokens, int) and (
+            self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)),
+              f"truncate_prompt_tokens must be at least 1, or -1 (max_model_len), got {self.truncate_prompt_tokens}.")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        check(self.detokenize or not stops,
+              "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
         check(all(isinstance(s, str) and s for s in stops),
               f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}.")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or []),

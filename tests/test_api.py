@@ -86,6 +86,10 @@ def test_default_sampling_params_come_from_generation_config(llm):
     (dict(repetition_penalty=0.0), "repetition_penalty must be greater than zero, got 0.0."),
     (dict(logprobs=-1), "logprobs must be non-negative, got -1."),
     (dict(prompt_logprobs=-2), "prompt_logprobs must be non-negative, got -2."),
+    (dict(logit_bias={"a": 1.0}), "logit_bias must map non-negative token ids to numbers, got {'a': 1.0}."),
+    (dict(allowed_token_ids=[]), "allowed_token_ids must be a non-empty list of non-negative token ids, got []."),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens must be at least 1, or -1 (max_model_len), got 0."),
+    (dict(detokenize=False, stop="x"), "stop strings are only supported when detokenize is True."),
     (dict(stop=[""]), "stop must be a non-empty string"),
 ])
 def test_bad_sampling_params(kwargs, message):
@@ -101,6 +105,8 @@ def test_bad_sampling_params(kwargs, message):
     ([[1, 2]], [SamplingParams(), SamplingParams()], "sampling_params has 2 entries but there are 1 prompts"),
     ([[1, 2]], SamplingParams(logprobs=25), "Requested sample logprobs of 25, which is greater than max allowed: 20."),
     ([[1, 2]], SamplingParams(prompt_logprobs=21), "Requested prompt logprobs of 21, which is greater than max allowed: 20."),
+    ([[1, 2]], SamplingParams(logit_bias={5: 1.0, 384: 2.0}), "logit_bias has out-of-vocabulary token id 384 (vocab_size=384)."),
+    ([[1, 2]], SamplingParams(allowed_token_ids=[1, 999]), "allowed_token_ids has out-of-vocabulary token id 999"),
     ([[1, 2], 3.5], None, "prompt 1 must be a string"),
 ])
 def test_bad_requests_leave_engine_usable(llm, prompts, params, message):

@@ -121,3 +121,16 @@ def test_prompt_logprobs_close_to_hf(gpu_model_dir):
         ours = torch.tensor([out.prompt_logprobs[j][prompt[j]].logprob for j in range(1, len(prompt))])
         theirs = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
         assert (ours - theirs).abs().max() < 0.1
+
+
+def test_allowed_token_ids_and_logit_bias_on_gpu(gpu_model_dir):
+    """The fused sampler sees the restricted and biased float32 logits."""
+    llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024)
+    allowed = [7, 42, 99, 250]
+    outs = llm.generate(PROMPTS[:4], [
+        SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, allowed_token_ids=allowed),
+        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logit_bias={123: 100.0}),
+        SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, allowed_token_ids=[5])], use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert set(tokens[0]) <= set(allowed) and tokens[1] == [123] * 4 and tokens[3] == [5] * 4

@@ -258,3 +258,48 @@ def test_prompt_logprobs_zero_gives_only_the_prompt_tokens(llm, qwen3_dir):
     prompt = PROMPTS[6]
     out = llm.generate([ids(prompt)], SamplingParams(max_tokens=2, prompt_logprobs=0), use_tqdm=False)[0]
     check_prompt_logprobs(hf_model(qwen3_dir), prompt, out.prompt_logprobs, 0)
+
+
+# ---- allowed_token_ids, logit_bias, truncate_prompt_tokens, detokenize -----------------------
+@torch.no_grad()
+def test_allowed_token_ids_restrict_sampling(llm, qwen3_dir):
+    allowed = [7, 42, 99, 250]
+    hot = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, allowed_token_ids=allowed)
+    greedy = SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=allowed)
+    outs = llm.generate([ids(p) for p in PROMPTS[:4]], [hot, greedy, hot, greedy], use_tqdm=False)
+    assert all(set(t) <= set(allowed) for t in tokens(outs))
+    logits = hf_model(qwen3_dir)(torch.tensor([PROMPTS[1]])).logits[0, -1]
+    assert tokens(outs)[1] == [allowed[int(logits[allowed].argmax())]]     # the best allowed token
+
+
+@torch.no_grad()
+def test_logit_bias_changes_sampling_but_not_logprobs(llm, qwen3_dir):
+    prompt = PROMPTS[5]
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0, logit_bias={123: 100.0})
+    comp = llm.generate([ids(prompt)], sp, use_tqdm=False)[0].outputs[0]
+    assert comp.token_ids == [123] * 4
+    raw = hf_model(qwen3_dir)(torch.tensor([prompt])).logits[0, -1].float().log_softmax(-1)
+    assert comp.logprobs[0][123].logprob == pytest.approx(raw[123].item(), abs=1e-4)   # raw, as vLLM reports
+    free = llm.generate([ids(prompt)], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    banned = SamplingParams(temperature=0.0, max_tokens=1, logit_bias={free[0]: -100.0})
+    assert llm.generate([ids(prompt)], banned, use_tqdm=False)[0].outputs[0].token_ids != free[:1]
+
+
+def test_truncate_prompt_tokens_keeps_the_last_ones(llm):
+    prompt = PROMPTS[7]                                    # 150 tokens
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    out = llm.generate([ids(prompt)], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True,
+                                                     truncate_prompt_tokens=40), use_tqdm=False)[0]
+    assert out.prompt_token_ids == prompt[-40:]
+    assert out.outputs[0].token_ids == llm.generate([ids(prompt[-40:])], greedy, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_detokenize_false_gives_ids_only(qwen3_dir):
+    llm = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=64)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    with_text = llm.generate(["Hello world"], greedy, use_tqdm=False)[0].outputs[0]
+    ids_only = llm.generate(["Hello world"], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1,
+                                                            detokenize=False), use_tqdm=False)[0].outputs[0]
+    assert with_text.text and ids_only.text == "" and ids_only.token_ids == with_text.token_ids
+    assert all(lp.decoded_token is None for entry in ids_only.logprobs for lp in entry.values())

@@ -127,6 +127,10 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
             raise ValueError(f"Requested sample logprobs of {params.logprobs}, which is greater "
                              f"than max allowed: {cfg.max_logprobs}.")
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+            bad = [t for t in ids or () if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} has out-of-vocabulary token id {bad[0]} (vocab_size={vocab_size}).")
         if params.prompt_logprobs is not None and params.prompt_logprobs > cfg.max_logprobs:
             raise ValueError(f"Requested prompt logprobs of {params.prompt_logprobs}, which is greater "
                              f"than max allowed: {cfg.max_logprobs}.")

@@ -20,7 +20,7 @@ class OutputProcessor:
         seq.append_token(token_id)
         sp = seq.sampling_params
         if seq.logprobs is not None:
-            seq.logprobs.append(self._logprob_entry(token_id, logprob, rank, top, sp.logprobs))
+            seq.logprobs.append(self._logprob_entry(token_id, logprob, rank, top, sp.logprobs, sp.detokenize))
             seq.cumulative_logprob += logprob
 
         may_stop = seq.num_output_tokens >= sp.min_tokens
@@ -28,7 +28,8 @@ class OutputProcessor:
             seq.finish_reason = "stop"
         elif may_stop and token_id in sp.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token_id
-        if self.tokenizer is not None and (seq.finish_reason is None or sp.include_stop_str_in_output):
+        if (self.tokenizer is not None and sp.detokenize
+                and (seq.finish_reason is None or sp.include_stop_str_in_output)):
             delta = self._detokenize(seq)
             if may_stop and seq.finish_reason is None and delta:
                 self._check_stop_strings(seq, len(delta))
@@ -37,21 +38,23 @@ class OutputProcessor:
 
     def append_prompt_logprobs(self, chunk):
         """chunk: a PromptLogprobsChunk; its tokens follow the ones already scored."""
-        seq, num_top = chunk.seq, chunk.seq.sampling_params.prompt_logprobs
+        seq, sp = chunk.seq, chunk.seq.sampling_params
         assert chunk.first == len(seq.prompt_logprobs)
         for i, (logprob, rank) in enumerate(zip(chunk.logprobs, chunk.ranks)):
             top = chunk.top[i] if chunk.top else None
-            seq.prompt_logprobs.append(self._logprob_entry(seq.token_ids[chunk.first + i], logprob, rank, top, num_top))
+            seq.prompt_logprobs.append(self._logprob_entry(seq.token_ids[chunk.first + i], logprob, rank, top,
+                                                           sp.prompt_logprobs, sp.detokenize))
 
-    def _logprob_entry(self, token_id: int, logprob: float, rank: int, top, num_top: int) -> dict[int, Logprob]:
+    def _logprob_entry(self, token_id: int, logprob: float, rank: int, top, num_top: int,
+                       detokenize: bool) -> dict[int, Logprob]:
         """{token_id: Logprob} for the token itself and the num_top best of top ([(id, logprob)])."""
-        entry = {token_id: Logprob(logprob, rank, self._decode_one(token_id))}
-        for r, (tid, lp) in enumerate((top or [])[:num_top], 1):
-            entry.setdefault(tid, Logprob(lp, r, self._decode_one(tid)))
-        return entry
+        def decode(t: int) -> str | None:
+            return self.tokenizer.decode([t]) if detokenize and self.tokenizer is not None else None
 
-    def _decode_one(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+        entry = {token_id: Logprob(logprob, rank, decode(token_id))}
+        for r, (tid, lp) in enumerate((top or [])[:num_top], 1):
+            entry.setdefault(tid, Logprob(lp, r, decode(tid)))
+        return entry
 
     def _detokenize(self, seq: Sequence) -> str:
         """Add the text of the newest token(s) to seq.output_text and return it.

@@ -40,6 +40,16 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids
         rows, tokens = zip(*banned)
         md.banned_rows = to_device(rows, torch.int64)
         md.banned_tokens = to_device(tokens, torch.int64)
+    allowed = [(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if allowed:
+        rows, lists = zip(*allowed)
+        md.allowed_rows = to_device(rows, torch.int64)
+        md.allowed_token_ids = to_device(padded(list(lists), vocab))
+    bias = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+    if bias:
+        rows, tokens, values = zip(*bias)
+        md.bias_rows, md.bias_tokens = to_device(rows, torch.int64), to_device(tokens, torch.int64)
+        md.bias_values = to_device(values, torch.float32)
     if any(p.has_penalties for p in params):
         # Token ids, not [B, V] counts: the sampler counts them on the device. Pad: vocab (one past
         # the last id); a row's pending tokens (not read yet: never a row with penalties) count as pad.

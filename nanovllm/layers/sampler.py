@@ -38,6 +38,17 @@ class SamplingMetadata:
     # row_seeds again, as [S] row indices and [S] int64 seeds on the device (for the fused sampler).
     seeded_rows: torch.Tensor | None = None
     seed_values: torch.Tensor | None = None
+    # allowed_token_ids: [A] rows that have a list, and their lists [A, longest] padded with V.
+    allowed_rows: torch.Tensor | None = None
+    allowed_token_ids: torch.Tensor | None = None
+    # logit_bias as (row, token, bias) triples.
+    bias_rows: torch.Tensor | None = None
+    bias_tokens: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+
+    @property
+    def edits_logits(self) -> bool:
+        return any(t is not None for t in (self.allowed_rows, self.banned_rows, self.bias_rows, self.output_token_ids))
 
 
 @dataclass
@@ -47,6 +58,22 @@ class SamplerOutput:
     ranks: torch.Tensor | None = None         # [B] its rank (1 = most likely)
     top_ids: torch.Tensor | None = None       # [B, max_num_logprobs]
     top_logprobs: torch.Tensor | None = None  # [B, max_num_logprobs]
+
+
+def restrict_and_bias(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """In place on float32 logits [B, V]: tokens outside a row's allowed_token_ids and stop tokens
+    under min_tokens get -inf, then logit_bias is added (vLLM's order, before penalties)."""
+    vocab_size = logits.shape[1]
+    if md.allowed_rows is not None:
+        ids = md.allowed_token_ids
+        keep = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.bool, device=logits.device)
+        keep = keep.scatter_(1, ids, True)[:, :vocab_size]
+        logits[md.allowed_rows] = logits[md.allowed_rows].masked_fill(~keep, float("-inf"))
+    if md.banned_rows is not None:
+        logits[md.banned_rows, md.banned_tokens] = float("-inf")
+    if md.bias_rows is not None:
+        logits.index_put_((md.bias_rows, md.bias_tokens), md.bias_values, accumulate=True)
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -133,10 +160,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         # logits: [B, V]
         raw_logprobs = logits.float().log_softmax(-1) if md.max_num_logprobs is not None else None
-        if md.banned_rows is not None or md.output_token_ids is not None:
-            logits = logits.float()
-            if md.banned_rows is not None:
-                logits[md.banned_rows, md.banned_tokens] = float("-inf")
+        if md.edits_logits:
+            logits = restrict_and_bias(logits.float(), md)
             if md.output_token_ids is not None:
                 logits = apply_penalties(logits, md)
         token_ids = self._sample_fused(logits, md) if self.fused else self._sample_torch(logits.float(), md)
