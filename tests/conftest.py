@@ -3,8 +3,8 @@ byte-level BPE tokenizer saved beside them, and HF transformers as the reference
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 VOCAB_SIZE = 384
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -40,6 +40,12 @@ def build_model_dir(path, arch: str, tokenizer: PreTrainedTokenizerFast, seed: i
     if arch == "qwen3":
         config = Qwen3Config(head_dim=sizes.get("head_dim", 16), tie_word_embeddings=True, **common)
         cls = Qwen3ForCausalLM
+    elif arch == "llama":   # with Llama 3's RoPE scaling, and biases (q/k/v/o) to load
+        rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                    high_freq_factor=4.0, original_max_position_embeddings=64)
+        config = LlamaConfig(head_dim=sizes.get("head_dim", 16), tie_word_embeddings=False, attention_bias=True,
+                             rope_scaling=rope, **common)
+        cls = LlamaForCausalLM
     else:
         config, cls = Qwen2Config(tie_word_embeddings=False, **common), Qwen2ForCausalLM
     torch.manual_seed(seed)
@@ -65,9 +71,14 @@ def qwen2_dir(tmp_path_factory, tokenizer):
     return build_model_dir(tmp_path_factory.mktemp("qwen2"), "qwen2", tokenizer)
 
 
-@pytest.fixture(params=["qwen3", "qwen2"])
-def model_dir(request, qwen3_dir, qwen2_dir):
-    return qwen3_dir if request.param == "qwen3" else qwen2_dir
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory, tokenizer):
+    return build_model_dir(tmp_path_factory.mktemp("llama"), "llama", tokenizer)
+
+
+@pytest.fixture(params=["qwen3", "qwen2", "llama"])
+def model_dir(request, qwen3_dir, qwen2_dir, llama_dir):
+    return {"qwen3": qwen3_dir, "qwen2": qwen2_dir, "llama": llama_dir}[request.param]
 
 
 def hf_model(path):

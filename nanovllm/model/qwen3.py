@@ -1,7 +1,8 @@
-"""Qwen3ForCausalLM and Qwen2ForCausalLM in one file.
+"""Qwen3ForCausalLM, Qwen2ForCausalLM and LlamaForCausalLM in one file.
 
-The two differ only in the attention block: Qwen3 normalises q and k per head (q_norm,
-k_norm) and has no qkv bias by default; Qwen2 has a qkv bias and no q/k norm.
+The three differ only in the attention block: Qwen3 normalises q and k per head (q_norm,
+k_norm) and has no qkv bias by default; Qwen2 has a qkv bias and no q/k norm; Llama has
+neither (and Llama 3.1+ scales its RoPE frequencies for long contexts).
 """
 import torch
 from torch import nn
@@ -16,12 +17,14 @@ from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from nanovllm.layers.rotary import RotaryEmbedding
 
 
-def rope_theta(config: PretrainedConfig) -> float:
+def rope_settings(config: PretrainedConfig) -> tuple[float, dict | None]:
+    """-> (theta, Llama 3 scaling or None); other scaled RoPE variants are refused."""
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"rope scaling {rope} is not supported; only the default RoPE is.")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise ValueError(f"rope scaling {rope} is not supported; only the default RoPE and 'llama3' are.")
     theta = getattr(config, "rope_theta", None)
-    return theta if theta is not None else rope["rope_theta"]
+    return (theta if theta is not None else rope["rope_theta"]), (rope if kind == "llama3" else None)
 
 
 class QwenAttention(nn.Module):
@@ -34,11 +37,12 @@ class QwenAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads // tp_size
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        qkv_bias = config.attention_bias if self.is_qwen3 else True
+        qkv_bias = True if config.model_type == "qwen2" else config.attention_bias
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=qkv_bias, tp=tp)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, tp=tp)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_theta(config))
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        bias=qkv_bias and config.model_type != "qwen2", tp=tp)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, *rope_settings(config))
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
         if self.is_qwen3:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -72,6 +76,8 @@ class QwenMLP(nn.Module):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu' is.")
+        if getattr(config, "mlp_bias", False):
+            raise ValueError("mlp_bias=True is not supported.")
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, tp=tp)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp=tp)
         self.act_fn = SiluAndMul()
@@ -143,4 +149,4 @@ class QwenForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
 
-Qwen3ForCausalLM = Qwen2ForCausalLM = QwenForCausalLM
+Qwen3ForCausalLM = Qwen2ForCausalLM = LlamaForCausalLM = QwenForCausalLM
