@@ -21,12 +21,17 @@ class Config:
     model: str
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False
+    revision: str | None = None             # of a hub model: branch, tag or commit
+    tokenizer_revision: str | None = None   # of a hub tokenizer given by `tokenizer`
+    download_dir: str | None = None         # hub cache directory (default: Hugging Face's)
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
     max_num_seqs: int = 512
     max_num_batched_tokens: int = 16384
+    enable_chunked_prefill: bool = True     # False: a prompt is computed in one step or waits
     block_size: int = 256
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
@@ -64,8 +69,9 @@ class Config:
             raise ValueError("device is 'cuda', but no CUDA device is available.")
         if self.async_scheduling is None:
             self.async_scheduling = self.device == "cuda"
-        self.model_path = resolve_model_path(self.model, need_weights=self.load_format != "dummy")
-        self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        self.model_path = resolve_model_path(self.model, need_weights=self.load_format != "dummy",
+                                             revision=self.revision, cache_dir=self.download_dir)
+        self.hf_config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
         architectures = getattr(self.hf_config, "architectures", None) or []
         if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
             raise ValueError(f"model architectures {architectures} are not supported; "
@@ -81,6 +87,10 @@ class Config:
                              f"max_position_embeddings ({max_len}).")
         if self.tokenizer is None:
             self.tokenizer = self.model_path
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                             f"max_model_len ({self.max_model_len}): with enable_chunked_prefill=False a "
+                             f"prompt must fit one step. Raise max_num_batched_tokens or lower max_model_len.")
 
     def _validate_scalars(self):
         def check(ok: bool, message: str):

@@ -155,6 +155,8 @@ def test_interrupted_generate_aborts_its_requests(llm, monkeypatch):
     (dict(load_format="pickle"), "load_format must be 'auto', 'safetensors' or 'dummy', got 'pickle'."),
     (dict(kv_cache_dtype="int4"), "kv_cache_dtype must be one of 'auto', 'bfloat16', 'fp8', 'fp8_e4m3', "
                                   "'fp8_e5m2', got 'int4'."),
+    (dict(enable_chunked_prefill=False, max_num_batched_tokens=100),
+     "max_num_batched_tokens (100) is smaller than max_model_len (512): with enable_chunked_prefill=False"),
 ])
 def test_bad_engine_arguments(qwen3_dir, kwargs, message):
     with pytest.raises(ValueError) as e:
@@ -176,6 +178,21 @@ def test_unreachable_hub_id_says_how_to_download(monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(ValueError, match="huggingface-cli download some-org/some-model"):
         LLM("some-org/some-model")
+
+
+def test_hub_id_is_fetched_at_the_revision_into_download_dir(monkeypatch, qwen3_dir, tmp_path):
+    import huggingface_hub
+    calls = []
+
+    def fetch(repo_id, **kwargs):
+        calls.append((repo_id, kwargs["revision"], kwargs["cache_dir"]))
+        return qwen3_dir
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fetch)
+    llm = LLM("some-org/some-model", revision="v1.0", download_dir=str(tmp_path), trust_remote_code=True,
+              block_size=16, num_kvcache_blocks=16)
+    assert calls == [("some-org/some-model", "v1.0", str(tmp_path))]
+    assert llm.generate([[5, 6]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_string_prompt_without_tokenizer(qwen3_dir):

@@ -26,6 +26,8 @@ VARIANTS = {
     "preemption": dict(num_kvcache_blocks=14),
     # Prompts up to 150 tokens through a 32-token budget: forces chunked prefill.
     "chunked_prefill": dict(max_num_batched_tokens=32),
+    # Whole prompts only, at most 200 tokens per step.
+    "no_chunked_prefill": dict(enable_chunked_prefill=False, max_num_batched_tokens=200, max_model_len=200),
 }
 
 

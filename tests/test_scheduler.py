@@ -37,6 +37,16 @@ def test_chunked_prefill_shares_budget_across_sequences():
     assert run_step(sched) == ([(a.seq_id, 1), (b.seq_id, 1)], [a.seq_id, b.seq_id])
 
 
+def test_without_chunked_prefill_a_prompt_waits_for_a_step_it_fits():
+    bm = BlockManager(16, 4, True)
+    sched = Scheduler(bm, 8, 12, max_model_len=1000, chunked_prefill=False)
+    a, b = seq_of(10), seq_of(6, 100)
+    sched.add(a)
+    sched.add(b)
+    assert run_step(sched) == ([(a.seq_id, 10)], [a.seq_id])          # b's 6 tokens do not fit the 2 left
+    assert run_step(sched) == ([(a.seq_id, 1), (b.seq_id, 6)], [a.seq_id, b.seq_id])
+
+
 def test_max_num_seqs_limits_admission():
     sched, _ = make(max_num_seqs=2)
     seqs = [seq_of(3, 10 * i) for i in range(3)]

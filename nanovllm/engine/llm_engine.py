@@ -50,8 +50,8 @@ class StepStats:
 class LLMEngine:
     def __init__(self, config: Config):
         self.config = config
-        self.tokenizer = (None if config.skip_tokenizer_init
-                          else AutoTokenizer.from_pretrained(config.tokenizer))
+        self.tokenizer = (None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(
+            config.tokenizer, revision=config.tokenizer_revision, trust_remote_code=config.trust_remote_code))
         self.generation_config = self._load_generation_config()
         self.eos_token_ids = self._eos_token_ids()
         self.workers = None
@@ -70,8 +70,8 @@ class LLMEngine:
             raise
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.max_model_len)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_model_len, config.enable_chunked_prefill)
         self.async_scheduling = config.async_scheduling
         self.in_flight: InFlightStep | None = None
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,

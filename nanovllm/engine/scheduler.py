@@ -4,7 +4,8 @@ One token budget per step (vLLM v1): running sequences first, in admission order
 what it still needs (1 token for a decode, the rest of its prompt for a prefill, capped by what
 is left of the budget); then waiting sequences are admitted while budget, blocks and
 `max_num_seqs` allow. Any sequence's prefill can be chunked, so decodes and prefill chunks
-share one batch. When blocks run out, the most recently admitted sequence is preempted: its
+share one batch (unless chunked prefill is off: then a prompt that does not fit what is left of
+the budget waits for the next step). When blocks run out, the most recently admitted sequence is preempted: its
 blocks are freed and it goes back to the front of the queue, to be recomputed (cheaply, when
 its blocks are still in the prefix cache).
 """
@@ -37,8 +38,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int):
+                 max_model_len: int, chunked_prefill: bool = True):
         self.block_manager = block_manager
+        self.chunked_prefill = chunked_prefill
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -88,6 +90,8 @@ class Scheduler:
                                else self.block_manager.get_computed_blocks(seq))
             num_cached = len(computed_blocks) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
+            if not self.chunked_prefill and num_new < seq.num_tokens - num_cached:
+                break
             if not self.block_manager.allocate_slots(seq, num_new, computed_blocks):
                 break
             self.waiting.popleft()

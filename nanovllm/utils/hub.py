@@ -5,7 +5,8 @@ WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
 CONFIG_PATTERNS = ["*.json", "*.txt", "*.model", "*.jinja"]
 
 
-def resolve_model_path(model: str, need_weights: bool = True) -> str:
+def resolve_model_path(model: str, need_weights: bool = True, revision: str | None = None,
+                       cache_dir: str | None = None) -> str:
     """Return a local directory holding `model`'s files; a hub id is downloaded (or read from cache)."""
     if os.path.isdir(model):
         return model
@@ -15,7 +16,7 @@ def resolve_model_path(model: str, need_weights: bool = True) -> str:
     from huggingface_hub import snapshot_download
     patterns = WEIGHT_PATTERNS if need_weights else CONFIG_PATTERNS
     try:
-        return snapshot_download(model, allow_patterns=patterns)
+        return snapshot_download(model, allow_patterns=patterns, revision=revision, cache_dir=cache_dir)
     except Exception as e:  # offline, unknown repo, gated model, ...
         raise ValueError(
             f"could not fetch model {model!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
