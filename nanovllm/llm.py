@@ -126,15 +126,23 @@ class LLM:
         return outputs
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """Generate replies to one conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation ([{"role": ..., "content": ...}, ...]) or a list of them.
+        continue_final_message: the reply continues the last (assistant) message instead of starting
+        a new one; chat_template replaces the tokenizer's; tools go to the template."""
         tokenizer = self.llm_engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat() needs a tokenizer, but the engine has none (skip_tokenizer_init=True).")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message, tools=tools,
                                                  **(chat_template_kwargs or {}))
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)

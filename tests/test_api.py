@@ -62,6 +62,18 @@ def test_chat_uses_template(llm, tokenizer):
     assert len(two) == 2 and two[0].outputs[0].token_ids == out.outputs[0].token_ids
 
 
+def test_chat_template_options(llm):
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The quick"}]
+    out = llm.chat(messages, sp, add_generation_prompt=False, continue_final_message=True, use_tqdm=False)[0]
+    assert out.prompt == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nThe quick"
+    plain = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    out = llm.chat(messages[:1], sp, chat_template=plain, add_generation_prompt=False, use_tqdm=False)[0]
+    assert out.prompt == "[user] Hi\n"
+    with pytest.raises(ValueError, match="Cannot set both `continue_final_message` and `add_generation_prompt`"):
+        llm.chat(messages, sp, continue_final_message=True, use_tqdm=False)
+
+
 def test_max_tokens_none_runs_to_max_model_len(llm):
     out = llm.generate([PROMPTS[6]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
                        use_tqdm=False)[0]
