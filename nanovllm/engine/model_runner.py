@@ -124,8 +124,8 @@ class ModelRunner:
         t = self.timings
         kv_gib = self.kv_cache.numel() * self.kv_cache.element_size() / 2**30
         message = (f"model loaded in {t['load_s']:.1f}s; KV cache: {self.num_kvcache_blocks} blocks of "
-                   f"{self.block_size} tokens ({kv_gib:.2f} GiB, {self.config.kv_cache_dtype}) sized in {t['kv_cache_s']:.1f}s; "
-                   f"attention backend: {type(self.backend).__name__}")
+                   f"{self.block_size} tokens ({kv_gib:.2f} GiB, {self.config.kv_cache_dtype}) sized in "
+                   f"{t['kv_cache_s']:.1f}s; attention backend: {type(self.backend).__name__}")
         if self.graphs is not None:
             message += (f"; CUDA graphs for {len(self.graphs.buckets)} batch sizes captured in "
                         f"{t['cuda_graphs_s']:.1f}s")
@@ -372,13 +372,14 @@ class ModelRunner:
             if patch is not None:
                 input_ids[patch[0]] = patch[1]
             hidden = self.model(input_ids, positions, meta)
-        logits = None
-        if step.num_sampling:
-            rows = hidden if step.logits_rows is None else hidden[self._to_device(step.logits_rows, torch.int64)]
-            logits = self.model.compute_logits(rows)
-        prompt_logits = [
-            self.model.compute_logits(hidden[self._to_device(step.prompt_rows[i:i + PROMPT_LOGITS_ROWS], torch.int64)])
-            for i in range(0, len(step.prompt_rows), PROMPT_LOGITS_ROWS)]
+
+        def logits_of(rows: list[int] | None) -> torch.Tensor | None:
+            return self.model.compute_logits(hidden if rows is None else hidden[self._to_device(rows, torch.int64)])
+
+        logits = logits_of(step.logits_rows) if step.num_sampling else None
+        prompt_rows = step.prompt_rows
+        prompt_logits = [logits_of(prompt_rows[i:i + PROMPT_LOGITS_ROWS])
+                         for i in range(0, len(prompt_rows), PROMPT_LOGITS_ROWS)]
         return logits, prompt_logits
 
     def copy_to_host(self, sampled: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:
