@@ -27,9 +27,10 @@ ONE_SHOT_MAX_BYTES = 512 << 10   # above this, two-shot when there are more than
 
 class SymmMemAllReduce:
     def __init__(self, name: str, rank: int, size: int, store, device: torch.device, backend):
-        """name: a group name unique in this process; store: the group's TCPStore; backend: its
-        NCCL backend. Collective: every rank of the group must construct it. Raises if symmetric
-        memory is unusable."""
+        """name: a group name never used before in this process (symm_mem keeps every name it was
+        given); store: the group's TCPStore; backend: its NCCL backend. Local: sets up this rank's
+        buffer; rendezvous() then exchanges the buffers (collective). Raises if symmetric memory is
+        unusable."""
         from torch.distributed import _symmetric_memory as symm_mem
         self.name, self.size = name, size
         # symm_mem finds its group by name in c10d's registry: register a ProcessGroup over our backend.
@@ -41,7 +42,11 @@ class SymmMemAllReduce:
         self.group = group
         symm_mem._SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore(f"{name}/", store))
         self.buffer = symm_mem.empty(BUFFER_BYTES, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(self.buffer, name)
+
+    def rendezvous(self):
+        """Collective: map every rank's buffer into this one's address space."""
+        from torch.distributed import _symmetric_memory as symm_mem
+        symm_mem.rendezvous(self.buffer, self.name)
 
     def close(self):
         """Drop the group from c10d's registry (it holds the NCCL communicators) and the buffer."""
@@ -68,21 +73,34 @@ class SymmMemAllReduce:
 def try_symm_mem_all_reduce(name: str, rank: int, size: int, store, device: torch.device,
                             process_group) -> SymmMemAllReduce | None:
     """A SymmMemAllReduce if every rank could set one up and it sums correctly, else None
-    (every rank then agrees to use NCCL). Collective."""
+    (every rank then agrees to use NCCL). Collective. The ranks agree after the local set-up,
+    before the rendezvous: a rank that failed to set up must not leave the others waiting in it."""
     reducer, reason = None, ""
     try:
         reducer = SymmMemAllReduce(name, rank, size, store, device, process_group)
-        if not _sums_correctly(reducer, rank, size, device):
-            reducer, reason = None, "its self-check gave a wrong sum"
     except Exception as e:   # not built with symm_mem, no P2P between the GPUs, driver too old, ...
-        reducer, reason = None, f"{type(e).__name__}: {e}"
-    ok = torch.tensor([int(reducer is not None)], device=device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=process_group)
-    if not ok.item():
-        if rank == 0:
-            logger.warning(f"custom all-reduce is off, using NCCL ({reason or 'another rank could not set it up'})")
-        return None
-    return reducer
+        reason = f"{type(e).__name__}: {e}"
+    if _all_ranks(reducer is not None, device, process_group):
+        try:
+            reducer.rendezvous()
+            if not _sums_correctly(reducer, rank, size, device):
+                reason = "its self-check gave a wrong sum"
+        except Exception as e:
+            reason = f"{type(e).__name__}: {e}"
+        if _all_ranks(not reason, device, process_group):
+            return reducer
+    if reducer is not None:
+        reducer.close()
+    if rank == 0:
+        logger.warning(f"custom all-reduce is off, using NCCL ({reason or 'another rank could not set it up'})")
+    return None
+
+
+def _all_ranks(ok: bool, device: torch.device, process_group) -> bool:
+    """True if ok is true on every rank (collective)."""
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=process_group)
+    return bool(flag.item())
 
 
 def _sums_correctly(reducer: SymmMemAllReduce, rank: int, size: int, device: torch.device) -> bool:
@@ -94,11 +112,11 @@ def _sums_correctly(reducer: SymmMemAllReduce, rank: int, size: int, device: tor
         gen = torch.Generator().manual_seed(1234 + r)
         return torch.randn(n, generator=gen).to(torch.bfloat16).float()
 
-    for n in (8 * 1024, 600 * 1024):   # one-shot and (with > 2 ranks) two-shot
+    ok = True
+    for n in (8 * 1024, 600 * 1024):   # one-shot and (with > 2 ranks) two-shot; every rank runs both
         x = part(rank, n).to(torch.bfloat16).to(device)
         reducer(x)
         parts = [part(r, n) for r in range(size)]
         error = (x.float().cpu() - sum(parts)).abs()
-        if not (error <= 2 ** -5 * sum(p.abs() for p in parts) + 1e-3).all():
-            return False
-    return True
+        ok &= bool((error <= 2 ** -5 * sum(p.abs() for p in parts) + 1e-3).all())
+    return ok

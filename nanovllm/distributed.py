@@ -1,6 +1,8 @@
 """TPGroup: this process's place in its engine's tensor-parallel group, and the collectives
 the model uses. Each engine owns its own group (no global default group), so several engines
 can live in one process or on one host."""
+import itertools
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -69,7 +71,7 @@ def connect(store_port: int, rank: int, size: int, device: torch.device, custom_
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", store_port, size, is_master=False, timeout=timeout)
     store.set(f"arrived/{rank}", "1")
-    return _make_group(store, store_port, rank, size, device, timeout, custom_all_reduce)
+    return _make_group(store, rank, size, device, timeout, custom_all_reduce)
 
 
 class Rendezvous:
@@ -86,16 +88,29 @@ class Rendezvous:
         return self.store.check([f"arrived/{rank}"])
 
     def join(self, custom_all_reduce: bool = False) -> TPGroup:
-        return _make_group(self.store, self.port, 0, self.size, self.device, self.timeout, custom_all_reduce)
+        return _make_group(self.store, 0, self.size, self.device, self.timeout, custom_all_reduce)
 
 
-def _make_group(store, port: int, rank: int, size: int, device: torch.device, timeout: timedelta,
+def _make_group(store, rank: int, size: int, device: torch.device, timeout: timedelta,
                 custom_all_reduce: bool) -> TPGroup:
     if device.type != "cuda":
         return TPGroup(rank, size, dist.ProcessGroupGloo(store, rank, size, timeout))
     torch.cuda.set_device(device)
     group = TPGroup(rank, size, dist.ProcessGroupNCCL(store, rank, size))
     if custom_all_reduce:
-        group.custom_all_reduce = try_symm_mem_all_reduce(f"nanovllm-tp-{port}", rank, size, store, device,
-                                                          group.process_group)
+        group.custom_all_reduce = try_symm_mem_all_reduce(symm_mem_group_name(store, rank), rank, size, store,
+                                                          device, group.process_group)
     return group
+
+
+_group_ids = itertools.count()
+
+
+def symm_mem_group_name(store, rank: int) -> str:
+    """A name no group of this rank-0 process had before (symm_mem refuses a name it has seen,
+    and a port can come back for a later engine), sent to the other ranks through the store."""
+    if rank == 0:
+        name = f"nanovllm-tp-{os.getpid()}-{next(_group_ids)}"
+        store.set("symm_mem_group", name)
+        return name
+    return store.get("symm_mem_group").decode()
