@@ -25,6 +25,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    bad_words: list[str] | None = None             # never generated (their last token is banned after the rest)
     logit_bias: dict[int, float] | None = None     # added to the raw logits of those token ids
     allowed_token_ids: list[int] | None = None     # only these ids may be sampled
     truncate_prompt_tokens: int | None = None      # keep only the prompt's last k tokens (-1: max_model_len)
@@ -83,6 +84,9 @@ class SamplingParams:
               f"logprobs must be non-negative, got {self.logprobs}.")
         check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
               f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
+        check(self.bad_words is None or (isinstance(self.bad_words, list) and all(
+            isinstance(w, str) and w.strip() for w in self.bad_words)),
+              f"bad_words must be a list of non-empty strings, got {self.bad_words!r:.200}.")
         check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
             isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) for t, b in self.logit_bias.items())),
               f"logit_bias must map non-negative token ids to numbers, got {self.logit_bias!r:.200}.")

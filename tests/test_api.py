@@ -98,6 +98,7 @@ def test_default_sampling_params_come_from_generation_config(llm):
     (dict(repetition_penalty=0.0), "repetition_penalty must be greater than zero, got 0.0."),
     (dict(logprobs=-1), "logprobs must be non-negative, got -1."),
     (dict(prompt_logprobs=-2), "prompt_logprobs must be non-negative, got -2."),
+    (dict(bad_words=["ok", ""]), "bad_words must be a list of non-empty strings, got ['ok', '']."),
     (dict(logit_bias={"a": 1.0}), "logit_bias must map non-negative token ids to numbers, got {'a': 1.0}."),
     (dict(allowed_token_ids=[]), "allowed_token_ids must be a non-empty list of non-negative token ids, got []."),
     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens must be at least 1, or -1 (max_model_len), got 0."),
@@ -211,6 +212,8 @@ def test_string_prompt_without_tokenizer(qwen3_dir):
     llm = LLM(qwen3_dir, skip_tokenizer_init=True, block_size=16, num_kvcache_blocks=16)
     with pytest.raises(ValueError, match="prompt 0 is a string, but the engine has no tokenizer"):
         llm.generate("hello", use_tqdm=False)
+    with pytest.raises(ValueError, match="bad_words needs a tokenizer"):
+        llm.generate([[5, 6]], SamplingParams(bad_words=["x"]), use_tqdm=False)
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
     assert out.outputs[0].text == "" and len(out.outputs[0].token_ids) == 3
 

@@ -303,3 +303,19 @@ def test_detokenize_false_gives_ids_only(qwen3_dir):
                                                             detokenize=False), use_tqdm=False)[0].outputs[0]
     assert with_text.text and ids_only.text == "" and ids_only.token_ids == with_text.token_ids
     assert all(lp.decoded_token is None for entry in ids_only.logprobs for lp in entry.values())
+
+
+def test_bad_words_are_never_generated(llm, tokenizer):
+    hello, qu = (tokenizer.encode(w, add_special_tokens=False) for w in ("Hello", "qu"))
+    assert len(hello) == 2 and len(qu) == 1
+    pair = SamplingParams(temperature=1.0, seed=3, max_tokens=32, ignore_eos=True, allowed_token_ids=hello)
+    free = tokens(llm.generate([ids(PROMPTS[4])], pair, use_tqdm=False))[0]
+    bigrams = list(zip(free, free[1:]))
+    assert tuple(hello) in bigrams                                 # would be generated...
+    banned = SamplingParams(temperature=1.0, seed=3, max_tokens=32, ignore_eos=True, allowed_token_ids=hello,
+                            bad_words=["Hello"])
+    out = tokens(llm.generate([ids(PROMPTS[4])], banned, use_tqdm=False))[0]
+    assert len(out) == 32 and tuple(hello) not in zip(out, out[1:])   # ...but its second token never follows
+    one = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, allowed_token_ids=[qu[0], 320],
+                         bad_words=["qu"])
+    assert tokens(llm.generate([ids(PROMPTS[4])], one, use_tqdm=False))[0] == [320] * 16

@@ -127,6 +127,8 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
             raise ValueError(f"Requested sample logprobs of {params.logprobs}, which is greater "
                              f"than max allowed: {cfg.max_logprobs}.")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer, but the engine has none (skip_tokenizer_init=True).")
         for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
             bad = [t for t in ids or () if t >= vocab_size]
             if bad:
@@ -139,15 +141,29 @@ class LLMEngine:
                     params: SamplingParams) -> str:
         request_id = str(next(self._request_ids))
         request = Request(request_id, prompt, list(prompt_token_ids), params)
+        bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
         for index in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:   # distinct, reproducible completions
                 child_params = replace(params, seed=params.seed + index)
             seq = Sequence(request_id, index, prompt_token_ids, child_params)
+            seq.bad_words_token_ids = bad_words_token_ids
             request.seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = request
         return request_id
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's token ids as text starts with it, and (as vLLM does) as a later word after a
+        space, when that spelling is as many tokens but starts with another one."""
+        encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)
+        sequences = []
+        for word in words:
+            alone, spaced = encode(word.lstrip()), encode(" " + word.lstrip())
+            sequences.append(alone)
+            if len(spaced) == len(alone) and spaced[0] != alone[0]:
+                sequences.append(spaced)
+        return sequences
 
     def abort_request(self, request_id: str):
         request = self.requests.pop(request_id, None)
@@ -166,10 +182,10 @@ class LLMEngine:
         With async scheduling the host reads a step's sampled tokens only after it has launched
         the next step, so the GPU never waits for the host's bookkeeping. The next step takes
         its input ids straight from the GPU; a sequence that turns out to have stopped wastes
-        one token of work. Requests with penalties need every output token on the host, so the
-        engine reads the pending step first whenever one of them is in it."""
+        one token of work. Requests with penalties or multi-token bad words need every output
+        token on the host, so the engine reads the pending step first whenever one is in it."""
         finished = []
-        if self.in_flight is not None and any(s.sampling_params.has_penalties for s in self.in_flight.seqs):
+        if self.in_flight is not None and any(s.needs_output_ids_on_host for s in self.in_flight.seqs):
             finished += self._resolve(self.in_flight)
             self.in_flight = None
         out = self.scheduler.schedule()

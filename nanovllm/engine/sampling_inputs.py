@@ -36,6 +36,7 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids
     banned = [(i, t) for i, (seq, p) in enumerate(zip(seqs, params))
               if seq.num_output_tokens < p.min_tokens
               for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))]
+    banned += [(i, t) for i, seq in enumerate(seqs) for t in bad_word_endings(seq)]
     if banned:
         rows, tokens = zip(*banned)
         md.banned_rows = to_device(rows, torch.int64)
@@ -61,6 +62,14 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids
     num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
     md.max_num_logprobs = max(num_logprobs) if num_logprobs else None
     return md
+
+
+def bad_word_endings(seq: Sequence) -> set[int]:
+    """Last tokens of seq's bad words whose other tokens end its output so far (a one-token bad
+    word: always). Multi-token ones read output ids: the engine keeps them resolved for seq."""
+    out = seq.output_token_ids
+    return {ids[-1] for ids in seq.bad_words_token_ids
+            if len(ids) <= len(out) + 1 and out[len(out) - len(ids) + 1:] == ids[:-1]}
 
 
 def padded(rows: list[list[int]], pad: int) -> np.ndarray:

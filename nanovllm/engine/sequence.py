@@ -58,6 +58,7 @@ class Sequence:
             [None] if sampling_params.prompt_logprobs is not None else None)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.bad_words_token_ids: list[list[int]] = []   # set by the engine from sampling_params.bad_words
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +71,11 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def needs_output_ids_on_host(self) -> bool:
+        """Sampling looks at the ids of earlier output tokens (penalties, multi-token bad words)."""
+        return self.sampling_params.has_penalties or any(len(ids) > 1 for ids in self.bad_words_token_ids)
 
     @property
     def is_finished(self) -> bool:
