@@ -134,3 +134,15 @@ def test_allowed_token_ids_and_logit_bias_on_gpu(gpu_model_dir):
         SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, allowed_token_ids=[5])], use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]
     assert set(tokens[0]) <= set(allowed) and tokens[1] == [123] * 4 and tokens[3] == [5] * 4
+
+
+@pytest.fixture(scope="module")
+def gpu_llama_dir(tmp_path_factory, tokenizer):
+    return build_model_dir(tmp_path_factory.mktemp("llama_gpu"), "llama", tokenizer, seed=1, **SIZES)
+
+
+def test_llama_logprobs_close_to_hf(gpu_llama_dir):
+    """Llama: no q/k norm (the fused RoPE kernel's other path), q/k/v/o biases, Llama 3 RoPE scaling."""
+    llm = LLM(gpu_llama_dir, dtype="bfloat16", max_model_len=1024)
+    ours, _ = run(llm)
+    assert check_logprobs_close(ours, hf_reference(gpu_llama_dir)) >= len(PROMPTS) // 2
