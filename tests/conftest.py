@@ -4,7 +4,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 VOCAB_SIZE = 384
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -40,6 +40,11 @@ def build_model_dir(path, arch: str, tokenizer: PreTrainedTokenizerFast, seed: i
     if arch == "qwen3":
         config = Qwen3Config(head_dim=sizes.get("head_dim", 16), tie_word_embeddings=True, **common)
         cls = Qwen3ForCausalLM
+    elif arch == "qwen3_moe":   # 4 experts, 2 per token; layer 1 of 2 is a dense MLP
+        config = Qwen3MoeConfig(head_dim=sizes.get("head_dim", 16), tie_word_embeddings=True, num_experts=4,
+                                num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
+                                norm_topk_prob=True, **common)
+        cls = Qwen3MoeForCausalLM
     elif arch == "llama":   # with Llama 3's RoPE scaling, and biases (q/k/v/o) to load
         rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                     high_freq_factor=4.0, original_max_position_embeddings=64)
@@ -76,9 +81,14 @@ def llama_dir(tmp_path_factory, tokenizer):
     return build_model_dir(tmp_path_factory.mktemp("llama"), "llama", tokenizer)
 
 
-@pytest.fixture(params=["qwen3", "qwen2", "llama"])
-def model_dir(request, qwen3_dir, qwen2_dir, llama_dir):
-    return {"qwen3": qwen3_dir, "qwen2": qwen2_dir, "llama": llama_dir}[request.param]
+@pytest.fixture(scope="session")
+def qwen3_moe_dir(tmp_path_factory, tokenizer):
+    return build_model_dir(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe", tokenizer)
+
+
+@pytest.fixture(params=["qwen3", "qwen2", "llama", "qwen3_moe"])
+def model_dir(request, qwen3_dir, qwen2_dir, llama_dir, qwen3_moe_dir):
+    return {"qwen3": qwen3_dir, "qwen2": qwen2_dir, "llama": llama_dir, "qwen3_moe": qwen3_moe_dir}[request.param]
 
 
 def hf_model(path):

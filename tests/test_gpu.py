@@ -146,3 +146,12 @@ def test_llama_logprobs_close_to_hf(gpu_llama_dir):
     llm = LLM(gpu_llama_dir, dtype="bfloat16", max_model_len=1024)
     ours, _ = run(llm)
     assert check_logprobs_close(ours, hf_reference(gpu_llama_dir)) >= len(PROMPTS) // 2
+
+
+def test_qwen3_moe_logprobs_close_to_hf(tmp_path_factory, tokenizer):
+    """Qwen3-MoE runs eagerly (its experts are grouped on the host), MoE and dense layers mixed."""
+    path = build_model_dir(tmp_path_factory.mktemp("moe_gpu"), "qwen3_moe", tokenizer, seed=1, **SIZES)
+    llm = LLM(path, dtype="bfloat16", max_model_len=1024)
+    assert llm.llm_engine.model_runner.graphs is None
+    ours, _ = run(llm)
+    assert check_logprobs_close(ours, hf_reference(path)) >= len(PROMPTS) // 2

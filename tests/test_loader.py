@@ -47,3 +47,15 @@ def test_untied_lm_head_is_loaded(qwen2_dir):
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert torch.equal(qkv.bias[:64], ref["model.layers.0.self_attn.q_proj.bias"])
     assert torch.equal(qkv.weight[64 + 32:], ref["model.layers.0.self_attn.v_proj.weight"])
+
+
+def test_moe_experts_are_stacked_and_checked(qwen3_moe_dir, tmp_path):
+    llm = LLM(qwen3_moe_dir, block_size=16, num_kvcache_blocks=8)
+    experts = llm.llm_engine.model_runner.model.model.layers[0].mlp.experts
+    ref = load_file(f"{qwen3_moe_dir}/model.safetensors")
+    prefix = "model.layers.0.mlp.experts.2"
+    assert torch.equal(experts.w13[2], torch.cat([ref[f"{prefix}.gate_proj.weight"], ref[f"{prefix}.up_proj.weight"]]))
+    assert torch.equal(experts.w2[2], ref[f"{prefix}.down_proj.weight"])
+    path = edited_checkpoint(qwen3_moe_dir, tmp_path / "m", lambda t: t.pop(f"{prefix}.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\): model.layers.0.mlp.experts.w13 \(shard \(2, 'up'\)\)"):
+        LLM(path)

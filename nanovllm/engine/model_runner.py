@@ -110,7 +110,8 @@ class ModelRunner:
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.timings["kv_cache_s"] = time.perf_counter() - start
         self.graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
+        if (self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs
+                and self.model.supports_cuda_graphs):
             start = time.perf_counter()
             self.graphs = DecodeGraphs(
                 self.model, min(config.max_num_seqs, MAX_GRAPH_BATCH_SIZE), self.max_blocks_per_seq,

@@ -1,6 +1,7 @@
 """Strict safetensors loading: every checkpoint tensor consumed, every parameter filled."""
 import glob
 import os
+import re
 
 import torch
 from safetensors import safe_open
@@ -10,6 +11,8 @@ from nanovllm.layers.linear import copy_checked
 
 # Checkpoint tensors that hold nothing we need.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# One MoE expert's projection -> the stacked parameter (layers/moe.py) and its (expert, part) shard.
+EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
@@ -22,11 +25,24 @@ def _expected_shards(model: nn.Module) -> set[tuple[str, object]]:
     for ckpt_name, (fused, shard_id) in model.packed_modules_mapping.items():
         packed.setdefault(fused, []).append(shard_id)
     expected = set()
-    for name, _ in model.named_parameters():
+    for name, param in model.named_parameters():
         module_name = name.split(".")[-2]
-        for shard_id in packed.get(module_name, [None]):
+        for shard_id in getattr(param, "shard_ids", None) or packed.get(module_name, [None]):
             expected.add((name, shard_id))
     return expected
+
+
+def _param_for(model: nn.Module, ckpt_name: str) -> tuple[str, object]:
+    """Checkpoint tensor name -> (our parameter's name, shard id or None)."""
+    expert = EXPERT_TENSOR.search(ckpt_name)
+    if expert:
+        index, part = int(expert.group(1)), expert.group(2)
+        prefix = ckpt_name[:expert.start()]
+        return f"{prefix}.experts.{'w2' if part == 'down' else 'w13'}", (index, part)
+    for ckpt_part, (fused, shard_id) in model.packed_modules_mapping.items():
+        if f".{ckpt_part}." in ckpt_name:
+            return ckpt_name.replace(f".{ckpt_part}.", f".{fused}."), shard_id
+    return ckpt_name, None
 
 
 def load_model(model: nn.Module, path: str, tie_word_embeddings: bool):
@@ -43,11 +59,7 @@ def load_model(model: nn.Module, path: str, tie_word_embeddings: bool):
                     continue
                 if ckpt_name == "lm_head.weight" and tie_word_embeddings:
                     continue  # the same tensor as the embedding
-                name, shard_id = ckpt_name, None
-                for ckpt_part, (fused, sid) in model.packed_modules_mapping.items():
-                    if f".{ckpt_part}." in ckpt_name:
-                        name, shard_id = ckpt_name.replace(f".{ckpt_part}.", f".{fused}."), sid
-                        break
+                name, shard_id = _param_for(model, ckpt_name)
                 if name not in params:
                     raise ValueError(f"checkpoint tensor {ckpt_name!r} in {os.path.basename(file)} "
                                      f"matches no model parameter.")

@@ -1,8 +1,9 @@
-"""Qwen3ForCausalLM, Qwen2ForCausalLM and LlamaForCausalLM in one file.
+"""Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen2ForCausalLM and LlamaForCausalLM in one file.
 
-The three differ only in the attention block: Qwen3 normalises q and k per head (q_norm,
-k_norm) and has no qkv bias by default; Qwen2 has a qkv bias and no q/k norm; Llama has
-neither (and Llama 3.1+ scales its RoPE frequencies for long contexts).
+They differ only in the attention block and the MLP: Qwen3 normalises q and k per head (q_norm,
+k_norm) and has no qkv bias by default; Qwen2 has a qkv bias and no q/k norm; Llama has neither
+(and Llama 3.1+ scales its RoPE frequencies for long contexts); Qwen3-MoE is Qwen3 with a
+mixture of experts in place of the MLP of most layers (layers/moe.py).
 """
 import torch
 from torch import nn
@@ -14,6 +15,7 @@ from nanovllm.layers.attention import Attention, AttentionMetadata
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.moe import SparseMoeBlock, is_moe_layer
 from nanovllm.layers.rotary import RotaryEmbedding
 
 
@@ -31,7 +33,7 @@ class QwenAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, tp: TPGroup):
         super().__init__()
         tp_size = tp.size
-        self.is_qwen3 = config.model_type == "qwen3"
+        self.is_qwen3 = config.model_type in ("qwen3", "qwen3_moe")
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_heads = config.num_attention_heads // tp_size
         self.num_kv_heads = config.num_key_value_heads // tp_size
@@ -87,10 +89,10 @@ class QwenMLP(nn.Module):
 
 
 class QwenDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp: TPGroup):
+    def __init__(self, config: PretrainedConfig, tp: TPGroup, index: int):
         super().__init__()
         self.self_attn = QwenAttention(config, tp)
-        self.mlp = QwenMLP(config, tp)
+        self.mlp = SparseMoeBlock(config, tp) if is_moe_layer(config, index) else QwenMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -108,7 +110,7 @@ class QwenModel(nn.Module):
     def __init__(self, config: PretrainedConfig, tp: TPGroup):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList([QwenDecoderLayer(config, tp) for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([QwenDecoderLayer(config, tp, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
@@ -135,6 +137,8 @@ class QwenForCausalLM(nn.Module):
         if getattr(config, "use_sliding_window", False):
             raise ValueError("use_sliding_window=True is not supported.")
         self.model = QwenModel(config, tp)
+        # MoE layers group tokens by expert on the host: no CUDA graphs (layers/moe.py).
+        self.supports_cuda_graphs = not any(isinstance(layer.mlp, SparseMoeBlock) for layer in self.model.layers)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -149,4 +153,4 @@ class QwenForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
 
-Qwen3ForCausalLM = Qwen2ForCausalLM = LlamaForCausalLM = QwenForCausalLM
+Qwen3ForCausalLM = Qwen3MoeForCausalLM = Qwen2ForCausalLM = LlamaForCausalLM = QwenForCausalLM

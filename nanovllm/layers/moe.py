@@ -1,0 +1,84 @@
+"""Mixture-of-experts MLP (Qwen3-MoE): a router picks top_k experts per token; each expert is a
+SiLU-gated MLP; a token's output is the routing-weighted sum of its experts' outputs.
+
+The experts' weights are stacked, [num_experts, ...], and split Megatron-style across
+tensor-parallel ranks like the dense MLP: each rank holds a slice of every expert's
+intermediate features, and the partial outputs are summed with one all-reduce.
+
+Tokens are grouped by expert on the host (`nonzero`), so a step with MoE layers cannot be
+captured in a CUDA graph: the model runner runs such models eagerly. A fused, graph-safe MoE
+kernel is future work.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from nanovllm.distributed import TPGroup
+from nanovllm.layers.linear import ReplicatedLinear, copy_checked
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] logits -> ([T, top_k] weights in float32, [T, top_k] expert ids), best first:
+    the softmax over all experts, restricted to the top_k (and rescaled to sum to 1 if asked)."""
+    probs = router_logits.float().softmax(-1)
+    weights, ids = probs.topk(top_k, -1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids
+
+
+class Experts(nn.Module):
+    """num_experts SiLU-gated MLPs: w13[e] = gate | up rows, w2[e] = down (this rank's slices)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.intermediate = intermediate_size // tp.size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate), requires_grad=False)
+        # The checkpoint has one tensor per expert and projection: (expert, "gate" | "up" | "down").
+        self.w13.shard_ids = [(e, part) for e in range(num_experts) for part in ("gate", "up")]
+        self.w2.shard_ids = [(e, "down") for e in range(num_experts)]
+        self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]):
+        expert, part = shard_id
+        if part == "down":                      # [hidden, intermediate]: split the columns
+            copy_checked(param.data[expert], loaded.chunk(self.tp.size, 1)[self.tp.rank], f"expert {expert} down")
+            return
+        rows = loaded.chunk(self.tp.size, 0)[self.tp.rank]
+        offset = 0 if part == "gate" else self.intermediate
+        copy_checked(param.data[expert].narrow(0, offset, self.intermediate), rows, f"expert {expert} {part}")
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden]; weights, ids: [T, top_k] -> [T, hidden]."""
+        out = torch.zeros_like(x)
+        for expert in ids.unique().tolist():
+            tokens, slot = (ids == expert).nonzero(as_tuple=True)
+            gate, up = F.linear(x[tokens], self.w13[expert]).chunk(2, -1)
+            y = F.linear(F.silu(gate) * up, self.w2[expert])
+            out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(x.dtype))
+        return self.tp.all_reduce(out)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: PretrainedConfig, tp: TPGroup):
+        super().__init__()
+        if getattr(config, "shared_expert_intermediate_size", 0):
+            raise ValueError("MoE models with shared experts are not supported.")
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu' is.")
+        self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts)
+        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        return self.experts(x, weights, ids)
+
+
+def is_moe_layer(config: PretrainedConfig, index: int) -> bool:
+    """Qwen3-MoE: every decoder_sparse_step-th layer, except those in mlp_only_layers."""
+    return (getattr(config, "num_experts", 0) > 0 and index not in (getattr(config, "mlp_only_layers", None) or [])
+            and (index + 1) % config.decoder_sparse_step == 0)
