@@ -5,9 +5,10 @@ The experts' weights are stacked, [num_experts, ...], and split Megatron-style a
 tensor-parallel ranks like the dense MLP: each rank holds a slice of every expert's
 intermediate features, and the partial outputs are summed with one all-reduce.
 
-Tokens are grouped by expert on the host (`nonzero`), so a step with MoE layers cannot be
-captured in a CUDA graph: the model runner runs such models eagerly. A fused, graph-safe MoE
-kernel is future work.
+Each step reads the list of experts it uses on the host and gathers each expert's tokens with
+`nonzero`: shapes that depend on the data, so a step with MoE layers cannot be captured in a
+CUDA graph and the model runner runs such models eagerly. A fused, graph-safe MoE kernel is
+future work.
 """
 import torch
 import torch.nn.functional as F
