@@ -6,7 +6,8 @@ from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.utils.hub import resolve_model_path
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM",
+                           "MistralForCausalLM")
 ATTENTION_BACKENDS = ("auto", "triton", "flash_attn", "torch")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "half": torch.float16, "float": torch.float32}
@@ -85,6 +86,11 @@ class Config:
         elif self.max_model_len > max_len:
             raise ValueError(f"max_model_len ({self.max_model_len}) is greater than the model's "
                              f"max_position_embeddings ({max_len}).")
+        window = getattr(self.hf_config, "sliding_window", None)
+        if getattr(self.hf_config, "use_sliding_window", True) and window and self.max_model_len > window:
+            raise ValueError(f"the model attends within a sliding window of {window} tokens, which nanovllm does "
+                             f"not implement; up to the window it equals full attention: set max_model_len "
+                             f"<= {window} (got {self.max_model_len}).")
         if self.tokenizer is None:
             self.tokenizer = self.model_path
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -3,8 +3,9 @@ byte-level BPE tokenizer saved beside them, and HF transformers as the reference
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 VOCAB_SIZE = 384
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -45,6 +46,9 @@ def build_model_dir(path, arch: str, tokenizer: PreTrainedTokenizerFast, seed: i
                                 num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
                                 norm_topk_prob=True, **common)
         cls = Qwen3MoeForCausalLM
+    elif arch == "mistral":
+        config = MistralConfig(head_dim=sizes.get("head_dim", 16), tie_word_embeddings=False, **common)
+        cls = MistralForCausalLM
     elif arch == "llama":   # with Llama 3's RoPE scaling, and biases (q/k/v/o) to load
         rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                     high_freq_factor=4.0, original_max_position_embeddings=64)

@@ -5,7 +5,7 @@ import functools
 import pytest
 import torch
 
-from conftest import check_logprobs_close, hf_greedy, make_prompts
+from conftest import build_model_dir, check_logprobs_close, hf_greedy, make_prompts
 from nanovllm import LLM, SamplingParams
 
 MAX_TOKENS = 12
@@ -102,3 +102,15 @@ def test_fp8_kv_cache(qwen3_dir, kv_cache_dtype):
     full_matches = check_logprobs_close(run(fp8), run(full))   # asserts where the tokens first differ
     if kv_cache_dtype == "fp8":    # e5m2 keeps 2 mantissa bits: this tiny model's near-flat logits flip more
         assert full_matches >= len(PROMPTS) // 2
+
+
+def test_mistral_within_its_sliding_window(tmp_path, tokenizer):
+    """Full attention equals Mistral's sliding-window attention while sequences fit the window;
+    beyond it the engine refuses to start rather than compute something else."""
+    path = build_model_dir(tmp_path, "mistral", tokenizer, sliding_window=64)
+    with pytest.raises(ValueError, match="sliding window of 64 tokens.*set max_model_len <= 64 \\(got 512\\)"):
+        LLM(path)
+    llm = LLM(path, dtype="float32", block_size=16, num_kvcache_blocks=64, max_model_len=64)
+    prompts = [p for p in PROMPTS if len(p) + MAX_TOKENS <= 64]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert len(prompts) >= 6 and [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, MAX_TOKENS)

@@ -1,4 +1,5 @@
-"""Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen2ForCausalLM and LlamaForCausalLM in one file.
+"""Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen2ForCausalLM and LlamaForCausalLM (and Mistral,
+which is Llama's architecture) in one file.
 
 They differ only in the attention block and the MLP: Qwen3 normalises q and k per head (q_norm,
 k_norm) and has no qkv bias by default; Qwen2 has a qkv bias and no q/k norm; Llama has neither
@@ -39,7 +40,7 @@ class QwenAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads // tp_size
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        qkv_bias = True if config.model_type == "qwen2" else config.attention_bias
+        qkv_bias = True if config.model_type == "qwen2" else getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=qkv_bias, tp=tp)
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
@@ -134,8 +135,6 @@ class QwenForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, tp: TPGroup = SINGLE):
         """tp: this rank's tensor-parallel group; each rank holds its shard of every layer."""
         super().__init__()
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("use_sliding_window=True is not supported.")
         self.model = QwenModel(config, tp)
         # MoE layers group tokens by expert on the host: no CUDA graphs (layers/moe.py).
         self.supports_cuda_graphs = not any(isinstance(layer.mlp, SparseMoeBlock) for layer in self.model.layers)
@@ -153,4 +152,4 @@ class QwenForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
 
-Qwen3ForCausalLM = Qwen3MoeForCausalLM = Qwen2ForCausalLM = LlamaForCausalLM = QwenForCausalLM
+Qwen3ForCausalLM = Qwen3MoeForCausalLM = Qwen2ForCausalLM = LlamaForCausalLM = MistralForCausalLM = QwenForCausalLM
