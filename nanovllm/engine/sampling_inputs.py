@@ -36,17 +36,20 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids
     banned = [(i, t) for i, (seq, p) in enumerate(zip(seqs, params))
               if seq.num_output_tokens < p.min_tokens
               for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))]
-    banned += [(i, t) for i, seq in enumerate(seqs) for t in bad_word_endings(seq)]
+    # Rows that restrict or bias their logits (rare: one pass to find them, then only those).
+    edited = [i for i, (seq, p) in enumerate(zip(seqs, params))
+              if seq.bad_words_token_ids or p.allowed_token_ids is not None or p.logit_bias]
+    banned += [(i, t) for i in edited for t in bad_word_endings(seqs[i])]
     if banned:
         rows, tokens = zip(*banned)
         md.banned_rows = to_device(rows, torch.int64)
         md.banned_tokens = to_device(tokens, torch.int64)
-    allowed = [(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    allowed = [(i, params[i].allowed_token_ids) for i in edited if params[i].allowed_token_ids is not None]
     if allowed:
         rows, lists = zip(*allowed)
         md.allowed_rows = to_device(rows, torch.int64)
         md.allowed_token_ids = to_device(padded(list(lists), vocab))
-    bias = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+    bias = [(i, t, b) for i in edited for t, b in (params[i].logit_bias or {}).items()]
     if bias:
         rows, tokens, values = zip(*bias)
         md.bias_rows, md.bias_tokens = to_device(rows, torch.int64), to_device(tokens, torch.int64)
