@@ -70,29 +70,22 @@ def tokenizer():
     return build_tokenizer()
 
 
-@pytest.fixture(scope="session")
-def qwen3_dir(tmp_path_factory, tokenizer):
-    return build_model_dir(tmp_path_factory.mktemp("qwen3"), "qwen3", tokenizer)
+def checkpoint_fixture(arch: str):
+    """A session fixture `<arch>_dir`: the tiny checkpoint of that architecture."""
+    @pytest.fixture(scope="session", name=f"{arch}_dir")
+    def checkpoint(tmp_path_factory, tokenizer):
+        return build_model_dir(tmp_path_factory.mktemp(arch), arch, tokenizer)
+    return checkpoint
 
 
-@pytest.fixture(scope="session")
-def qwen2_dir(tmp_path_factory, tokenizer):
-    return build_model_dir(tmp_path_factory.mktemp("qwen2"), "qwen2", tokenizer)
+ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe")
+qwen3_dir, qwen2_dir, llama_dir, qwen3_moe_dir = (checkpoint_fixture(arch) for arch in ARCHS)
 
 
-@pytest.fixture(scope="session")
-def llama_dir(tmp_path_factory, tokenizer):
-    return build_model_dir(tmp_path_factory.mktemp("llama"), "llama", tokenizer)
-
-
-@pytest.fixture(scope="session")
-def qwen3_moe_dir(tmp_path_factory, tokenizer):
-    return build_model_dir(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe", tokenizer)
-
-
-@pytest.fixture(params=["qwen3", "qwen2", "llama", "qwen3_moe"])
-def model_dir(request, qwen3_dir, qwen2_dir, llama_dir, qwen3_moe_dir):
-    return {"qwen3": qwen3_dir, "qwen2": qwen2_dir, "llama": llama_dir, "qwen3_moe": qwen3_moe_dir}[request.param]
+@pytest.fixture(params=ARCHS)
+def model_dir(request):
+    """Every architecture in turn."""
+    return request.getfixturevalue(f"{request.param}_dir")
 
 
 def hf_model(path):
