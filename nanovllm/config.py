@@ -6,8 +6,8 @@ from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.utils.hub import resolve_model_path
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM",
-                           "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
+                           "LlamaForCausalLM", "MistralForCausalLM")
 ATTENTION_BACKENDS = ("auto", "triton", "flash_attn", "torch")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "half": torch.float16, "float": torch.float32}
@@ -137,7 +137,8 @@ class Config:
         if self.device == "cuda" and n > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size ({n}) is greater than the number of visible GPUs "
                              f"({torch.cuda.device_count()}).")
-        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size"):
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
+                     "shared_expert_intermediate_size"):
             value = getattr(hf, name, None) or 0
             if value % n:
                 raise ValueError(f"the model's {name} ({value}) is not divisible by "

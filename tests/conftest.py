@@ -4,8 +4,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 VOCAB_SIZE = 384
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -46,6 +46,10 @@ def build_model_dir(path, arch: str, tokenizer: PreTrainedTokenizerFast, seed: i
                                 num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
                                 norm_topk_prob=True, **common)
         cls = Qwen3MoeForCausalLM
+    elif arch == "qwen2_moe":   # 4 experts, 2 per token, not renormalised, plus a gated shared expert
+        config = Qwen2MoeConfig(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=32, shared_expert_intermediate_size=96, **common)
+        cls = Qwen2MoeForCausalLM
     elif arch == "mistral":
         config = MistralConfig(head_dim=sizes.get("head_dim", 16), tie_word_embeddings=False, **common)
         cls = MistralForCausalLM
@@ -78,8 +82,8 @@ def checkpoint_fixture(arch: str):
     return checkpoint
 
 
-ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe")
-qwen3_dir, qwen2_dir, llama_dir, qwen3_moe_dir = (checkpoint_fixture(arch) for arch in ARCHS)
+ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe")
+qwen3_dir, qwen2_dir, llama_dir, qwen3_moe_dir, qwen2_moe_dir = (checkpoint_fixture(arch) for arch in ARCHS)
 
 
 @pytest.fixture(params=ARCHS)

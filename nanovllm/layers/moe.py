@@ -1,5 +1,6 @@
-"""Mixture-of-experts MLP (Qwen3-MoE): a router picks top_k experts per token; each expert is a
-SiLU-gated MLP; a token's output is the routing-weighted sum of its experts' outputs.
+"""Mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE): a router picks top_k experts per token; each
+expert is a SiLU-gated MLP; a token's output is the routing-weighted sum of its experts' outputs,
+plus, in Qwen2-MoE, a shared expert's output scaled by a sigmoid gate.
 
 The experts' weights are stacked, [num_experts, ...], and split Megatron-style across
 tensor-parallel ranks like the dense MLP: each rank holds a slice of every expert's
@@ -17,6 +18,7 @@ from transformers import PretrainedConfig
 
 from nanovllm.distributed import TPGroup
 from nanovllm.layers.linear import ReplicatedLinear, copy_checked
+from nanovllm.layers.mlp import GatedMLP
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,17 +68,22 @@ class Experts(nn.Module):
 class SparseMoeBlock(nn.Module):
     def __init__(self, config: PretrainedConfig, tp: TPGroup):
         super().__init__()
-        if getattr(config, "shared_expert_intermediate_size", 0):
-            raise ValueError("MoE models with shared experts are not supported.")
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu' is.")
         self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts)
         self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size, tp)
+        self.shared_expert = self.shared_expert_gate = None
+        if getattr(config, "shared_expert_intermediate_size", 0):
+            self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, config, tp)
+            self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        return self.experts(x, weights, ids)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
 
 
 def is_moe_layer(config: PretrainedConfig, index: int) -> bool:

@@ -1,21 +1,20 @@
-"""Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen2ForCausalLM and LlamaForCausalLM (and Mistral,
-which is Llama's architecture) in one file.
+"""Qwen3, Qwen3-MoE, Qwen2, Qwen2-MoE, Llama and Mistral (Llama's architecture) in one file.
 
 They differ only in the attention block and the MLP: Qwen3 normalises q and k per head (q_norm,
 k_norm) and has no qkv bias by default; Qwen2 has a qkv bias and no q/k norm; Llama has neither
-(and Llama 3.1+ scales its RoPE frequencies for long contexts); Qwen3-MoE is Qwen3 with a
-mixture of experts in place of the MLP of most layers (layers/moe.py).
+(and Llama 3.1+ scales its RoPE frequencies for long contexts); the MoE variants put a mixture
+of experts in place of the MLP of most layers (layers/moe.py).
 """
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
 from nanovllm.distributed import SINGLE, TPGroup
-from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, AttentionMetadata
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.linear import QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.mlp import GatedMLP
 from nanovllm.layers.moe import SparseMoeBlock, is_moe_layer
 from nanovllm.layers.rotary import RotaryEmbedding
 
@@ -40,11 +39,14 @@ class QwenAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads // tp_size
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        qkv_bias = True if config.model_type == "qwen2" else getattr(config, "attention_bias", False)
+        if config.model_type in ("qwen2", "qwen2_moe"):    # biases on q/k/v only
+            qkv_bias, o_bias = getattr(config, "qkv_bias", True), False
+        else:
+            qkv_bias = o_bias = getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=qkv_bias, tp=tp)
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
-                                        bias=qkv_bias and config.model_type != "qwen2", tp=tp)
+                                        bias=o_bias, tp=tp)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, *rope_settings(config))
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
         if self.is_qwen3:
@@ -74,26 +76,14 @@ class QwenAttention(nn.Module):
         return self.o_proj(o.flatten(1))
 
 
-class QwenMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp: TPGroup):
-        super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu' is.")
-        if getattr(config, "mlp_bias", False):
-            raise ValueError("mlp_bias=True is not supported.")
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, tp=tp)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp=tp)
-        self.act_fn = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
 class QwenDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, tp: TPGroup, index: int):
         super().__init__()
         self.self_attn = QwenAttention(config, tp)
-        self.mlp = SparseMoeBlock(config, tp) if is_moe_layer(config, index) else QwenMLP(config, tp)
+        if is_moe_layer(config, index):
+            self.mlp = SparseMoeBlock(config, tp)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -152,4 +142,5 @@ class QwenForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
 
-Qwen3ForCausalLM = Qwen3MoeForCausalLM = Qwen2ForCausalLM = LlamaForCausalLM = MistralForCausalLM = QwenForCausalLM
+Qwen3ForCausalLM = Qwen3MoeForCausalLM = Qwen2ForCausalLM = Qwen2MoeForCausalLM = LlamaForCausalLM = \
+    MistralForCausalLM = QwenForCausalLM

@@ -1,0 +1,24 @@
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from nanovllm.distributed import TPGroup
+from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate and up fused into one column-parallel matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, config: PretrainedConfig, tp: TPGroup):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu' is.")
+        if getattr(config, "mlp_bias", False):
+            raise ValueError("mlp_bias=True is not supported.")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
