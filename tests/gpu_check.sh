@@ -35,3 +35,7 @@ echo "== summary"
 logs=$(ls "$OUT"/bench_*.log 2>/dev/null)
 [ -n "$logs" ] && python3 tests/bench_summary.py $logs
 cat "$OUT/gpu_tests.log" 2>/dev/null
+# The device tool returns at most 8 files from $OUT: pack the logs into one (PACK=0 keeps them loose).
+if [ "${PACK:-1}" = 1 ]; then
+  (cd "$OUT" && tar czf logs.tgz --exclude logs.tgz ./*.log && rm -f ./*.log)
+fi
