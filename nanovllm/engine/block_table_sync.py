@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nanovllm.engine.sequence import Sequence
+from nanovllm.utils.arrays import padded
 
 
 @dataclass
@@ -59,7 +60,4 @@ class BlockTableReceiver:
             table.extend(new)
             self.tables[seq_id] = table
             tables.append(table)
-        out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
-        for i, table in enumerate(tables):
-            out[i, :len(table)] = table
-        return out
+        return padded(tables, 0, np.int32)

@@ -6,6 +6,7 @@ import torch
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import SamplingMetadata
+from nanovllm.utils.arrays import padded
 
 
 def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int],
@@ -48,7 +49,7 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids
     if allowed:
         rows, lists = zip(*allowed)
         md.allowed_rows = to_device(rows, torch.int64)
-        md.allowed_token_ids = to_device(padded(list(lists), vocab))
+        md.allowed_token_ids = to_device(padded_ids(list(lists), vocab))
     bias = [(i, t, b) for i in edited for t, b in (params[i].logit_bias or {}).items()]
     if bias:
         rows, tokens, values = zip(*bias)
@@ -57,8 +58,8 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids
     if any(p.has_penalties for p in params):
         # Token ids, not [B, V] counts: the sampler counts them on the device. Pad: vocab (one past
         # the last id); a row's pending tokens (not read yet: never a row with penalties) count as pad.
-        md.output_token_ids = to_device(padded([seq.output_token_ids for seq in seqs], vocab))
-        md.prompt_token_ids = to_device(padded([seq.token_ids[:seq.num_prompt_tokens] for seq in seqs], vocab))
+        md.output_token_ids = to_device(padded_ids([seq.output_token_ids for seq in seqs], vocab))
+        md.prompt_token_ids = to_device(padded_ids([seq.token_ids[:seq.num_prompt_tokens] for seq in seqs], vocab))
         md.presence_penalties = to_device([p.presence_penalty for p in params], torch.float32)
         md.frequency_penalties = to_device([p.frequency_penalty for p in params], torch.float32)
         md.repetition_penalties = to_device([p.repetition_penalty for p in params], torch.float32)
@@ -75,10 +76,8 @@ def bad_word_endings(seq: Sequence) -> set[int]:
             if len(ids) <= len(out) + 1 and out[len(out) - len(ids) + 1:] == ids[:-1]}
 
 
-def padded(rows: list[list[int]], pad: int) -> np.ndarray:
-    """[len(rows), longest row] int64, right-padded with pad; negative ids become pad too."""
-    out = np.full((len(rows), max(1, max(len(r) for r in rows))), pad, dtype=np.int64)
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = row
+def padded_ids(rows: list[list[int]], pad: int) -> np.ndarray:
+    """Token ids as padded() lays them out; negative ids (pending tokens) become pad too."""
+    out = padded(rows, pad)
     out[out < 0] = pad
     return out

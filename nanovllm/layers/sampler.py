@@ -60,14 +60,18 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # [B, max_num_logprobs]
 
 
+def id_mask(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """ids: [R, N] token ids padded with vocab_size -> [R, vocab_size] bool, True at each row's ids
+    (the padding lands in an extra column, dropped)."""
+    mask = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.bool, device=ids.device)
+    return mask.scatter_(1, ids, True)[:, :vocab_size]
+
+
 def restrict_and_bias(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """In place on float32 logits [B, V]: tokens outside a row's allowed_token_ids and stop tokens
     under min_tokens get -inf, then logit_bias is added (vLLM's order, before penalties)."""
-    vocab_size = logits.shape[1]
     if md.allowed_rows is not None:
-        ids = md.allowed_token_ids
-        keep = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.bool, device=logits.device)
-        keep = keep.scatter_(1, ids, True)[:, :vocab_size]
+        keep = id_mask(md.allowed_token_ids, logits.shape[1])
         logits[md.allowed_rows] = logits[md.allowed_rows].masked_fill(~keep, float("-inf"))
     if md.banned_rows is not None:
         logits[md.banned_rows, md.banned_tokens] = float("-inf")
@@ -82,9 +86,7 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     ids = md.output_token_ids
     counts = torch.zeros(batch, vocab_size + 1, dtype=torch.int32, device=logits.device)
     counts = counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32))[:, :vocab_size]
-    in_prompt = torch.zeros(batch, vocab_size + 1, dtype=torch.bool, device=logits.device)
-    in_prompt = in_prompt.scatter_(1, md.prompt_token_ids, True)[:, :vocab_size]
-    seen = in_prompt | (counts > 0)
+    seen = id_mask(md.prompt_token_ids, vocab_size) | (counts > 0)
     rep = md.repetition_penalties[:, None].expand_as(logits)
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalised, logits)
