@@ -10,9 +10,10 @@ another dtype, or not 16-byte sized go through NCCL.
   larger tensors on more than two GPUs.
 
 Experimental, so off by default (LLM(..., disable_custom_all_reduce=False) turns it on). On
-2x H200 it summed correctly at every size class and made the Qwen3-8B-shape benchmark 3%
-faster at TP=2 (docs/perf_notes.md); its logprob test under CUDA graphs and runs on more than
-two GPUs have not passed on a GPU yet. A start-up self-check falls back to NCCL on any doubt.
+2x H200 it summed correctly at every size class, made the Qwen3-8B-shape benchmark 3% faster at
+TP=2 (docs/perf_notes.md) and passed the TP=2 logprob tests with and without CUDA graphs; runs
+on more than two GPUs have not passed on a GPU yet, and one TP=2 test run hung (perf_notes). A
+start-up self-check falls back to NCCL on any doubt.
 """
 import torch
 import torch.distributed as dist

@@ -6,9 +6,10 @@ worker (no port or shared-memory name to clash, any message size); tensors move 
 group's collectives (gloo on the CPU, NCCL on CUDA), set up over a TCPStore on a free port.
 
 A step message is the flattened batch (new token ids, positions, slots) and the block-table
-changes (engine/block_table_sync.py), never the sequences. Workers end on close(), on `del`, at interpreter exit, or when the pipe to
-rank 0 closes; a dead worker is reported by rank, instead of hanging the caller: a watchdog
-thread aborts the group the moment a worker exits, so no collective waits for it.
+changes (engine/block_table_sync.py), never the sequences. Workers end on close(), on `del`, at
+interpreter exit, or when the pipe to rank 0 closes; a dead worker is reported by rank, instead
+of hanging the caller: a watchdog thread aborts the group the moment a worker exits, so no
+collective waits for it.
 """
 import multiprocessing as mp
 import multiprocessing.connection
