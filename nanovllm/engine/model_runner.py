@@ -211,7 +211,8 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------------
     def decode_split(self, num_seqs: int) -> tuple[int, int]:
         from nanovllm.kernels.triton_attention import decode_split_config
-        return decode_split_config(num_seqs, self.attention_layers[0].num_kv_heads, self.num_sms)
+        return decode_split_config(num_seqs, self.attention_layers[0].num_kv_heads, self.num_sms,
+                                   self.config.max_model_len)
 
     def host_batch(self, out: SchedulerOutput) -> HostBatch:
         """Flatten the scheduled tokens of all sequences into one batch."""

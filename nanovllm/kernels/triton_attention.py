@@ -9,9 +9,12 @@ lives in page block_table[t // block_size] at row t % block_size.
 - decode_attention: one new query per sequence. Each program owns one (sequence, KV head,
   context split) and loads every K/V row once for all query heads of its group (GQA); the splits
   are merged by a second small kernel (flash-decoding), so a few long sequences still fill the GPU.
+  A context that fits in one split is written out by its program, and the merge skips it.
 - prefill_attention: causal, variable-length queries over the cached prefix plus themselves;
   serves prefill, chunked prefill and prefix-cache hits alike.
 """
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -54,22 +57,51 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
                                          ROW=row, BLOCK=triton.next_power_of_2(row))
 
 
+@triton.jit
+def _in_compute_dtype(q, cache_ptr):
+    """q in the dtype the kernels' products run in: fp16 for bf16 queries over an fp8 cache (one
+    exact conversion per two fp8 values, where bf16 takes three instructions, and fp16 keeps more
+    of q and of the probabilities), else q's own dtype."""
+    if cache_ptr.dtype.element_ty.primitive_bitwidth == 8 and q.dtype == tl.bfloat16:
+        q = q.to(tl.float16)
+    return q
+
+
+# ---- paged tiles ------------------------------------------------------------------------------
+# The attention kernels walk a context in tiles of BLOCK_N tokens, BLOCK_N dividing the page size,
+# so a tile lies in one page. Each iteration loads the page of the next tile: the K/V loads then
+# depend on a value carried from the previous iteration, not on a load in their own, and Triton's
+# pipeliner keeps num_stages - 1 tiles in flight (with the page looked up in the same iteration
+# it kept one, and a program waited for each tile in turn).
+@triton.jit
+def _next_page(table, n_start, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The page holding the tile after the one at n_start (0 past the end, never read)."""
+    nxt = n_start + BLOCK_N
+    return tl.load(table + nxt // PAGE, mask=nxt < end, other=0)
+
+
+def tile_size(block_n: int, page: int) -> int:
+    """block_n (a power of two) shrunk until it divides the page size (a multiple of 16)."""
+    return math.gcd(block_n, page)
+
+
 # ---- decode -----------------------------------------------------------------------------------
 # stride_bt, the block-table width, changes from step to step: not specialised on (Triton would
 # otherwise compile a kernel for width 1 and for multiples of 16, in the middle of a run).
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                         o_part_ptr, lse_part_ptr, scale,
-                         stride_qt, stride_qh, stride_bt, stride_cb, stride_cr, stride_ch,
+                         out_ptr, o_part_ptr, lse_part_ptr, scale,
+                         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cr, stride_ch,
                          NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, GROUP: tl.constexpr,
                          BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
     seq_len = tl.load(seq_lens_ptr + seq)
     split_len = _split_len(seq_len, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
+    num_used = tl.cdiv(seq_len, split_len)      # 0 for a padding row
+    if split >= tl.maximum(num_used, 1):
+        return          # an unused split: the merge reads only the first num_used
     start = split * split_len
-    if start >= seq_len:
-        return          # an unused split: the merge reads only the first cdiv(seq_len, split_len)
     end = tl.minimum(start + split_len, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -79,16 +111,18 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
     # q: [BLOCK_G, HEAD_DIM], this KV head's query heads (padded to BLOCK_G rows)
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None], other=0.0)
+    q = _in_compute_dtype(q, k_cache_ptr)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     qk_scale = scale * 1.4426950408889634   # log2(e): exp2 below
 
+    table = block_tables_ptr + seq * stride_bt
+    page = tl.load(table + start // PAGE, mask=start < end, other=0)
     for n_start in range(start, end, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        pages = tl.load(block_tables_ptr + seq * stride_bt + offs_n // PAGE, mask=n_mask, other=0)
-        rows = pages.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cr + kv_head * stride_ch
+        rows = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cr + kv_head * stride_ch
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale                     # [BLOCK_G, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -99,13 +133,16 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
+        page = _next_page(table, n_start, end, PAGE, BLOCK_N)
 
-    # Partial results: o_part [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM], lse_part [num_seqs, num_heads, NUM_SPLITS]
-    out = acc / l_i[:, None]
-    lse = m_i + tl.log2(l_i)
-    part = (seq * num_heads + heads) * NUM_SPLITS + split
-    tl.store(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None])
-    tl.store(lse_part_ptr + part, lse, mask=g_mask)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]       # a padding row: zeros
+    if num_used <= 1:   # the whole context in this program: the final output, nothing to merge
+        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:               # o_part [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM], lse_part [.., NUM_SPLITS]
+        part = (seq * num_heads + heads) * NUM_SPLITS + split
+        tl.store(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None])
+        tl.store(lse_part_ptr + part, m_i + tl.log2(l_i), mask=g_mask)
 
 
 @triton.jit
@@ -121,49 +158,59 @@ def _decode_merge_kernel(o_part_ptr, lse_part_ptr, seq_lens_ptr, out_ptr, stride
     seq, head = tl.program_id(0), tl.program_id(1)
     num_heads = tl.num_programs(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_used = tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, MIN_SPLIT, BLOCK_N))  # 0: padding row
+    num_used = tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, MIN_SPLIT, BLOCK_N))
+    if num_used <= 1:
+        return          # written by the split kernel
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     used = offs_s < num_used
     base = (seq * num_heads + head) * NUM_SPLITS
     lse = tl.load(lse_part_ptr + base + offs_s, mask=used, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
+    w = tl.exp2(lse - tl.max(lse, 0))
     o = tl.load(o_part_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                 mask=used[:, None], other=0.0)
-    denom = tl.sum(w, 0)
-    out = tl.sum(o * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-def decode_split_config(num_seqs: int, num_kv_heads: int, num_sms: int) -> tuple[int, int]:
-    """-> (most splits, fewest tokens per split). Few sequences: split finely to fill the GPU;
-    many: coarse splits, so partial results stay small and each program has a few tiles."""
-    if num_seqs * num_kv_heads < num_sms:
-        return 16, 64
-    return 16, 256
+def decode_split_config(num_seqs: int, num_kv_heads: int, num_sms: int, max_model_len: int) -> tuple[int, int]:
+    """-> (most splits, fewest tokens per split). Few sequences: split finely to fill the GPU.
+    Enough for a few programs per SM: splits of at least 1,024 tokens, so most contexts take one
+    program that writes the output itself (no merge), and a long one still spreads over several.
+    No more splits than the longest context needs: an unused split is still a program to launch."""
+    programs = num_seqs * num_kv_heads
+    min_split = 64 if programs < num_sms else 256 if programs < 4 * num_sms else 1024
+    return max(1, min(16, -(-max_model_len // min_split))), min_split
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     num_splits: int = 16, min_split: int = 64, block_n: int = 64, num_stages: int = 2,
-                     num_warps: int = 4) -> torch.Tensor:
+                     num_splits: int = 16, min_split: int = 64, block_n: int = 64, num_stages: int | None = None,
+                     num_warps: int = 4, max_registers: int | None = None) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim], one query per sequence at position seq_lens - 1.
     A context is split into ceil(seq_len / split_len) parts, split_len = max(seq_len / num_splits,
     min_split) rounded up to block_n. A sequence with seq_len 0 (padding) gets zeros."""
     num_seqs, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
+    block_n = tile_size(block_n, page)
+    if num_stages is None:
+        # Fastest on the H200 (docs/perf_notes.md row 13): a 16-bit cache with one tile in flight
+        # per program and five programs per SM; an fp8 cache (converted tiles, more registers)
+        # with two tiles in flight and registers capped so that four programs fit on an SM.
+        num_stages, max_registers = (3, 128) if k_cache.element_size() == 1 else (2, max_registers)
+    out = torch.empty_like(q)
     o_part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, scale,
-        q.stride(0), q.stride(1), block_tables.stride(0),
+        q, k_cache, v_cache, block_tables, seq_lens, out, o_part, lse_part, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_SPLITS=num_splits, MIN_SPLIT=min_split, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
-    out = torch.empty_like(q)
+        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+        maxnreg=max_registers)
+    if num_splits == 1:
+        return out
     _decode_merge_kernel[(num_seqs, num_heads)](
         o_part, lse_part, seq_lens, out, out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, MIN_SPLIT=min_split, BLOCK_N=block_n,
@@ -193,17 +240,19 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
     q_pos = ctx_len + offs_m
     q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None], other=0.0)
+    q = _in_compute_dtype(q, k_cache_ptr)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     qk_scale = scale * 1.4426950408889634
 
     end = tl.minimum(seq_len, ctx_len + (tile + 1) * BLOCK_M)  # causal: no key past the tile's last query
+    table = block_tables_ptr + seq * stride_bt
+    page = tl.load(table)
     for n_start in range(0, end, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        pages = tl.load(block_tables_ptr + seq * stride_bt + offs_n // PAGE, mask=n_mask, other=0)
-        rows = pages.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cr + kv_head * stride_ch
+        rows = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cr + kv_head * stride_ch
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale                     # [BLOCK_M, BLOCK_N]
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
@@ -216,6 +265,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
+        page = _next_page(table, n_start, end, PAGE, BLOCK_N)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -225,12 +275,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                       max_query_len: int, scale: float, block_m: int = 64, block_n: int = 64,
-                      num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                      num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim], sequences back to back; the new tokens' K/V are
     already in the cache, after the sequence's seq_len - q_len cached ones."""
     num_tokens, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
+    block_n = tile_size(block_n, page)
     out = torch.empty_like(q)
     grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
     _prefill_kernel[grid](
