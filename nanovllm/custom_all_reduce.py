@@ -12,8 +12,9 @@ another dtype, or not 16-byte sized go through NCCL.
 Experimental, so off by default (LLM(..., disable_custom_all_reduce=False) turns it on). On
 2x H200 it summed correctly at every size class, made the Qwen3-8B-shape benchmark 3% faster at
 TP=2 (docs/perf_notes.md) and passed the TP=2 logprob tests with and without CUDA graphs; runs
-on more than two GPUs have not passed on a GPU yet, and one TP=2 test run hung (perf_notes). A
-start-up self-check falls back to NCCL on any doubt.
+on more than two GPUs have not passed on a GPU yet. Only the first engine of a process gets it
+(see _rendezvous_started); later ones use NCCL. A start-up self-check falls back to NCCL on any
+doubt.
 """
 import torch
 import torch.distributed as dist
@@ -71,17 +72,29 @@ class SymmMemAllReduce:
         return x
 
 
+# torch numbers the store keys of its symmetric-memory handle exchanges with one counter per
+# process. For a second group in rank 0's process that counter is past 0 while the new workers'
+# is at 0, and each side waits in the rendezvous for keys the other never writes (seen on 2x H200:
+# a second TP engine with this all-reduce hung there). So one such group per process.
+_rendezvous_started = False
+
+
 def try_symm_mem_all_reduce(name: str, rank: int, size: int, store, device: torch.device,
                             process_group) -> SymmMemAllReduce | None:
     """A SymmMemAllReduce if every rank could set one up and it sums correctly, else None
     (every rank then agrees to use NCCL). Collective. The ranks agree after the local set-up,
     before the rendezvous: a rank that failed to set up must not leave the others waiting in it."""
+    global _rendezvous_started
     reducer, reason = None, ""
-    try:
-        reducer = SymmMemAllReduce(name, rank, size, store, device, process_group)
-    except Exception as e:   # not built with symm_mem, no P2P between the GPUs, driver too old, ...
-        reason = f"{type(e).__name__}: {e}"
+    if _rendezvous_started:
+        reason = "an earlier engine in this process set one up (torch allows one per process)"
+    else:
+        try:
+            reducer = SymmMemAllReduce(name, rank, size, store, device, process_group)
+        except Exception as e:   # not built with symm_mem, no P2P between the GPUs, driver too old, ...
+            reason = f"{type(e).__name__}: {e}"
     if _all_ranks(reducer is not None, device, process_group):
+        _rendezvous_started = True       # even a failed rendezvous has moved torch's counter
         try:
             reducer.rendezvous()
             if not _sums_correctly(reducer, rank, size, device):

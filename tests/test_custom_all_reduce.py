@@ -1,7 +1,7 @@
 """The symmetric-memory all-reduce's start-up, on the CPU with stand-in reducers: the self-check
 passes a sum added in bf16 rank by rank (as the kernels add) at 2, 4 and 8 ranks and fails a
-wrong one; and the ranks agree before the rendezvous, so one rank's failure leaves no rank
-waiting in it."""
+wrong one; and the ranks agree before the rendezvous, so one rank's failure (or a group set up
+earlier in rank 0's process) leaves no rank waiting in it."""
 import multiprocessing as mp
 
 import pytest
@@ -66,6 +66,8 @@ class StandIn:
 def start_rank(port, rank, fail, events):
     StandIn.fail, StandIn.events = fail, events
     custom_all_reduce.SymmMemAllReduce = StandIn
+    if rank == 0 and fail == "earlier_group":      # rank 0's process set up a group before
+        custom_all_reduce._rendezvous_started = True
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
     group = dist.ProcessGroupGloo(store, rank, 2)
     name = distributed.symm_mem_group_name(store, rank)
@@ -73,7 +75,7 @@ def start_rank(port, rank, fail, events):
     events.put(("result", rank, name, reducer is not None))
 
 
-@pytest.mark.parametrize("fail", [None, "setup", "sum"])
+@pytest.mark.parametrize("fail", [None, "setup", "sum", "earlier_group"])
 def test_ranks_agree_before_the_rendezvous(fail):
     rendezvous = distributed.Rendezvous(2, torch.device("cpu"))
     ctx = mp.get_context("spawn")
@@ -82,7 +84,7 @@ def test_ranks_agree_before_the_rendezvous(fail):
     for proc in procs:
         proc.start()
     try:
-        seen = [events.get(timeout=60) for _ in range(2 if fail == "setup" else 4)]
+        seen = [events.get(timeout=60) for _ in range(2 if fail in ("setup", "earlier_group") else 4)]
     finally:
         for proc in procs:
             proc.join(10)
@@ -92,8 +94,8 @@ def test_ranks_agree_before_the_rendezvous(fail):
     assert [rank for _, rank, _, _ in results] == [0, 1]
     assert results[0][2] == results[1][2]                          # one group name, from rank 0
     assert [ok for *_, ok in results] == [fail is None] * 2        # both on, or both on NCCL
-    assert sorted(e for e in seen if e[0] == "rendezvous") == ([] if fail == "setup" else
-                                                               [("rendezvous", 0), ("rendezvous", 1)])
+    assert sorted(e for e in seen if e[0] == "rendezvous") == (
+        [] if fail in ("setup", "earlier_group") else [("rendezvous", 0), ("rendezvous", 1)])
 
 
 def test_group_names_are_never_reused():
