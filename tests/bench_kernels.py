@@ -5,6 +5,8 @@ not L2).
 
     PYTHONPATH=. python3 tests/bench_kernels.py
 """
+import random
+
 import torch
 from triton.testing import do_bench
 
@@ -24,31 +26,37 @@ def paged(seq_lens, num_blocks=6000, cache_dtype=torch.bfloat16):
 
 
 def main():
-    print("decode: cache dtype, batch x context, config (splits, min_split, block_n, stages, warps) -> us, GB/s of K/V")
-    configs = [(16, 256, 64, 2, 4), (16, 64, 64, 2, 4), (1, 64, 64, 2, 4), (16, 128, 64, 2, 4),
-               (16, 256, 128, 2, 4), (16, 256, 64, 3, 4), (16, 256, 128, 3, 8), (16, 512, 64, 2, 4),
-               (16, 256, 128, 3, 4), (16, 64, 128, 2, 4)]
+    random.seed(0)
+    mixed = [random.randint(100, 2048) for _ in range(256)]     # the default workload's spread
+    print("decode: cache dtype, batch, config (splits, min_split, block_n, stages, warps, max registers)"
+          " -> us, GB/s of K/V; stages None: the kernel's per-dtype default")
+    configs = [(4, 1024, 64, None, 4, None), (4, 1024, 64, 2, 4, None), (4, 1024, 64, 3, 4, 128),
+               (1, 64, 64, None, 4, None), (16, 256, 64, None, 4, None), (16, 64, 64, None, 4, None),
+               (4, 1024, 128, 3, 8, None), (4, 1024, 128, 3, 8, 80), (4, 1024, 32, 4, 2, None),
+               (4, 1024, 64, 3, 4, 96)]
     for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-        for bs, ctx in ((256, 1024), (64, 2048), (1, 1024)):
-            k, v, tables, lens = paged([ctx] * bs, cache_dtype=cache_dtype)
-            q = torch.randn(bs, H, D, device="cuda", dtype=torch.bfloat16)
-            kv_bytes = 2 * bs * ctx * KV * D * cache_dtype.itemsize
-            for cfg in configs:
-                ms = do_bench(lambda: ta.decode_attention(q, k, v, tables, lens, D ** -0.5, *cfg),
-                              return_mode="median")
-                print(f"  {str(cache_dtype)[6:]:13} {bs:3} x {ctx:4}  {cfg}: {ms * 1000:8.1f} us  "
+        for name, lens in (("256 x 1024", [1024] * 256), ("256 mixed", mixed), ("64 x 2048", [2048] * 64),
+                           ("1 x 1024", [1024])):
+            k, v, tables, seq_lens = paged(lens, cache_dtype=cache_dtype)
+            q = torch.randn(len(lens), H, D, device="cuda", dtype=torch.bfloat16)
+            kv_bytes = 2 * sum(lens) * KV * D * cache_dtype.itemsize
+            for *cfg, max_registers in configs:
+                ms = do_bench(lambda: ta.decode_attention(q, k, v, tables, seq_lens, D ** -0.5, *cfg,
+                                                          max_registers=max_registers), return_mode="median")
+                print(f"  {str(cache_dtype)[6:]:13} {name:10}  {(*cfg, max_registers)}: {ms * 1000:8.1f} us  "
                       f"{kv_bytes / ms / 1e6:7.0f} GB/s")
             del k, v
     print("prefill: 16 x 1024 new tokens, config (block_m, block_n, warps, stages) -> us, TFLOP/s")
     lens = [1024] * 16
-    k, v, tables, seq_lens = paged(lens)
-    q = torch.randn(sum(lens), H, D, device="cuda", dtype=torch.bfloat16)
-    qsl = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device="cuda")
-    flops = 2 * 2 * H * D * sum(n * n / 2 for n in lens)
-    for cfg in ((64, 64, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)):
-        ms = do_bench(lambda: ta.prefill_attention(q, k, v, tables, qsl, seq_lens, 1024, D ** -0.5, *cfg),
-                      return_mode="median")
-        print(f"  {cfg}: {ms * 1000:8.1f} us  {flops / ms / 1e9:6.0f} TFLOP/s")
+    for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        k, v, tables, seq_lens = paged(lens, cache_dtype=cache_dtype)
+        q = torch.randn(sum(lens), H, D, device="cuda", dtype=torch.bfloat16)
+        qsl = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device="cuda")
+        flops = 2 * 2 * H * D * sum(n * n / 2 for n in lens)
+        for cfg in ((64, 64, 4, 3), (64, 64, 4, 2), (128, 128, 8, 3), (64, 32, 4, 3)):
+            ms = do_bench(lambda: ta.prefill_attention(q, k, v, tables, qsl, seq_lens, 1024, D ** -0.5, *cfg),
+                          return_mode="median")
+            print(f"  {str(cache_dtype)[6:]:13} {cfg}: {ms * 1000:8.1f} us  {flops / ms / 1e9:6.0f} TFLOP/s")
 
 
 if __name__ == "__main__":
