@@ -25,10 +25,10 @@ def gpu_model_dir(tmp_path_factory, tokenizer):
 
 @functools.lru_cache
 @torch.no_grad()
-def hf_reference(path):
-    """Greedy tokens and top-N logprobs per step from HF transformers in bf16 on the GPU."""
+def hf_reference(path, dtype=torch.bfloat16):
+    """Greedy tokens and top-N logprobs per step from HF transformers on the GPU."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
     model.generation_config.eos_token_id = None
     results = []
     for ids in PROMPTS:
@@ -45,17 +45,6 @@ def hf_reference(path):
     del model
     torch.cuda.empty_cache()
     return results
-
-
-def largest_logprob_gap(ours, ref) -> float:
-    """Largest |logprob difference| of a token in both top-N lists, up to each sequence's first divergence."""
-    gap = 0.0
-    for (our_tokens, our_tops), (ref_tokens, ref_tops) in zip(ours, ref):
-        for a, b, our_top, ref_top in zip(our_tokens, ref_tokens, our_tops, ref_tops):
-            gap = max([gap] + [abs(lp - ref_top[t]) for t, lp in our_top.items() if t in ref_top])
-            if a != b:
-                break
-    return gap
 
 
 def run(llm):
@@ -153,12 +142,15 @@ def gpu_llama_dir(tmp_path_factory, tokenizer):
 
 
 def test_llama_logprobs_close_to_hf(gpu_llama_dir):
-    """Llama: no q/k norm (the fused RoPE kernel's other path), q/k/v/o biases, Llama 3 RoPE scaling."""
+    """Llama: no q/k norm (the fused RoPE kernel's other path), q/k/v/o biases, Llama 3 RoPE scaling.
+    This random Llama is sensitive to bf16 rounding: on the CPU, HF's own bf16 run equals its
+    float32 run in only 4 of 16 sequences (ours in 6), so the bar for sequences equal to float32 is
+    HF bf16's own count, not half of them."""
     llm = LLM(gpu_llama_dir, dtype="bfloat16", max_model_len=1024)
     ours, _ = run(llm)
-    ref = hf_reference(gpu_llama_dir)
-    print("largest logprob gap before the first divergence:", largest_logprob_gap(ours, ref))
-    assert check_logprobs_close(ours, ref) >= len(PROMPTS) // 2
+    check_logprobs_close(ours, hf_reference(gpu_llama_dir))
+    exact = hf_reference(gpu_llama_dir, torch.float32)
+    assert check_logprobs_close(ours, exact) >= check_logprobs_close(hf_reference(gpu_llama_dir), exact)
 
 
 def test_qwen3_moe_logprobs_close_to_hf(tmp_path_factory, tokenizer):
