@@ -195,7 +195,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = num_heads // num_kv_heads
     block_n = tile_size(block_n, page)
     if num_stages is None:
-        # Fastest on the H200 (docs/perf_notes.md row 13): a 16-bit cache with one tile in flight
+        # Fastest on the H200 (docs/perf_notes.md rows 13-14): a 16-bit cache with one tile in flight
         # per program and five programs per SM; an fp8 cache (converted tiles, more registers)
         # with two tiles in flight and registers capped so that four programs fit on an SM.
         num_stages, max_registers = (3, 128) if k_cache.element_size() == 1 else (2, max_registers)
