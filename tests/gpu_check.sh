@@ -4,7 +4,7 @@
 #   [ENGINES="nanovllm vllm"] [KV_DTYPES="auto fp8"] [REPEATS=2] [SKIP_TESTS=1] bash tests/gpu_check.sh [workloads...]
 # ENGINES=none runs the tests alone. Each GPU test file runs in its own pytest under its own
 # time limit (TEST_TIMEOUT, seconds), so a test blocked in a collective costs only its file;
-# faulthandler prints where it hung. REPEATS runs every benchmark that many times, each in a
+# faulthandler prints where a test hung once it has run STACK_AFTER seconds (default 90). REPEATS runs every benchmark that many times, each in a
 # new process (the first run on a fresh machine also compiles kernels its warm-up missed).
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -15,7 +15,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   limit=${TEST_TIMEOUT:-300}
   for file in $(grep -l "pytest.mark.gpu" tests/test_*.py); do
     name=$(basename "$file" .py)
-    timeout -s KILL "$limit" python3 -m pytest -q -m gpu -o faulthandler_timeout=$((limit - 20)) "$file" \
+    timeout -s KILL "$limit" python3 -m pytest -q -m gpu -o faulthandler_timeout="${STACK_AFTER:-90}" "$file" \
       > "$OUT/gpu_$name.log" 2>&1
     echo "$name: $(tail -1 "$OUT/gpu_$name.log")"
   done | tee "$OUT/gpu_tests.log"
