@@ -4,10 +4,11 @@ import weakref
 
 from tqdm.auto import tqdm
 
+from nanovllm.beam_search import BeamSearchOutput, BeamSearchSequence, best, extend
 from nanovllm.config import Config
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -124,6 +125,45 @@ class LLM:
                     outputs[output.request_id] = output
                     pbar.update(1)
         return outputs
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search (beam_search.py): one generate() call per output token, over every
+        live beam of every prompt. -> one BeamSearchOutput per prompt, in input order."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
+        engine = self.llm_engine
+        if 2 * params.beam_width > engine.config.max_logprobs:
+            raise ValueError(f"beam_width must be at most max_logprobs / 2 = {engine.config.max_logprobs // 2} "
+                             f"(each step asks for 2 x beam_width logprobs), got {params.beam_width}.")
+        parsed = self._parse_prompts(prompts)
+        step = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
+                              ignore_eos=True)
+        whole = SamplingParams(max_tokens=params.max_tokens, ignore_eos=True)
+        for i, (_, token_ids) in enumerate(parsed):
+            engine.validate_request(i, token_ids, whole)
+        eos = engine.eos_token_ids
+        live = [[BeamSearchSequence(token_ids)] for _, token_ids in parsed]
+        finished = [[] for _ in parsed]
+        for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm):
+            for i, prompt_beams in enumerate(live):   # beams at max_model_len end here
+                finished[i] += [b for b in prompt_beams if len(b.tokens) >= engine.config.max_model_len]
+                live[i] = [b for b in prompt_beams if len(b.tokens) < engine.config.max_model_len]
+            beams = [beam for prompt_beams in live for beam in prompt_beams]
+            if not beams:
+                break
+            outputs = iter(self.generate([{"prompt_token_ids": b.tokens} for b in beams], step, use_tqdm=False))
+            for i, prompt_beams in enumerate(live):
+                tops = [next(outputs).outputs[0].logprobs[0] for _ in prompt_beams]
+                live[i], done = extend(prompt_beams, tops, params, eos)
+                finished[i] += done
+        tokenizer = engine.tokenizer
+        results = []
+        for prompt_live, prompt_finished in zip(live, finished):
+            top = best(prompt_finished + prompt_live, params, eos)
+            for beam in top:
+                beam.text = None if tokenizer is None else tokenizer.decode(beam.tokens)
+            results.append(BeamSearchOutput(top))
+        return results
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,

@@ -104,3 +104,23 @@ class SamplingParams:
               f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}.")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or []),
               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}.")
+
+
+@dataclass
+class BeamSearchParams:
+    """LLM.beam_search's parameters (vLLM's names and defaults). include_stop_str_in_output is
+    accepted for vLLM's sake and has no effect: beam search stops only at EOS and max_tokens."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer of at least 1, got {value!r}.")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
