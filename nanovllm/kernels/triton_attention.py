@@ -80,6 +80,22 @@ def _next_page(table, n_start, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
     return tl.load(table + nxt // PAGE, mask=nxt < end, other=0)
 
 
+@triton.jit
+def _attend_tile(q, k_cache_ptr, v_cache_ptr, rows, n_mask, visible, offs_d, m_i, l_i, acc, qk_scale):
+    """One tile of online softmax. rows: the cache offsets of the tile's tokens for this KV head
+    (n_mask: which exist); visible: [queries, tile], which query sees which token; m_i, l_i,
+    acc: running max (log2 units), sum and weighted values per query. -> them updated."""
+    k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
+    s = tl.where(visible, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.where(m_new == float("-inf"), 0.0, m_new)    # a query that sees nothing yet
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
 def tile_size(block_n: int, page: int) -> int:
     """block_n (a power of two) shrunk until it divides the page size (a multiple of 16)."""
     return math.gcd(block_n, page)
@@ -123,16 +139,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
         offs_n = n_start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         rows = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cr + kv_head * stride_ch
-        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * qk_scale                     # [BLOCK_G, BLOCK_N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, rows, n_mask, n_mask[None, :], offs_d,
+                                     m_i, l_i, acc, qk_scale)
         page = _next_page(table, n_start, end, PAGE, BLOCK_N)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]       # a padding row: zeros
@@ -253,18 +261,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
         offs_n = n_start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         rows = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cr + kv_head * stride_ch
-        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * qk_scale                     # [BLOCK_M, BLOCK_N]
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)    # padded query rows see nothing
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, rows, n_mask, visible, offs_d,
+                                     m_i, l_i, acc, qk_scale)
         page = _next_page(table, n_start, end, PAGE, BLOCK_N)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
