@@ -1,0 +1,85 @@
+"""Compile the attention kernels for an H100/H200 (sm_90) on any machine, GPU or not, and report
+what decides their speed before a device call is spent on them (a developer tool, not a test):
+registers per thread and spills (ptxas), shared memory, how many K/V tiles Triton keeps in
+flight (buffers per operand, from the TTGIR), and the programs that fit on one SM.
+
+    PYTHONPATH=. python3 tests/compile_kernels.py
+
+Shapes: Qwen3-0.6B attention (GQA group 2, head_dim 128), block_size 256, bf16 queries, strides
+divisible by 16 (as Triton specialises them at run time).
+"""
+import os
+import re
+import subprocess
+
+import triton
+import triton.backends.nvidia
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from nanovllm.kernels import triton_attention as ta
+
+PTXAS = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "ptxas")
+TARGET = GPUTarget("cuda", 90, 32)
+REGISTERS_PER_SM, SHARED_PER_SM, MAX_WARPS_PER_SM = 65536, 228 * 1024, 64
+
+
+def signature(names: list[str], types: dict[str, str]) -> dict[str, str]:
+    return {n: types.get(n, "i32" if n.startswith("stride") else "constexpr") for n in names}
+
+
+def compile_kernel(kernel, types: dict[str, str], constants: dict, num_warps: int, num_stages: int,
+                   maxnreg: int | None):
+    names = kernel.arg_names
+    sig = signature(names, types)
+    # Pointers and strides are multiples of 16 at run time, except the unspecialised ones.
+    aligned = [i for i, n in enumerate(names) if (sig[n].startswith("*") or n.startswith("stride"))
+               and n not in kernel.do_not_specialize]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return triton.compile(ASTSource(kernel, sig, constants, attrs), target=TARGET, options=options)
+
+
+def report(label: str, compiled, num_warps: int) -> str:
+    ptx_file = "/tmp/nanovllm_compile_kernels.ptx"
+    with open(ptx_file, "w") as f:
+        f.write(compiled.asm["ptx"])
+    ptxas = subprocess.run([PTXAS, "-arch=sm_90a", "-v", ptx_file, "-o", os.devnull],
+                           capture_output=True, text=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", ptxas).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", ptxas).group(1))
+    buffers = sorted({int(b) for b in re.findall(r"memdesc<(\d+)x\d+x\d+x", compiled.asm["ttgir"])})
+    shared = compiled.metadata.shared
+    fits = min(REGISTERS_PER_SM // (-(-registers // 8) * 8 * 32 * num_warps), MAX_WARPS_PER_SM // num_warps,
+               SHARED_PER_SM // (shared + 1024))
+    return (f"  {label:44} {registers:4} regs {spills:5} B spilled {shared // 1024:4} KB shared "
+            f"{buffers or '-'!s:8} tile buffers {fits} programs/SM")
+
+
+def main():
+    print("decode (block_n, stages, warps, max registers):")
+    for cache in ("bf16", "fp8e4nv"):
+        types = {"q_ptr": "*bf16", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}",
+                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16",
+                 "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "scale": "fp32"}
+        for block_n, stages, warps, maxnreg in ((64, 2, 4, None), (64, 3, 4, None), (64, 3, 4, 128),
+                                                (128, 3, 8, None), (32, 4, 2, None)):
+            constants = dict(NUM_SPLITS=4, MIN_SPLIT=1024, GROUP=2, BLOCK_G=16, HEAD_DIM=128, PAGE=256,
+                             BLOCK_N=block_n)
+            compiled = compile_kernel(ta._decode_split_kernel, types, constants, warps, stages, maxnreg)
+            print(report(f"{cache} {(block_n, stages, warps, maxnreg)}", compiled, warps))
+    print("prefill (block_m, block_n, warps, stages):")
+    for cache in ("bf16", "fp8e4nv"):
+        types = {"q_ptr": "*bf16", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}",
+                 "block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
+                 "out_ptr": "*bf16", "scale": "fp32"}
+        for block_m, block_n, warps, stages in ((64, 64, 4, 2), (64, 64, 4, 3), (128, 128, 8, 3)):
+            constants = dict(GROUP=2, HEAD_DIM=128, PAGE=256, BLOCK_M=block_m, BLOCK_N=block_n)
+            compiled = compile_kernel(ta._prefill_kernel, types, constants, warps, stages, None)
+            print(report(f"{cache} {(block_m, block_n, warps, stages)}", compiled, warps))
+
+
+if __name__ == "__main__":
+    main()
