@@ -81,6 +81,17 @@ def _next_page(table, n_start, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _converted(v, mask, dtype):
+    """A V tile in the products' dtype. An 8-bit tile is masked again after the conversion: that
+    keeps Triton converting it in its row layout and transposing 16-bit values for the P.V
+    product (ldmatrix.trans); converted in the product's operand layout, each thread gathered
+    its fp8 values from shared memory one byte at a time (docs/perf_notes.md row 15)."""
+    if v.dtype.primitive_bitwidth == 8:
+        return tl.where(mask, v.to(dtype), 0.0).to(dtype)
+    return v.to(dtype)
+
+
+@triton.jit
 def _attend_tile(q, k_cache_ptr, v_cache_ptr, rows, n_mask, visible, offs_d, m_i, l_i, acc, qk_scale):
     """One tile of online softmax. rows: the cache offsets of the tile's tokens for this KV head
     (n_mask: which exist); visible: [queries, tile], which query sees which token; m_i, l_i,
@@ -91,7 +102,8 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, rows, n_mask, visible, offs_d, m_i
     m_new = tl.where(m_new == float("-inf"), 0.0, m_new)    # a query that sees nothing yet
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
+    v = _converted(tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0),
+                   n_mask[:, None], q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
