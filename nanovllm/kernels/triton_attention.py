@@ -216,9 +216,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_n = tile_size(block_n, page)
     if num_stages is None:
         # Fastest on the H200 (docs/perf_notes.md rows 13-14): a 16-bit cache with one tile in flight
-        # per program and five programs per SM; an fp8 cache (converted tiles, more registers)
-        # with two tiles in flight and registers capped so that four programs fit on an SM.
-        num_stages, max_registers = (3, 128) if k_cache.element_size() == 1 else (2, max_registers)
+        # per program (five programs per SM); an fp8 cache with two (four programs per SM: 116
+        # registers since row 15, where a cap of 128 had been needed).
+        num_stages = 3 if k_cache.element_size() == 1 else 2
     out = torch.empty_like(q)
     o_part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
