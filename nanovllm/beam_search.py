@@ -37,6 +37,13 @@ def beam_score(beam: BeamSearchSequence, eos_token_ids: set[int], length_penalty
     return beam.cum_logprob / length ** length_penalty
 
 
+def ranked(beams: list[BeamSearchSequence], params: BeamSearchParams,
+           eos_token_ids: set[int]) -> list[BeamSearchSequence]:
+    """The beam_width best of beams by score, best first."""
+    by_score = sorted(beams, key=lambda b: beam_score(b, eos_token_ids, params.length_penalty), reverse=True)
+    return by_score[:params.beam_width]
+
+
 def extend(beams: list[BeamSearchSequence], step_logprobs: list[dict[int, Logprob]], params: BeamSearchParams,
            eos_token_ids: set[int]) -> tuple[list[BeamSearchSequence], list[BeamSearchSequence]]:
     """One step for one prompt: each beam extended by each token of its step's logprobs.
@@ -51,13 +58,4 @@ def extend(beams: list[BeamSearchSequence], step_logprobs: list[dict[int, Logpro
                 finished.append(child)
             else:
                 live.append(child)
-    live.sort(key=lambda b: beam_score(b, eos_token_ids, params.length_penalty), reverse=True)
-    return live[:params.beam_width], finished
-
-
-def best(beams: list[BeamSearchSequence], params: BeamSearchParams,
-         eos_token_ids: set[int]) -> list[BeamSearchSequence]:
-    ranked = sorted(beams, key=lambda b: beam_score(b, eos_token_ids, params.length_penalty), reverse=True)
-    for beam in ranked:
-        beam.finish_reason = beam.finish_reason or "length"
-    return ranked[:params.beam_width]
+    return ranked(live, params, eos_token_ids), finished

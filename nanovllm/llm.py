@@ -4,7 +4,7 @@ import weakref
 
 from tqdm.auto import tqdm
 
-from nanovllm.beam_search import BeamSearchOutput, BeamSearchSequence, best, extend
+from nanovllm.beam_search import BeamSearchOutput, BeamSearchSequence, extend, ranked
 from nanovllm.config import Config
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.outputs import RequestOutput
@@ -159,8 +159,9 @@ class LLM:
         tokenizer = engine.tokenizer
         results = []
         for prompt_live, prompt_finished in zip(live, finished):
-            top = best(prompt_finished + prompt_live, params, eos)
-            for beam in top:
+            top = ranked(prompt_finished + prompt_live, params, eos)
+            for beam in top:   # the ones that did not end with EOS ran out of tokens
+                beam.finish_reason = beam.finish_reason or "length"
                 beam.text = None if tokenizer is None else tokenizer.decode(beam.tokens)
             results.append(BeamSearchOutput(top))
         return results
