@@ -7,13 +7,18 @@ from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 
+def require_silu(config: PretrainedConfig):
+    """The gated MLPs here (dense and experts) apply SiLU; refuse a model that uses another activation."""
+    if config.hidden_act != "silu":
+        raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu' is.")
+
+
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), gate and up fused into one column-parallel matmul."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, config: PretrainedConfig, tp: TPGroup):
         super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu' is.")
+        require_silu(config)
         if getattr(config, "mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported.")
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp=tp)

@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 
 from nanovllm.distributed import TPGroup
 from nanovllm.layers.linear import ReplicatedLinear, copy_checked
-from nanovllm.layers.mlp import GatedMLP
+from nanovllm.layers.mlp import GatedMLP, require_silu
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,8 +68,7 @@ class Experts(nn.Module):
 class SparseMoeBlock(nn.Module):
     def __init__(self, config: PretrainedConfig, tp: TPGroup):
         super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu' is.")
+        require_silu(config)
         self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts)
         self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size, tp)
