@@ -75,8 +75,7 @@ class Sequence:
     @property
     def needs_output_ids_on_host(self) -> bool:
         """Sampling looks at the ids of earlier output tokens (penalties, multi-token bad words)."""
-        return self.sampling_params.has_penalties or (
-            bool(self.bad_words_token_ids) and any(len(ids) > 1 for ids in self.bad_words_token_ids))
+        return self.sampling_params.has_penalties or any(len(ids) > 1 for ids in self.bad_words_token_ids)
 
     @property
     def is_finished(self) -> bool:
