@@ -81,17 +81,6 @@ def _next_page(table, n_start, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _converted(v, mask, dtype):
-    """A V tile in the products' dtype. An 8-bit tile is masked again after the conversion: that
-    keeps Triton converting it in its row layout and transposing 16-bit values for the P.V
-    product (ldmatrix.trans); converted in the product's operand layout, each thread gathered
-    its fp8 values from shared memory one byte at a time (docs/perf_notes.md row 15)."""
-    if v.dtype.primitive_bitwidth == 8:
-        return tl.where(mask, v.to(dtype), 0.0).to(dtype)
-    return v.to(dtype)
-
-
-@triton.jit
 def _attend_tile(q, k_cache_ptr, v_cache_ptr, rows, n_mask, visible, offs_d, m_i, l_i, acc, qk_scale):
     """One tile of online softmax. rows: the cache offsets of the tile's tokens for this KV head
     (n_mask: which exist); visible: [queries, tile], which query sees which token; m_i, l_i,
@@ -102,8 +91,7 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, rows, n_mask, visible, offs_d, m_i
     m_new = tl.where(m_new == float("-inf"), 0.0, m_new)    # a query that sees nothing yet
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    v = _converted(tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0),
-                   n_mask[:, None], q.dtype)
+    v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
@@ -216,9 +204,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_n = tile_size(block_n, page)
     if num_stages is None:
         # Fastest on the H200 (docs/perf_notes.md rows 13-14): a 16-bit cache with one tile in flight
-        # per program (five programs per SM); an fp8 cache with two (four programs per SM: 116
-        # registers since row 15, where a cap of 128 had been needed).
-        num_stages = 3 if k_cache.element_size() == 1 else 2
+        # per program and five programs per SM; an fp8 cache (converted tiles, more registers)
+        # with two tiles in flight and registers capped so that four programs fit on an SM.
+        num_stages, max_registers = (3, 128) if k_cache.element_size() == 1 else (2, max_registers)
     out = torch.empty_like(q)
     o_part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
