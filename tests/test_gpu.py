@@ -141,16 +141,31 @@ def gpu_llama_dir(tmp_path_factory, tokenizer):
     return build_model_dir(tmp_path_factory.mktemp("llama_gpu"), "llama", tokenizer, seed=1, **SIZES)
 
 
+def mean_logprob_gap(ours, ref) -> float:
+    """Mean |logprob difference| of the greedy token over the steps before the sequences first differ."""
+    gaps = []
+    for (our_tokens, our_tops), (ref_tokens, ref_tops) in zip(ours, ref):
+        for t, (a, b) in enumerate(zip(our_tokens, ref_tokens)):
+            if a != b:
+                break
+            gaps.append(abs(our_tops[t][a] - ref_tops[t][a]))
+    return sum(gaps) / len(gaps)
+
+
 def test_llama_logprobs_close_to_hf(gpu_llama_dir):
     """Llama: no q/k norm (the fused RoPE kernel's other path), q/k/v/o biases, Llama 3 RoPE scaling.
-    This random Llama is sensitive to bf16 rounding: on the CPU, HF's own bf16 run equals its
-    float32 run in only 4 of 16 sequences (ours in 6), so the bar for sequences equal to float32 is
-    HF bf16's own count, not half of them."""
+    This random Llama is so sensitive to bf16 rounding that counts of sequences equal to float32
+    are noise (on the CPU ours 6 of 16, HF bf16 4; on the H200 ours 4, HF bf16 6). The bar is the
+    mean logprob error against HF float32, which averages over ~150 steps: ours may be at most 1.5x
+    HF bf16's own (on the CPU both were 0.036)."""
     llm = LLM(gpu_llama_dir, dtype="bfloat16", max_model_len=1024)
     ours, _ = run(llm)
-    check_logprobs_close(ours, hf_reference(gpu_llama_dir))
-    exact = hf_reference(gpu_llama_dir, torch.float32)
-    assert check_logprobs_close(ours, exact) >= check_logprobs_close(hf_reference(gpu_llama_dir), exact)
+    hf_bf16, exact = hf_reference(gpu_llama_dir), hf_reference(gpu_llama_dir, torch.float32)
+    check_logprobs_close(ours, hf_bf16)
+    check_logprobs_close(ours, exact)
+    our_gap, hf_gap = mean_logprob_gap(ours, exact), mean_logprob_gap(hf_bf16, exact)
+    print(f"mean logprob gap to HF float32: ours {our_gap:.4f}, HF bf16 {hf_gap:.4f}")
+    assert our_gap <= 1.5 * hf_gap
 
 
 def test_qwen3_moe_logprobs_close_to_hf(tmp_path_factory, tokenizer):

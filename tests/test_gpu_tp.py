@@ -100,9 +100,11 @@ def test_tp_logprobs_close_to_tp1(tp_model_dir, tp1_reference, tp, enforce_eager
     assert check_logprobs_close(ours, tp1_reference) >= len(tp1_reference) // 2
 
 
-def test_worker_killed_mid_generate_is_named(tp_model_dir):
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_worker_killed_mid_generate_is_named(tp_model_dir, enforce_eager):
     """NCCL waits for a dead peer until its own timeout; the watchdog must abort the group instead."""
-    llm = LLM(tp_model_dir, dtype="bfloat16", max_model_len=1024, block_size=16, tensor_parallel_size=2)
+    llm = LLM(tp_model_dir, dtype="bfloat16", max_model_len=1024, block_size=16, tensor_parallel_size=2,
+              enforce_eager=enforce_eager)
     engine = llm.llm_engine
     real_step, calls, pid = engine.step, [], engine.workers.procs[0].pid
 
