@@ -50,6 +50,12 @@ class DecodeGraphs:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
+    def reset(self):
+        """Destroy the graphs (a graph still running is freed when it ends)."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+
     @property
     def max_batch_size(self) -> int:
         return self.buckets[-1]

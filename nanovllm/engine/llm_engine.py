@@ -68,6 +68,8 @@ class LLMEngine:
                 finally:
                     self.close()
             raise
+        if self.workers is not None:   # NCCL cannot abort under live CUDA graphs (TPWorkers._watch)
+            self.workers.abort_on_death = self.model_runner.graphs is None
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -229,7 +231,10 @@ class LLMEngine:
         """Read a launched step's sampled tokens: replace the placeholders, check stops."""
         if step.event is not None:
             try:
-                step.event.synchronize()
+                if self.workers is None:
+                    step.event.synchronize()
+                else:
+                    self.workers.wait(step.event)   # ends early if a worker dies
             finally:
                 if self.workers is not None:   # a dead worker aborts the group (TPWorkers._watch):
                     self.workers.check_alive()  # name it, rather than use what the aborted step left
@@ -267,8 +272,13 @@ class LLMEngine:
 
     def close(self):
         """End the tensor-parallel workers, if any. Idempotent."""
-        if self.workers is not None:
-            self.workers.close()
+        if self.workers is None:
+            return
+        runner = getattr(self, "model_runner", None)
+        if runner is not None and runner.graphs is not None and self.workers.any_dead():
+            runner.graphs.reset()    # the group's abort waits until no CUDA graph holds its collectives
+            runner.graphs = None
+        self.workers.close()
 
     @staticmethod
     def _make_output(request: Request) -> RequestOutput:

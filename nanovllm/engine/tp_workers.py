@@ -8,8 +8,11 @@ group's collectives (gloo on the CPU, NCCL on CUDA), set up over a TCPStore on a
 A step message is the flattened batch (new token ids, positions, slots) and the block-table
 changes (engine/block_table_sync.py), never the sequences. Workers end on close(), on `del`, at
 interpreter exit, or when the pipe to rank 0 closes; a dead worker is reported by rank, instead
-of hanging the caller: a watchdog thread aborts the group the moment a worker exits, so no
-collective waits for it.
+of hanging the caller: a watchdog thread notes the moment a worker exits, and rank 0's waits for
+the GPU end there. Collectives with a dead peer never finish on their own, so the group is
+aborted: by the watchdog at once when the model runs eagerly, and by close() once the CUDA graphs
+are destroyed when it runs graphs (NCCL's abort waits for every graph that captured its
+collectives to be destroyed; aborting under live graphs hung rank 0 on 2x H200).
 """
 import multiprocessing as mp
 import multiprocessing.connection
@@ -43,6 +46,9 @@ class TPWorkers:
             self.procs.append(proc)
         self.closed = False
         self.group = self.watchdog = None
+        self.dead = threading.Event()   # set by the watchdog when a worker exits
+        self.abort_on_death = True      # the engine turns it off when the model runs CUDA graphs
+        self.aborted = False
         try:
             for rank in range(1, size):          # a worker that dies while starting is named, not waited for
                 while not rendezvous.has_arrived(rank):
@@ -58,12 +64,22 @@ class TPWorkers:
         self.watchdog.start()
 
     def _watch(self, wake_end):
-        """Wait for a worker to die; then abort the group. With NCCL, rank 0 would otherwise wait in
-        a collective for the dead peer until NCCL's own timeout (minutes); aborted, its collectives
-        fail at once and the caller names the rank (check_alive). close() wakes it to end quietly."""
+        """Wait for a worker to die; then mark the group dead and, unless CUDA graphs hold its
+        collectives, abort it: aborted, rank 0's collectives fail at once instead of waiting for the
+        dead peer, and the caller names the rank (check_alive). close() wakes it to end quietly."""
         multiprocessing.connection.wait([proc.sentinel for proc in self.procs] + [wake_end])
         if not self.closed:
-            self.group.abort()
+            self.dead.set()
+            if self.abort_on_death:
+                self.group.abort()
+                self.aborted = True
+
+    def wait(self, event):
+        """event.synchronize(), except that a worker's death ends the wait with WorkerDiedError
+        (a step whose collectives wait for a dead peer would never finish)."""
+        while not event.query():
+            if self.dead.is_set():
+                self.check_alive(grace_s=5.0)
 
     def check_alive(self, grace_s: float = 0.0):
         """Raise WorkerDiedError naming the first dead worker. grace_s: how long to wait for one
@@ -86,9 +102,13 @@ class TPWorkers:
             except (BrokenPipeError, ConnectionResetError, EOFError):
                 raise WorkerDiedError(f"tensor-parallel worker rank {rank} is gone; the engine is closed.") from None
 
+    def any_dead(self) -> bool:
+        return self.dead.is_set() or any(proc.exitcode is not None for proc in self.procs)
+
     def close(self):
         if self.closed:
             return
+        died = self.any_dead()
         self.closed = True
         if self.watchdog is not None:
             try:
@@ -110,6 +130,9 @@ class TPWorkers:
         for conn in self.conns:
             conn.close()
         if self.group is not None:
+            if died and not self.aborted:   # free rank 0's GPU from collectives waiting for the dead
+                self.group.abort()
+                self.aborted = True
             self.group.close()
 
 
