@@ -12,7 +12,9 @@ another dtype, or not 16-byte sized go through NCCL.
 Experimental, so off by default (LLM(..., disable_custom_all_reduce=False) turns it on). On
 2x H200 it summed correctly at every size class, made the Qwen3-8B-shape benchmark 3% faster at
 TP=2 (docs/perf_notes.md) and passed the TP=2 logprob tests with and without CUDA graphs; runs
-on more than two GPUs have not passed on a GPU yet. Only the first engine of a process gets it
+on more than two GPUs have not passed on a GPU yet, and its kernels would wait for a dead peer
+where NCCL's abort cannot stop them (the killed-worker test has not run with it). Only the first
+engine of a process gets it
 (see _rendezvous_started); later ones use NCCL. A start-up self-check falls back to NCCL on any
 doubt.
 """
