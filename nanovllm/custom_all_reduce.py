@@ -14,9 +14,8 @@ Experimental, so off by default (LLM(..., disable_custom_all_reduce=False) turns
 TP=2 (docs/perf_notes.md) and passed the TP=2 logprob tests with and without CUDA graphs; runs
 on more than two GPUs have not passed on a GPU yet, and its kernels would wait for a dead peer
 where NCCL's abort cannot stop them (the killed-worker test has not run with it). Only the first
-engine of a process gets it
-(see _rendezvous_started); later ones use NCCL. A start-up self-check falls back to NCCL on any
-doubt.
+engine of a process gets it (see _rendezvous_started); later ones use NCCL. A start-up self-check
+falls back to NCCL on any doubt.
 """
 import torch
 import torch.distributed as dist
