@@ -21,12 +21,15 @@ KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "fp8": torch.float8
 class Config:
     model: str
     tokenizer: str | None = None
+    tokenizer_mode: str = "auto"            # "auto": the fast tokenizer; "slow": ask for the Python one
     skip_tokenizer_init: bool = False
     trust_remote_code: bool = False
     revision: str | None = None             # of a hub model: branch, tag or commit
     tokenizer_revision: str | None = None   # of a hub tokenizer given by `tokenizer`
     download_dir: str | None = None         # hub cache directory (default: Hugging Face's)
+    hf_overrides: dict | None = None        # attributes set on the model's HF config after loading it
     dtype: str = "auto"
+    quantization: str | None = None         # only None: checkpoints are loaded unquantized
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
@@ -36,9 +39,16 @@ class Config:
     block_size: int = 256
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None   # the KV cache per GPU, instead of sizing it from the above
     num_kvcache_blocks: int | None = None
+    # Accepted so that vLLM scripts run: preemption recomputes (as vLLM's V1 engine does), so no
+    # CPU swap space is used; nothing is offloaded to the CPU.
+    swap_space: float = 4
+    cpu_offload_gb: float = 0
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1                  # only 1
+    distributed_executor_backend: str | None = None  # None or "mp": tensor-parallel worker processes
     # The symmetric-memory all-reduce (custom_all_reduce.py) is experimental, so unlike vLLM it is
     # off by default: False turns it on; True or unset: NCCL for every all-reduce.
     disable_custom_all_reduce: bool = True
@@ -47,6 +57,7 @@ class Config:
     attention_backend: str = "auto"     # "auto" | "triton" | "flash_attn" | "torch"
     kv_cache_dtype: str = "auto"        # "auto" (the model's dtype) | "bfloat16" | "fp8" | "fp8_e4m3" | "fp8_e5m2"
     async_scheduling: bool | None = None   # None: on with CUDA (overlaps host work with the GPU)
+    disable_log_stats: bool = True         # False: log throughput, queues and cache use every 5 s
     # Derived in __post_init__.
     model_path: str = field(init=False)
     hf_config: PretrainedConfig = field(init=False, repr=False)
@@ -73,6 +84,13 @@ class Config:
         self.model_path = resolve_model_path(self.model, need_weights=self.load_format != "dummy",
                                              revision=self.revision, cache_dir=self.download_dir)
         self.hf_config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
+        for name, value in (self.hf_overrides or {}).items():
+            setattr(self.hf_config, name, value)
+        quantized = getattr(self.hf_config, "quantization_config", None)
+        if quantized:
+            method = quantized.get("quant_method") if isinstance(quantized, dict) else type(quantized).__name__
+            raise ValueError(f"the checkpoint is quantized (quant_method {method!r}); nanovllm loads "
+                             f"unquantized checkpoints only.")
         architectures = getattr(self.hf_config, "architectures", None) or []
         if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
             raise ValueError(f"model architectures {architectures} are not supported; "
@@ -129,6 +147,23 @@ class Config:
               f"kv_cache_dtype must be one of {', '.join(repr(k) for k in KV_CACHE_DTYPES)}, "
               f"got {self.kv_cache_dtype!r}.")
         check(self.max_logprobs >= 0, f"max_logprobs must be non-negative, got {self.max_logprobs}.")
+        check(self.tokenizer_mode in ("auto", "slow"),
+              f"tokenizer_mode must be 'auto' or 'slow', got {self.tokenizer_mode!r}.")
+        check(self.hf_overrides is None or isinstance(self.hf_overrides, dict),
+              f"hf_overrides must be a dict, got {type(self.hf_overrides).__name__}.")
+        check(self.quantization is None,
+              f"quantization={self.quantization!r} is not supported: nanovllm loads unquantized checkpoints "
+              f"(an fp8 KV cache is kv_cache_dtype='fp8').")
+        check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes >= 1,
+              f"kv_cache_memory_bytes must be at least 1, got {self.kv_cache_memory_bytes}.")
+        check(self.swap_space >= 0, f"swap_space must be non-negative, got {self.swap_space}.")
+        check(self.cpu_offload_gb == 0, f"cpu_offload_gb must be 0 (no CPU offloading), got {self.cpu_offload_gb}.")
+        check(self.pipeline_parallel_size == 1,
+              f"pipeline_parallel_size must be 1 (nanovllm has tensor parallelism only), "
+              f"got {self.pipeline_parallel_size}.")
+        check(self.distributed_executor_backend in (None, "mp"),
+              f"distributed_executor_backend must be None or 'mp' (worker processes), "
+              f"got {self.distributed_executor_backend!r}.")
 
     def _validate_tensor_parallel(self):
         n, hf = self.tensor_parallel_size, self.hf_config

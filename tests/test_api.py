@@ -170,6 +170,17 @@ def test_interrupted_generate_aborts_its_requests(llm, monkeypatch):
                                   "'fp8_e5m2', got 'int4'."),
     (dict(enable_chunked_prefill=False, max_num_batched_tokens=100),
      "max_num_batched_tokens (100) is smaller than max_model_len (512): with enable_chunked_prefill=False"),
+    (dict(quantization="awq"), "quantization='awq' is not supported: nanovllm loads unquantized checkpoints"),
+    (dict(pipeline_parallel_size=2), "pipeline_parallel_size must be 1 (nanovllm has tensor parallelism only), got 2."),
+    (dict(distributed_executor_backend="ray"), "distributed_executor_backend must be None or 'mp' (worker "
+                                               "processes), got 'ray'."),
+    (dict(tokenizer_mode="mistral"), "tokenizer_mode must be 'auto' or 'slow', got 'mistral'."),
+    (dict(cpu_offload_gb=2), "cpu_offload_gb must be 0 (no CPU offloading), got 2."),
+    (dict(swap_space=-1), "swap_space must be non-negative, got -1."),
+    (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes must be at least 1, got 0."),
+    (dict(hf_overrides="max_position_embeddings=8"), "hf_overrides must be a dict, got str."),
+    (dict(hf_overrides={"quantization_config": {"quant_method": "gptq"}}),
+     "the checkpoint is quantized (quant_method 'gptq'); nanovllm loads unquantized checkpoints only."),
 ])
 def test_bad_engine_arguments(qwen3_dir, kwargs, message):
     with pytest.raises(ValueError) as e:
@@ -276,3 +287,64 @@ def test_fp8_cache_keeps_auto_off_flash_attn(monkeypatch):
     assert isinstance(attention.select_backend("auto", cuda, 256, fp8_cache=True), attention.TritonBackend)
     with pytest.raises(ValueError, match="attention_backend 'flash_attn' does not read an fp8 KV cache"):
         attention.select_backend("flash_attn", cuda, 256, fp8_cache=True)
+
+
+def test_vllm_engine_arguments_that_mean_our_behaviour_are_accepted(qwen3_dir):
+    """A vLLM script's usual LLM() arguments run unchanged where their value is what we do anyway."""
+    llm = LLM(qwen3_dir, tokenizer_mode="slow", quantization=None, swap_space=8, cpu_offload_gb=0,
+              pipeline_parallel_size=1, distributed_executor_backend="mp", disable_log_stats=True,
+              block_size=16, num_kvcache_blocks=16)
+    out = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [3, 3]
+
+
+def test_hf_overrides_change_the_model_config(qwen3_dir):
+    llm = LLM(qwen3_dir, hf_overrides={"max_position_embeddings": 128}, block_size=16, num_kvcache_blocks=16)
+    assert llm.llm_engine.config.max_model_len == 128
+
+
+def test_kv_cache_memory_bytes_sizes_the_cache(qwen3_dir):
+    from transformers import AutoConfig
+    hf = AutoConfig.from_pretrained(qwen3_dir)
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    block_bytes = 2 * 16 * hf.num_key_value_heads * head_dim * hf.num_hidden_layers * 4   # K and V, float32
+    llm = LLM(qwen3_dir, dtype="float32", block_size=16, kv_cache_memory_bytes=10 * block_bytes + 5)
+    assert llm.llm_engine.model_runner.num_kvcache_blocks == 10
+    with pytest.raises(ValueError, match=f"no memory is left for the KV cache at kv_cache_memory_bytes=100 "
+                                         f"\\(one block takes {block_bytes}\\)"):
+        LLM(qwen3_dir, dtype="float32", block_size=16, kv_cache_memory_bytes=100)
+
+
+def test_quantized_checkpoint_is_refused(qwen3_dir, tmp_path):
+    import json
+    import shutil
+    path = tmp_path / "quantized"
+    shutil.copytree(qwen3_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="the checkpoint is quantized \\(quant_method 'awq'\\)"):
+        LLM(str(path))
+
+
+def test_stats_are_logged_when_asked(qwen3_dir):
+    """disable_log_stats=False: vLLM's periodic line (here after every step: interval 0)."""
+    import logging
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("nanovllm.engine.stat_logger")
+    logger.addHandler(handler)
+    try:
+        llm = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=64, disable_log_stats=False)
+        llm.llm_engine.stat_logger.interval_s = 0.0
+        prompt = {"prompt_token_ids": PROMPTS[-1]}
+        llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+        llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    finally:
+        logger.removeHandler(handler)
+    assert lines and all(line.startswith("Avg prompt throughput: ") for line in lines)
+    assert "Running: 1 reqs, Waiting: 0 reqs" in lines[0] and lines[0].endswith("Prefix cache hit rate: 0.0%")
+    num_tokens, num_cached = len(PROMPTS[-1]), (len(PROMPTS[-1]) - 1) // 16 * 16
+    assert lines[-1].endswith(f"Prefix cache hit rate: {num_cached / (2 * num_tokens):.1%}")
+    assert LLM(qwen3_dir, block_size=16, num_kvcache_blocks=8).llm_engine.stat_logger is None   # vLLM's LLM default

@@ -13,6 +13,7 @@ from nanovllm.engine.model_runner import ModelRunner, runner_device
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.stat_logger import StatLogger
 from nanovllm.engine.tp_workers import TPWorkers
 from nanovllm.layers.sampler import SamplerOutput
 from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -51,7 +52,8 @@ class LLMEngine:
     def __init__(self, config: Config):
         self.config = config
         self.tokenizer = (None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(
-            config.tokenizer, revision=config.tokenizer_revision, trust_remote_code=config.trust_remote_code))
+            config.tokenizer, revision=config.tokenizer_revision, trust_remote_code=config.trust_remote_code,
+            use_fast=config.tokenizer_mode != "slow"))
         self.generation_config = self._load_generation_config()
         self.eos_token_ids = self._eos_token_ids()
         self.workers = None
@@ -75,6 +77,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.enable_chunked_prefill)
         self.async_scheduling = config.async_scheduling
+        self.stat_logger = None if config.disable_log_stats else StatLogger()
         self.in_flight: InFlightStep | None = None
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 config.max_model_len)
@@ -225,6 +228,8 @@ class LLMEngine:
         if not self.async_scheduling and self.in_flight is not None:
             finished += self._resolve(self.in_flight)
             self.in_flight = None
+        if self.stat_logger is not None:
+            self.stat_logger.record(stats.num_prefill_tokens, len(sampling_seqs), self.scheduler, self.block_manager)
         return finished, stats
 
     def _resolve(self, step: "InFlightStep") -> list[RequestOutput]:

@@ -155,7 +155,9 @@ class ModelRunner:
         cfg = self.config
         num_blocks = cfg.num_kvcache_blocks
         if num_blocks is None:
-            if self.device.type == "cuda":
+            if cfg.kv_cache_memory_bytes is not None:
+                budget = cfg.kv_cache_memory_bytes
+            elif self.device.type == "cuda":
                 budget = self._profile_kv_budget()
             else:
                 budget = CPU_KV_CACHE_BYTES
@@ -163,8 +165,10 @@ class ModelRunner:
             num_blocks = min(budget // self._kv_block_bytes(), cfg.max_num_seqs * self.max_blocks_per_seq)
             num_blocks = self.tp.min_over_ranks(num_blocks, self.device)   # every rank holds the same blocks
             if num_blocks < 1:
-                raise ValueError(f"no memory is left for the KV cache at gpu_memory_utilization="
-                                 f"{cfg.gpu_memory_utilization}; raise it or use a smaller model.")
+                setting = (f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes} (one block takes "
+                           f"{self._kv_block_bytes()})" if cfg.kv_cache_memory_bytes is not None
+                           else f"gpu_memory_utilization={cfg.gpu_memory_utilization}")
+                raise ValueError(f"no memory is left for the KV cache at {setting}; raise it or use a smaller model.")
         self.kv_cache = self._make_kv_cache(num_blocks)
         return num_blocks
 

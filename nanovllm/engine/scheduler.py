@@ -47,6 +47,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_prefix_cache_queries = 0   # tokens looked up in the prefix cache at admission
+        self.num_prefix_cache_hits = 0      # of those, tokens found
 
     def add(self, seq: Sequence):
         self.waiting.append(seq)
@@ -95,6 +97,8 @@ class Scheduler:
             if not self.block_manager.allocate_slots(seq, num_new, computed_blocks):
                 break
             self.waiting.popleft()
+            self.num_prefix_cache_queries += seq.num_tokens
+            self.num_prefix_cache_hits += num_cached
             seq.num_computed_tokens = num_cached
             if seq.is_first_admission:
                 seq.num_cached_tokens = num_cached
