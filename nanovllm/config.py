@@ -36,6 +36,7 @@ class Config:
     max_num_seqs: int = 512
     max_num_batched_tokens: int = 16384
     enable_chunked_prefill: bool = True     # False: a prompt is computed in one step or waits
+    scheduling_policy: str = "fcfs"         # "fcfs" | "priority": generate(..., priority=[...]), lower first
     block_size: int = 256
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
@@ -147,6 +148,8 @@ class Config:
               f"kv_cache_dtype must be one of {', '.join(repr(k) for k in KV_CACHE_DTYPES)}, "
               f"got {self.kv_cache_dtype!r}.")
         check(self.max_logprobs >= 0, f"max_logprobs must be non-negative, got {self.max_logprobs}.")
+        check(self.scheduling_policy in ("fcfs", "priority"),
+              f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
         check(self.tokenizer_mode in ("auto", "slow"),
               f"tokenizer_mode must be 'auto' or 'slow', got {self.tokenizer_mode!r}.")
         check(self.hf_overrides is None or isinstance(self.hf_overrides, dict),

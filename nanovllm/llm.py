@@ -72,8 +72,9 @@ class LLM:
 
     # ---- generation ---------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Complete every prompt; outputs come back in input order."""
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in input order. priority: one int per prompt,
+        lower first, with LLM(scheduling_policy="priority")."""
         if self.closed:
             raise RuntimeError("this LLM is closed; create a new one.")
         parsed = self._parse_prompts(prompts)
@@ -85,6 +86,7 @@ class LLM:
             raise ValueError(f"sampling_params has {len(sampling_params)} entries but there are "
                              f"{len(parsed)} prompts; pass one SamplingParams or one per prompt.")
         engine = self.llm_engine
+        priority = self._check_priority(priority, len(parsed))
         # Validate the whole call before any request is added: a bad prompt leaves no trace.
         for i, ((text, token_ids), params) in enumerate(zip(parsed, sampling_params)):
             if not isinstance(params, SamplingParams):
@@ -94,8 +96,8 @@ class LLM:
                 keep = engine.config.max_model_len if keep == -1 else keep
                 parsed[i] = (text, token_ids[-keep:])
             engine.validate_request(i, parsed[i][1], params)
-        request_ids = [engine.add_request(text, token_ids, params)
-                       for (text, token_ids), params in zip(parsed, sampling_params)]
+        request_ids = [engine.add_request(text, token_ids, params, rank)
+                       for (text, token_ids), params, rank in zip(parsed, sampling_params, priority)]
         try:
             outputs = self._run_engine(len(request_ids), use_tqdm)
         except BaseException:
@@ -107,6 +109,17 @@ class LLM:
                 self.close()   # the ranks may be mid-collective: end them rather than risk a hang
             raise
         return [outputs[request_id] for request_id in request_ids]
+
+    def _check_priority(self, priority: list[int] | None, num_prompts: int) -> list[int]:
+        if priority is None:
+            return [0] * num_prompts
+        if len(priority) != num_prompts or not all(isinstance(p, int) for p in priority):
+            raise ValueError(f"priority must be one int per prompt ({num_prompts}), got {priority!r:.80}.")
+        policy = self.llm_engine.config.scheduling_policy
+        if policy != "priority" and any(priority):
+            raise ValueError(f"priority {priority!r:.80} needs LLM(scheduling_policy='priority'); "
+                             f"the scheduling policy is {policy!r}.")
+        return list(priority)
 
     def _run_engine(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         engine = self.llm_engine

@@ -175,6 +175,7 @@ def test_interrupted_generate_aborts_its_requests(llm, monkeypatch):
     (dict(distributed_executor_backend="ray"), "distributed_executor_backend must be None or 'mp' (worker "
                                                "processes), got 'ray'."),
     (dict(tokenizer_mode="mistral"), "tokenizer_mode must be 'auto' or 'slow', got 'mistral'."),
+    (dict(scheduling_policy="lifo"), "scheduling_policy must be 'fcfs' or 'priority', got 'lifo'."),
     (dict(cpu_offload_gb=2), "cpu_offload_gb must be 0 (no CPU offloading), got 2."),
     (dict(swap_space=-1), "swap_space must be non-negative, got -1."),
     (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes must be at least 1, got 0."),
@@ -348,3 +349,23 @@ def test_stats_are_logged_when_asked(qwen3_dir):
     num_tokens, num_cached = len(PROMPTS[-1]), (len(PROMPTS[-1]) - 1) // 16 * 16
     assert lines[-1].endswith(f"Prefix cache hit rate: {num_cached / (2 * num_tokens):.1%}")
     assert LLM(qwen3_dir, block_size=16, num_kvcache_blocks=8).llm_engine.stat_logger is None   # vLLM's LLM default
+
+
+def test_priority_scheduling_runs_lower_values_first(qwen3_dir):
+    llm = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=64, max_num_seqs=1,
+              scheduling_policy="priority")
+    outs = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False,
+                        priority=[2, 0, 1])
+    assert [o.prompt_token_ids for o in outs] == [list(p) for p in PROMPTS[:3]]     # input order
+    started = [o.metrics.first_scheduled_time for o in outs]
+    assert started[1] <= started[2] <= started[0]
+    for bad, message in (([0, 1], "priority must be one int per prompt (3), got [0, 1]."),
+                         ([0, 1.5, 2], "priority must be one int per prompt (3)")):
+        with pytest.raises(ValueError) as e:
+            llm.generate(PROMPTS[:3], SamplingParams(max_tokens=2), use_tqdm=False, priority=bad)
+        assert message in str(e.value)
+    assert_idle(llm)
+    fcfs = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=16)
+    with pytest.raises(ValueError, match="needs LLM\\(scheduling_policy='priority'\\); the scheduling policy is 'fcfs'"):
+        fcfs.generate(PROMPTS[:2], SamplingParams(max_tokens=2), use_tqdm=False, priority=[1, 0])
+    assert len(fcfs.generate(PROMPTS[:2], SamplingParams(max_tokens=2), use_tqdm=False, priority=[0, 0])) == 2

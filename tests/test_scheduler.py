@@ -118,3 +118,36 @@ def test_same_step_admissions_share_prefix_blocks():
     plan, _ = run_step(sched)
     assert plan == [(a.seq_id, 9), (b.seq_id, 2)]
     assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+
+
+def priority_seq(n, start, priority):
+    return Sequence("r", 0, list(range(start, start + n)), SamplingParams(), priority)
+
+
+def test_priority_policy_admits_by_priority_then_arrival():
+    bm = BlockManager(16, 4, True)
+    sched = Scheduler(bm, 2, 64, max_model_len=1000, policy="priority")
+    a, b, c = priority_seq(3, 0, 1), priority_seq(3, 10, 0), priority_seq(3, 20, 1)
+    for s in (a, b, c):
+        sched.add(s)
+    plan, _ = run_step(sched)
+    assert plan == [(b.seq_id, 3), (a.seq_id, 3)]
+    assert list(sched.waiting) == [c]
+
+
+def test_priority_policy_preempts_the_lowest_priority_not_the_latest():
+    """a (priority 5) runs first; b (priority 0) comes later. When the third block is needed, FCFS
+    preempts the latest admitted (b itself); the priority policy preempts a."""
+    for policy, expect_preempted in (("fcfs", "b"), ("priority", "a")):
+        bm = BlockManager(3, 4, True)
+        sched = Scheduler(bm, 8, 64, max_model_len=1000, policy=policy)
+        a, b = priority_seq(4, 0, 5), priority_seq(4, 100, 0)
+        sched.add(a)
+        assert run_step(sched) == ([(a.seq_id, 4)], [a.seq_id])
+        sched.add(b)
+        run_step(sched)                       # a decodes into its 2nd block, b takes the 3rd
+        assert bm.num_free_blocks == 0
+        plan, _ = run_step(sched)             # b's 5th token needs a 4th block
+        preempted = {"a": a, "b": b}[expect_preempted]
+        assert preempted.status == SequenceStatus.WAITING and list(sched.waiting) == [preempted]
+        assert [sid for sid, _ in plan] == [s.seq_id for s in (a, b) if s is not preempted]

@@ -75,7 +75,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_model_len, config.enable_chunked_prefill)
+                                   config.max_model_len, config.enable_chunked_prefill, config.scheduling_policy)
         self.async_scheduling = config.async_scheduling
         self.stat_logger = None if config.disable_log_stats else StatLogger()
         self.in_flight: InFlightStep | None = None
@@ -143,7 +143,7 @@ class LLMEngine:
                              f"than max allowed: {cfg.max_logprobs}.")
 
     def add_request(self, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams) -> str:
+                    params: SamplingParams, priority: int = 0) -> str:
         request_id = str(next(self._request_ids))
         request = Request(request_id, prompt, list(prompt_token_ids), params)
         bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
@@ -151,7 +151,7 @@ class LLMEngine:
             child_params = params
             if params.n > 1 and params.seed is not None:   # distinct, reproducible completions
                 child_params = replace(params, seed=params.seed + index)
-            seq = Sequence(request_id, index, prompt_token_ids, child_params)
+            seq = Sequence(request_id, index, prompt_token_ids, child_params, priority)
             seq.bad_words_token_ids = bad_words_token_ids
             request.seqs.append(seq)
             self.scheduler.add(seq)

@@ -8,7 +8,12 @@ one batch (unless chunked prefill is off: then a prompt that does not fit what i
 budget waits for the next step). When blocks run out, the most recently admitted sequence is
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
 (cheaply, when its blocks are still in the prefix cache).
+
+With policy="priority" (vLLM's `scheduling_policy`) both queues stay ordered by (priority,
+arrival), lower priority values first: admission takes the best waiting sequence, the budget goes
+to the best running ones, and preemption takes the worst running one.
 """
+import bisect
 from collections import deque
 from dataclasses import dataclass
 
@@ -38,8 +43,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, chunked_prefill: bool = True):
+                 max_model_len: int, chunked_prefill: bool = True, policy: str = "fcfs"):
         self.block_manager = block_manager
+        self.policy = policy
         self.chunked_prefill = chunked_prefill
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -51,7 +57,10 @@ class Scheduler:
         self.num_prefix_cache_hits = 0      # of those, tokens found
 
     def add(self, seq: Sequence):
-        self.waiting.append(seq)
+        if self.policy == "priority":
+            bisect.insort(self.waiting, seq, key=_priority_order)
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -105,7 +114,10 @@ class Scheduler:
                 seq.is_first_admission = False
             seq.status = SequenceStatus.RUNNING
             self.block_manager.cache_full_blocks(seq, num_cached + num_new)
-            self.running.append(seq)
+            if self.policy == "priority":
+                bisect.insort(self.running, seq, key=_priority_order)   # so running.pop() is the worst
+            else:
+                self.running.append(seq)
             out.seqs.append(seq)
             out.num_scheduled_tokens.append(num_new)
             budget -= num_new
@@ -115,7 +127,10 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        if self.policy == "priority":
+            bisect.insort(self.waiting, seq, key=_priority_order)
+        else:
+            self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def update_computed(self, out: SchedulerOutput):
@@ -131,3 +146,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
+
+
+def _priority_order(seq: Sequence) -> tuple[int, int]:
+    return seq.priority, seq.seq_id

@@ -33,9 +33,10 @@ class Sequence:
     _ids = count()
 
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int],
-                 sampling_params: SamplingParams):
-        self.seq_id = next(Sequence._ids)
+                 sampling_params: SamplingParams, priority: int = 0):
+        self.seq_id = next(Sequence._ids)             # also the arrival order
         self.request_id = request_id
+        self.priority = priority                 # with the "priority" policy: lower runs first
         self.index = index                       # which of the request's n completions
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
