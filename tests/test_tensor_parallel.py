@@ -61,9 +61,12 @@ def test_tp2_prompt_logprobs_match_tp1(qwen3_dir):
             assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) and a[t].rank == b[t].rank for t in a)
 
 
-def test_tp4(tmp_path, tokenizer):
-    path = build_model_dir(tmp_path, "qwen3", tokenizer, num_attention_heads=8, num_key_value_heads=4, head_dim=8)
-    with LLM(path, tensor_parallel_size=4, **SMALL) as llm:
+@pytest.mark.parametrize("tp, kv_heads", [(4, 4), (8, 8)])
+def test_tp4_and_tp8(tmp_path, tokenizer, tp, kv_heads):
+    """The sizes of the 4- and 8-GPU machines, on the CPU: every rank holds one or two heads."""
+    path = build_model_dir(tmp_path, "qwen3", tokenizer, num_attention_heads=8, num_key_value_heads=kv_heads,
+                           head_dim=8)
+    with LLM(path, tensor_parallel_size=tp, **SMALL) as llm:
         assert greedy(llm, PROMPTS[:6]) == hf_greedy(path, PROMPTS[:6], 10)
 
 
