@@ -1,18 +1,19 @@
 """ModelRunner: owns the model, its KV cache, the attention backend, the decode CUDA graphs and
 the sampler; turns a SchedulerOutput into sampled tokens."""
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from nanovllm.config import Config
 from nanovllm.distributed import SINGLE, TPGroup
-from nanovllm.engine.block_table_sync import BlockTableReceiver, BlockTableSender, TableUpdates
+from nanovllm.engine.block_table_sync import BlockTableReceiver, BlockTableSender
 from nanovllm.engine.cuda_graph import DecodeGraphs
 from nanovllm.engine.sampling_inputs import build_sampling_metadata
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_inputs import HostBatch, StepInputs, build_step, prompt_spans
 from nanovllm.layers.attention import Attention, AttentionMetadata, select_backend
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, token_logprobs
 from nanovllm.logger import init_logger
@@ -26,29 +27,6 @@ MAX_GRAPH_BATCH_SIZE = 512
 # Prompt tokens scored per logits pass (prompt_logprobs): keeps their [rows, vocab] logits
 # within the memory the start-up profile measured for the sampler's rows.
 PROMPT_LOGITS_ROWS = 256
-
-
-@dataclass
-class HostBatch:
-    """One step's inputs on the host, flattened: sequence i owns rows query_start_loc[i]:[i+1]."""
-    input_ids: np.ndarray        # [num_tokens] int64
-    positions: np.ndarray        # [num_tokens] int64
-    slot_mapping: np.ndarray     # [num_tokens] int64
-    block_tables: np.ndarray | None   # [num_seqs, max_num_blocks] int32; None in a worker's message
-    query_start_loc: list[int]   # [num_seqs + 1]
-    seq_lens: list[int]          # [num_seqs]
-
-
-@dataclass
-class StepInputs:
-    """Everything a rank needs to run one step; rank 0 sends it to the other ranks."""
-    batch: HostBatch
-    pending_rows: list[int]         # input rows whose token id is only on the device:
-    pending_sources: list[int]      # ...row pending_sources[i] of the previous step's sampled tokens
-    logits_rows: list[int] | None   # rows whose hidden state becomes logits; None: every row
-    num_sampling: int               # number of logits rows (0: nothing is sampled)
-    table_updates: TableUpdates | None = None   # to the workers, in place of batch.block_tables
-    prompt_rows: list[int] = field(default_factory=list)   # rows whose logits score the next prompt token
 
 
 @dataclass
@@ -218,29 +196,6 @@ class ModelRunner:
         return decode_split_config(num_seqs, self.attention_layers[0].num_kv_heads, self.num_sms,
                                    self.config.max_model_len)
 
-    def host_batch(self, out: SchedulerOutput) -> HostBatch:
-        """Flatten the scheduled tokens of all sequences into one batch."""
-        bs = self.block_size
-        input_ids, positions, slots = [], [], []
-        query_start_loc, seq_lens = [0], []
-        block_tables = np.zeros((len(out.seqs), max(len(s.block_table) for s in out.seqs)), dtype=np.int32)
-        for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            block_tables[i, :len(table)] = table
-            input_ids.extend(seq.token_ids[start:end])
-            if n == 1:
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                pos = np.arange(start, end)
-                positions.extend(pos)
-                slots.extend(table[pos // bs] * bs + pos % bs)
-            query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(end)
-        return HostBatch(np.asarray(input_ids, np.int64), np.asarray(positions, np.int64),
-                         np.asarray(slots, np.int64), block_tables, query_start_loc, seq_lens)
-
     def _to_device(self, data, dtype=None) -> torch.Tensor:
         tensor = torch.from_numpy(data) if isinstance(data, np.ndarray) else torch.tensor(data, dtype=dtype)
         if self.device.type == "cpu":
@@ -275,8 +230,8 @@ class ModelRunner:
 
         pending: {seq_id: row in the previous step's sampled tokens} for sequences whose last
         token the host has not read yet (PENDING_TOKEN in token_ids): its id is taken on the device."""
-        step = self.prepare_step(out, sampling_seqs, pending)
-        spans = self._prompt_spans(out, step.batch)
+        step = build_step(out, sampling_seqs, pending, self.block_size)
+        spans = prompt_spans(out, step.batch)
         step.prompt_rows = [row for _, _, rows in spans for row in rows]
         if self.workers is not None:   # block tables travel as changes
             self.workers.send(("step", replace(step, batch=replace(step.batch, block_tables=None),
@@ -302,40 +257,6 @@ class ModelRunner:
         if step.num_sampling:
             tokens = torch.empty(step.num_sampling, dtype=torch.int64, device=self.device)
             self.last_sampled = self.tp.broadcast_from_first(tokens)
-
-    def prepare_step(self, out: SchedulerOutput, sampling_seqs: list[Sequence],
-                     pending: dict[int, int] | None) -> StepInputs:
-        batch = self.host_batch(out)
-        rows, sources = [], []
-        for i, seq in enumerate(out.seqs):
-            if seq.num_pending_tokens:
-                assert seq.num_pending_tokens == 1 and batch.query_start_loc[i + 1] - batch.query_start_loc[i] == 1
-                rows.append(batch.query_start_loc[i + 1] - 1)
-                sources.append(pending[seq.seq_id])
-        num_tokens = len(batch.input_ids)
-        if len(sampling_seqs) == len(out.seqs) == num_tokens:
-            logits_rows = None                          # pure decode: every row samples
-        else:
-            sampling = {id(s) for s in sampling_seqs}
-            logits_rows = [batch.query_start_loc[i + 1] - 1 for i, seq in enumerate(out.seqs) if id(seq) in sampling]
-        return StepInputs(batch, rows, sources, logits_rows, len(sampling_seqs))
-
-    @staticmethod
-    def _prompt_spans(out: SchedulerOutput, batch: HostBatch) -> list[tuple[Sequence, int, list[int]]]:
-        """(seq, first prompt token scored, batch rows) for each sequence that asked for prompt
-        logprobs and has prompt tokens to score in this step: the row of position p scores
-        prompt token p + 1. Tokens scored before a preemption are not scored again."""
-        spans = []
-        for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
-            if seq.prompt_logprobs is None:
-                continue
-            start = seq.num_computed_tokens
-            first = max(start, len(seq.prompt_logprobs) - 1)
-            end = min(start + n, seq.num_prompt_tokens - 1)
-            row0 = batch.query_start_loc[i] - start
-            if first < end:
-                spans.append((seq, first + 1, list(range(row0 + first, row0 + end))))
-        return spans
 
     def _score_prompts(self, spans, prompt_logits: list[torch.Tensor]) -> list[PromptLogprobsChunk]:
         targets = [seq.token_ids[t] for seq, first, rows in spans for t in range(first, first + len(rows))]

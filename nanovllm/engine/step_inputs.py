@@ -1,0 +1,100 @@
+"""What one step computes, built on the host from the scheduler's output (numpy, no torch).
+
+Rank 0 builds a StepInputs and sends it to the other ranks; every rank then runs it
+(ModelRunner.run_step). The batch is flat: sequence i owns rows query_start_loc[i]:[i+1] of
+input_ids, positions and slot_mapping.
+
+    seq 0 (decode)    seq 1 (prefill chunk of 3)    seq 2 (decode)
+    | row 0 |         | row 1 | row 2 | row 3 |     | row 4 |        query_start_loc = [0, 1, 4, 5]
+"""
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nanovllm.engine.block_table_sync import TableUpdates
+from nanovllm.engine.scheduler import SchedulerOutput
+from nanovllm.engine.sequence import Sequence
+
+
+@dataclass
+class HostBatch:
+    """One step's inputs on the host, flattened: sequence i owns rows query_start_loc[i]:[i+1]."""
+    input_ids: np.ndarray        # [num_tokens] int64
+    positions: np.ndarray        # [num_tokens] int64
+    slot_mapping: np.ndarray     # [num_tokens] int64
+    block_tables: np.ndarray | None   # [num_seqs, max_num_blocks] int32; None in a worker's message
+    query_start_loc: list[int]   # [num_seqs + 1]
+    seq_lens: list[int]          # [num_seqs]
+
+
+@dataclass
+class StepInputs:
+    """Everything a rank needs to run one step; rank 0 sends it to the other ranks."""
+    batch: HostBatch
+    pending_rows: list[int]         # input rows whose token id is only on the device:
+    pending_sources: list[int]      # ...row pending_sources[i] of the previous step's sampled tokens
+    logits_rows: list[int] | None   # rows whose hidden state becomes logits; None: every row
+    num_sampling: int               # number of logits rows (0: nothing is sampled)
+    table_updates: TableUpdates | None = None   # to the workers, in place of batch.block_tables
+    prompt_rows: list[int] = field(default_factory=list)   # rows whose logits score the next prompt token
+
+
+def host_batch(out: SchedulerOutput, block_size: int) -> HostBatch:
+    """Flatten the scheduled tokens of all sequences into one batch."""
+    bs = block_size
+    input_ids, positions, slots = [], [], []
+    query_start_loc, seq_lens = [0], []
+    block_tables = np.zeros((len(out.seqs), max(len(s.block_table) for s in out.seqs)), dtype=np.int32)
+    for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        table = np.asarray(seq.block_table, dtype=np.int64)
+        block_tables[i, :len(table)] = table
+        input_ids.extend(seq.token_ids[start:end])
+        if n == 1:
+            positions.append(start)
+            slots.append(table[start // bs] * bs + start % bs)
+        else:
+            pos = np.arange(start, end)
+            positions.extend(pos)
+            slots.extend(table[pos // bs] * bs + pos % bs)
+        query_start_loc.append(query_start_loc[-1] + n)
+        seq_lens.append(end)
+    return HostBatch(np.asarray(input_ids, np.int64), np.asarray(positions, np.int64),
+                     np.asarray(slots, np.int64), block_tables, query_start_loc, seq_lens)
+
+
+def build_step(out: SchedulerOutput, sampling_seqs: list[Sequence], pending: dict[int, int] | None,
+               block_size: int) -> StepInputs:
+    """pending: {seq_id: row in the previous step's sampled tokens} for sequences whose last token
+    the host has not read yet."""
+    batch = host_batch(out, block_size)
+    rows, sources = [], []
+    for i, seq in enumerate(out.seqs):
+        if seq.num_pending_tokens:
+            assert seq.num_pending_tokens == 1 and batch.query_start_loc[i + 1] - batch.query_start_loc[i] == 1
+            rows.append(batch.query_start_loc[i + 1] - 1)
+            sources.append(pending[seq.seq_id])
+    num_tokens = len(batch.input_ids)
+    if len(sampling_seqs) == len(out.seqs) == num_tokens:
+        logits_rows = None                          # pure decode: every row samples
+    else:
+        sampling = {id(s) for s in sampling_seqs}
+        logits_rows = [batch.query_start_loc[i + 1] - 1 for i, seq in enumerate(out.seqs) if id(seq) in sampling]
+    return StepInputs(batch, rows, sources, logits_rows, len(sampling_seqs))
+
+
+def prompt_spans(out: SchedulerOutput, batch: HostBatch) -> list[tuple[Sequence, int, list[int]]]:
+    """(seq, first prompt token scored, batch rows) for each sequence that asked for prompt
+    logprobs and has prompt tokens to score in this step: the row of position p scores
+    prompt token p + 1. Tokens scored before a preemption are not scored again."""
+    spans = []
+    for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
+        if seq.prompt_logprobs is None:
+            continue
+        start = seq.num_computed_tokens
+        first = max(start, len(seq.prompt_logprobs) - 1)
+        end = min(start + n, seq.num_prompt_tokens - 1)
+        row0 = batch.query_start_loc[i] - start
+        if first < end:
+            spans.append((seq, first + 1, list(range(row0 + first, row0 + end))))
+    return spans

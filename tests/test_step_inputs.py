@@ -1,0 +1,46 @@
+"""The host-side step: flattened rows, slots from block tables, logits rows and pending tokens."""
+from nanovllm.engine.scheduler import SchedulerOutput
+from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
+from nanovllm.engine.step_inputs import build_step, prompt_spans
+from nanovllm.sampling_params import SamplingParams
+
+
+def seq(token_ids, block_table, num_computed, prompt_logprobs=None):
+    s = Sequence("r", 0, token_ids, SamplingParams(prompt_logprobs=prompt_logprobs))
+    s.block_table, s.num_computed_tokens = block_table, num_computed
+    return s
+
+
+def test_build_step_flattens_a_mixed_batch():
+    # block_size 4. a: decode of its 6th token; b: the first 3 of 5 prompt tokens (no sampling);
+    # c: decode whose input token is still on the device (row 1 of the previous step's samples).
+    a = seq([10, 11, 12, 13, 14, 15], [7, 3], 5)
+    b = seq([20, 21, 22, 23, 24], [5, 6], 0)
+    c = seq([30, 31, 32], [9], 3)
+    c.append_pending()
+    out = SchedulerOutput([a, b, c], [1, 3, 1])
+    step = build_step(out, [a, c], {c.seq_id: 1}, block_size=4)
+    batch = step.batch
+    assert batch.input_ids.tolist() == [15, 20, 21, 22, PENDING_TOKEN]
+    assert batch.positions.tolist() == [5, 0, 1, 2, 3]
+    assert batch.slot_mapping.tolist() == [3 * 4 + 1, 5 * 4, 5 * 4 + 1, 5 * 4 + 2, 9 * 4 + 3]
+    assert batch.block_tables.tolist() == [[7, 3], [5, 6], [9, 0]]
+    assert batch.query_start_loc == [0, 1, 4, 5] and batch.seq_lens == [6, 3, 4]
+    assert (step.pending_rows, step.pending_sources) == ([4], [1])
+    assert step.logits_rows == [0, 4] and step.num_sampling == 2
+
+
+def test_pure_decode_samples_every_row():
+    a, b = seq([1, 2, 3], [0], 2), seq([4, 5], [1], 1)
+    step = build_step(SchedulerOutput([a, b], [1, 1]), [a, b], None, block_size=4)
+    assert step.logits_rows is None and step.num_sampling == 2
+
+
+def test_prompt_spans_score_each_prompt_token_once():
+    """Row of position p scores prompt token p + 1; a chunk after a preemption skips what was scored."""
+    a = seq(list(range(100, 110)), [0, 1, 2], 0, prompt_logprobs=1)    # 10 prompt tokens, chunk of 4
+    b = seq(list(range(200, 206)), [3, 4], 0, prompt_logprobs=1)       # a 6-token prompt recomputed
+    b.prompt_logprobs += [{}] * 4             # tokens 1..4 were scored before b was preempted
+    out = SchedulerOutput([a, b], [4, 6])
+    batch = build_step(out, [b], None, block_size=4).batch
+    assert prompt_spans(out, batch) == [(a, 1, [0, 1, 2, 3]), (b, 5, [8])]
