@@ -67,9 +67,15 @@ def main():
         for block_n, stages, warps, maxnreg in ((64, 2, 4, None), (64, 3, 4, None), (64, 3, 4, 128),
                                                 (128, 3, 8, None), (32, 4, 2, None)):
             constants = dict(NUM_SPLITS=4, MIN_SPLIT=1024, GROUP=2, BLOCK_G=16, HEAD_DIM=128, PAGE=256,
-                             BLOCK_N=block_n)
+                             BLOCK_N=block_n, PDL=False)
             compiled = compile_kernel(ta._decode_split_kernel, types, constants, warps, stages, maxnreg)
             print(report(f"{cache} {(block_n, stages, warps, maxnreg)}", compiled, warps))
+        constants |= dict(BLOCK_N=64, PDL=True)   # programmatic dependent launch (kernels/pdl.py)
+        compiled = compile_kernel(ta._decode_split_kernel, types, constants, 4, 2, None)
+        ptx = compiled.asm["ptx"]
+        print(report(f"{cache} (64, 2, 4, None) PDL", compiled, 4) +
+              f"  griddepcontrol: wait {ptx.count('griddepcontrol.wait')}, "
+              f"launch_dependents {ptx.count('griddepcontrol.launch_dependents')}")
     print("prefill (block_m, block_n, warps, stages):")
     for cache in ("bf16", "fp8e4nv"):
         types = {"q_ptr": "*bf16", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}",

@@ -188,6 +188,54 @@ def test_silu_and_mul(rows, d):
     assert rel_err(silu_and_mul(x.to(DEVICE)).cpu(), SiluAndMul()(x)) < TOL
 
 
+@pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs an sm_90+ GPU")
+def test_pdl_kernels_in_a_cuda_graph_equal_plain_launches(monkeypatch):
+    """A decode layer's chain (norm -> GEMM -> q/k norm + RoPE + cache store -> split attention ->
+    merge -> norm -> GEMM -> SiLU) captured in a CUDA graph with programmatic dependent launch
+    gives the bits of the same graph without it: each kernel waits for its predecessor before
+    touching memory, so no read or write can overtake it."""
+    from nanovllm.kernels import pdl
+    from nanovllm.kernels.triton_attention import decode_attention
+    from nanovllm.kernels.triton_fused import qk_norm_rope_store, rms_norm, silu_and_mul
+    from nanovllm.layers.rotary import RotaryEmbedding
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda *shape: (torch.randn(*shape, generator=gen) * 0.05).to(DEVICE, DTYPE)
+    hidden, q_heads, kv_heads, head_dim, page = 1024, 16, 8, 128, 256
+    seq_lens = [300, 17, 1000, 64]
+    k_cache, v_cache, tables, _ = random_batch(seq_lens, [1] * 4, kv_heads, head_dim, page, gen)
+    k_cache, v_cache, tables = k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    positions = (lens - 1).long()
+    slots = tables.long().gather(1, (positions // page)[:, None])[:, 0] * page + positions % page
+    cos_sin = RotaryEmbedding(head_dim, 4096, 1e6).cos_sin_cache.to(DEVICE)
+    x, res, w, w_attn, qk_w = rand(4, hidden), rand(4, hidden), rand(hidden), rand(q_heads * head_dim), rand(head_dim)
+    w_qkv, w_up = rand((q_heads + 2 * kv_heads) * head_dim, hidden), rand(2 * 3072, q_heads * head_dim)
+
+    def layer():
+        h, r = rms_norm(x, w, 1e-6, res)
+        q = qk_norm_rope_store(h @ w_qkv.T, positions, cos_sin, q_heads, kv_heads, head_dim, qk_w, qk_w, 1e-6,
+                               k_cache, v_cache, slots)
+        o = decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, num_splits=4, min_split=64)
+        return r, o, silu_and_mul(rms_norm(o.view(4, -1), w_attn, 1e-6) @ w_up.T)
+
+    def captured():
+        layer()                                  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = layer()
+        return graph, outputs
+
+    plain_graph, plain = captured()
+    monkeypatch.setattr(pdl, "enabled", lambda: True)
+    pdl_graph, with_pdl = captured()
+    for _ in range(3):
+        plain_graph.replay()
+        pdl_graph.replay()
+        torch.cuda.synchronize()
+        assert all(same_bits(a, b) for a, b in zip(with_pdl, plain))
+
+
 # ---- fused sampler: greedy rows exact, sampled rows follow softmax(logits / T), seeds reproducible ----
 def sample_fused(logits, temperatures, is_greedy, seeds):
     from nanovllm.kernels.triton_sampler import gumbel_argmax

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels import pdl
+
 
 # ---- store ------------------------------------------------------------------------------------
 @triton.jit
@@ -109,7 +111,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
                          out_ptr, o_part_ptr, lse_part_ptr, scale,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cr, stride_ch,
                          NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, GROUP: tl.constexpr,
-                         BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+                         BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl.begin(PDL)
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -162,7 +166,8 @@ def _split_len(seq_len, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK
 @triton.jit
 def _decode_merge_kernel(o_part_ptr, lse_part_ptr, seq_lens_ptr, out_ptr, stride_ot, stride_oh,
                          NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):
+                         BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     seq, head = tl.program_id(0), tl.program_id(1)
     num_heads = tl.num_programs(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -216,13 +221,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_SPLITS=num_splits, MIN_SPLIT=min_split, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
-        maxnreg=max_registers)
+        maxnreg=max_registers, **pdl.launch_options())
     if num_splits == 1:
         return out
     _decode_merge_kernel[(num_seqs, num_heads)](
         o_part, lse_part, seq_lens, out, out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, MIN_SPLIT=min_split, BLOCK_N=block_n,
-        BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim)
+        BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, **pdl.launch_options())
     return out
 
 

@@ -9,12 +9,14 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels import pdl
 from nanovllm.kernels.triton_attention import to_cache_dtype
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro,
-                     n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -38,14 +40,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     res = residual if residual is not None else x
     _rms_norm_kernel[(n_rows,)](x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0),
                                 res_out.stride(0), n_cols, eps, HAS_RESIDUAL=residual is not None,
-                                BLOCK=triton.next_power_of_2(n_cols), num_warps=4 if n_cols <= 2048 else 8)
+                                BLOCK=triton.next_power_of_2(n_cols), num_warps=4 if n_cols <= 2048 else 8,
+                                **pdl.launch_options())
     return out if residual is None else (out, res_out)
 
 
 @triton.jit
 def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                                slot_ptr, stride_qkv, stride_q, eps, NUM_Q_HEADS: tl.constexpr,
-                               NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+                               NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+                               PDL: tl.constexpr):
+    pdl.begin(PDL)
     token, head = tl.program_id(0), tl.program_id(1)      # heads: q heads, then k heads, then v heads
     offs = tl.arange(0, HALF)
     src = qkv_ptr + token * stride_qkv + head * 2 * HALF
@@ -94,12 +99,13 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
     _qk_norm_rope_store_kernel[(num_tokens, num_q_heads + 2 * num_kv_heads)](
         qkv, positions, cos_sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv, q,
         k_cache, v_cache, slot_mapping, qkv.stride(0), q.stride(0), eps, NUM_Q_HEADS=num_q_heads,
-        NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, HAS_NORM=has_norm, num_warps=1)
+        NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, HAS_NORM=has_norm, num_warps=1, **pdl.launch_options())
     return q
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     row, col_block = tl.program_id(0), tl.program_id(1)
     offs = col_block * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -116,5 +122,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     d = two_d // 2
     out = torch.empty(n_rows, d, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(d))
-    _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block)
+    _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block,
+                                                          **pdl.launch_options())
     return out
