@@ -34,7 +34,7 @@ class Sequence:
 
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, priority: int = 0):
-        self.seq_id = next(Sequence._ids)             # also the arrival order
+        self.seq_id = next(Sequence._ids)        # also the arrival order
         self.request_id = request_id
         self.priority = priority                 # with the "priority" policy: lower runs first
         self.index = index                       # which of the request's n completions
