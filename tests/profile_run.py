@@ -4,8 +4,9 @@
    batch size (the tail of small batches shows up here).
 2. The same run under the profiler (CUDA activity only): GPU time per kernel, and the time the
    GPU sat idle (wall time minus kernel time: one stream, so kernels do not overlap).
+3. With --tp > 1: the spread of rank 0's all-reduce times.
 
-    PYTHONPATH=. python3 tests/profile_run.py [--model qwen3-0.6b] [--workload default]
+    PYTHONPATH=. python3 tests/profile_run.py [--model qwen3-0.6b] [--workload default] [--tp 2]
 """
 import argparse
 import collections
@@ -78,7 +79,25 @@ def main():
     kernels.sort(key=lambda e: -e.self_device_time_total)
     for e in kernels[:25]:
         print(f"  {e.self_device_time_total / 1e6:7.3f} s {e.count:8} calls  {e.key[:90]}")
+    if args.tp > 1:
+        print_all_reduce_spread(prof)
     llm.close()
+
+
+def print_all_reduce_spread(prof):
+    """An all-reduce's time on rank 0 is the transfer plus any wait for a rank that starts the step
+    later. A rough split: the time above the median call is mostly waiting, but also the larger
+    messages of big batches and prefill steps (tests/bench_allreduce.py times the transfer alone
+    per size)."""
+    times = sorted(e.time_range.elapsed_us() for e in prof.events() if "AllReduce" in e.name)
+    if not times:
+        return
+    median = times[len(times) // 2]
+    excess = sum(t - median for t in times if t > median)
+    pick = lambda q: times[min(len(times) - 1, int(q * len(times)))]
+    print(f"all-reduce calls: {len(times)}, us p10 {pick(0.1):.1f} p50 {median:.1f} p90 {pick(0.9):.1f} "
+          f"p99 {pick(0.99):.1f} max {times[-1]:.1f}; total {sum(times) / 1e6:.3f} s, of which above the "
+          f"median {excess / 1e6:.3f} s")
 
 
 if __name__ == "__main__":
