@@ -1,4 +1,5 @@
 """SamplingParams: how to pick each next token and when to stop (vLLM's fields and defaults)."""
+import math
 from dataclasses import dataclass, field
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
@@ -73,8 +74,9 @@ class SamplingParams:
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
         check(self.seed is None or isinstance(self.seed, int),
               f"seed must be an integer or None, got {self.seed!r}.")
-        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-              f"max_tokens must be at least 1, got {self.max_tokens}.")
+        check(self.max_tokens is None or isinstance(self.max_tokens, int),
+              f"max_tokens must be an integer or None, got {self.max_tokens!r}.")
+        check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}.")
         check(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
               f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
@@ -88,8 +90,9 @@ class SamplingParams:
             isinstance(w, str) and w.strip() for w in self.bad_words)),
               f"bad_words must be a list of non-empty strings, got {self.bad_words!r:.200}.")
         check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
-            isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) for t, b in self.logit_bias.items())),
-              f"logit_bias must map non-negative token ids to numbers, got {self.logit_bias!r:.200}.")
+            isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and math.isfinite(b)
+            for t, b in self.logit_bias.items())),
+              f"logit_bias must map non-negative token ids to finite numbers, got {self.logit_bias!r:.200}.")
         check(self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0 and all(
             isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)),
               f"allowed_token_ids must be a non-empty list of non-negative token ids, "
@@ -98,12 +101,13 @@ class SamplingParams:
             self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)),
               f"truncate_prompt_tokens must be at least 1, or -1 (max_model_len), got {self.truncate_prompt_tokens}.")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        check(isinstance(stops, (list, tuple)) and all(isinstance(s, str) and s for s in stops),
+              f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}.")
         check(self.detokenize or not stops,
               "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
-        check(all(isinstance(s, str) and s for s in stops),
-              f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}.")
-        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or []),
-              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}.")
+        stop_ids = self.stop_token_ids or []
+        check(isinstance(stop_ids, (list, tuple)) and all(isinstance(t, int) and t >= 0 for t in stop_ids),
+              f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}.")
 
 
 @dataclass
