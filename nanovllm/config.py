@@ -1,4 +1,6 @@
 """Config: every engine setting in one place, validated up front (vLLM's names and defaults)."""
+import os
+import types
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -75,6 +77,10 @@ class Config:
         return cls(model=model, **kwargs)
 
     def __post_init__(self):
+        for name in ("model", "tokenizer", "download_dir"):   # a pathlib.Path is a path too
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
+        self._validate_types()
         self._validate_scalars()
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -117,6 +123,20 @@ class Config:
                              f"max_model_len ({self.max_model_len}): with enable_chunked_prefill=False a "
                              f"prompt must fit one step. Raise max_num_batched_tokens or lower max_model_len.")
 
+    def _validate_types(self):
+        """Each argument of the annotated type ("8" for max_num_seqs is an error, not a crash later)."""
+        for f in fields(self):
+            if not f.init:
+                continue
+            allowed = f.type.__args__ if isinstance(f.type, types.UnionType) else (f.type,)
+            value = getattr(self, f.name)
+            ok = isinstance(value, allowed + ((int,) if float in allowed else ()))
+            if isinstance(value, bool) and bool not in allowed:   # True is an int to Python, not here
+                ok = False
+            if not ok:
+                names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+                raise ValueError(f"{f.name} must be {names}, got {value!r}.")
+
     def _validate_scalars(self):
         def check(ok: bool, message: str):
             if not ok:
@@ -152,8 +172,6 @@ class Config:
               f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
         check(self.tokenizer_mode in ("auto", "slow"),
               f"tokenizer_mode must be 'auto' or 'slow', got {self.tokenizer_mode!r}.")
-        check(self.hf_overrides is None or isinstance(self.hf_overrides, dict),
-              f"hf_overrides must be a dict, got {type(self.hf_overrides).__name__}.")
         check(self.quantization is None,
               f"quantization={self.quantization!r} is not supported: nanovllm loads unquantized checkpoints "
               f"(an fp8 KV cache is kv_cache_dtype='fp8').")
