@@ -1,12 +1,12 @@
 """Config: every engine setting in one place, validated up front (vLLM's names and defaults)."""
 import os
-import types
 from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.utils.hub import resolve_model_path
+from nanovllm.utils.validation import check_field_types
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
                            "LlamaForCausalLM", "MistralForCausalLM")
@@ -80,7 +80,7 @@ class Config:
         for name in ("model", "tokenizer", "download_dir"):   # a pathlib.Path is a path too
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
-        self._validate_types()
+        check_field_types(self)
         self._validate_scalars()
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -122,20 +122,6 @@ class Config:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
                              f"max_model_len ({self.max_model_len}): with enable_chunked_prefill=False a "
                              f"prompt must fit one step. Raise max_num_batched_tokens or lower max_model_len.")
-
-    def _validate_types(self):
-        """Each argument of the annotated type ("8" for max_num_seqs is an error, not a crash later)."""
-        for f in fields(self):
-            if not f.init:
-                continue
-            allowed = f.type.__args__ if isinstance(f.type, types.UnionType) else (f.type,)
-            value = getattr(self, f.name)
-            ok = isinstance(value, allowed + ((int,) if float in allowed else ()))
-            if isinstance(value, bool) and bool not in allowed:   # True is an int to Python, not here
-                ok = False
-            if not ok:
-                names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
-                raise ValueError(f"{f.name} must be {names}, got {value!r}.")
 
     def _validate_scalars(self):
         def check(ok: bool, message: str):

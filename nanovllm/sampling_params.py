@@ -2,6 +2,8 @@
 import math
 from dataclasses import dataclass, field
 
+from nanovllm.utils.validation import check_field_types
+
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
 
@@ -60,6 +62,8 @@ class SamplingParams:
             if not ok:
                 raise ValueError(message)
 
+        check_field_types(self)
+
         check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}.")
         check(-2.0 <= self.presence_penalty <= 2.0,
               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
@@ -74,8 +78,6 @@ class SamplingParams:
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
         check(self.seed is None or isinstance(self.seed, int),
               f"seed must be an integer or None, got {self.seed!r}.")
-        check(self.max_tokens is None or isinstance(self.max_tokens, int),
-              f"max_tokens must be an integer or None, got {self.max_tokens!r}.")
         check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}.")
         check(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
               f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
@@ -122,6 +124,7 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self):
+        check_field_types(self)
         for name in ("beam_width", "max_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

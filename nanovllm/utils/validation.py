@@ -1,0 +1,27 @@
+"""Type checks for the user-facing dataclasses (Config, SamplingParams, BeamSearchParams)."""
+import dataclasses
+import numbers
+import types
+import typing
+
+# What each annotated type accepts: numpy scalars count as numbers, a tuple as a list.
+ACCEPTS = {int: (numbers.Integral,), float: (numbers.Real,), list: (list, tuple)}
+
+
+def check_field_types(obj):
+    """Raise ValueError naming the first init field whose value is not of its annotated type, so
+    that max_num_seqs="8" is reported as such and not as a TypeError deep inside. Checked at the
+    outer level: `X | None`; `list[X]` is a list or tuple; an int passes for a float; a bool only
+    for a bool."""
+    for f in dataclasses.fields(obj):
+        if not f.init:
+            continue
+        options = f.type.__args__ if isinstance(f.type, types.UnionType) else (f.type,)
+        allowed = tuple(typing.get_origin(t) or t for t in options)
+        value = getattr(obj, f.name)
+        ok = any(isinstance(value, ACCEPTS.get(t, (t,))) for t in allowed)
+        if isinstance(value, bool) and bool not in allowed:   # True is an int to Python, not here
+            ok = False
+        if not ok:
+            names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+            raise ValueError(f"{f.name} must be {names}, got {value!r:.200}.")
