@@ -14,6 +14,7 @@ import numpy as np
 from nanovllm.engine.block_table_sync import TableUpdates
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
+from nanovllm.utils.arrays import padded
 
 
 @dataclass
@@ -44,11 +45,9 @@ def host_batch(out: SchedulerOutput, block_size: int) -> HostBatch:
     bs = block_size
     input_ids, positions, slots = [], [], []
     query_start_loc, seq_lens = [0], []
-    block_tables = np.zeros((len(out.seqs), max(len(s.block_table) for s in out.seqs)), dtype=np.int32)
-    for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
+    for seq, n in zip(out.seqs, out.num_scheduled_tokens):
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
         table = np.asarray(seq.block_table, dtype=np.int64)
-        block_tables[i, :len(table)] = table
         input_ids.extend(seq.token_ids[start:end])
         if n == 1:
             positions.append(start)
@@ -60,7 +59,8 @@ def host_batch(out: SchedulerOutput, block_size: int) -> HostBatch:
         query_start_loc.append(query_start_loc[-1] + n)
         seq_lens.append(end)
     return HostBatch(np.asarray(input_ids, np.int64), np.asarray(positions, np.int64),
-                     np.asarray(slots, np.int64), block_tables, query_start_loc, seq_lens)
+                     np.asarray(slots, np.int64), padded([seq.block_table for seq in out.seqs], 0, np.int32),
+                     query_start_loc, seq_lens)
 
 
 def build_step(out: SchedulerOutput, sampling_seqs: list[Sequence], pending: dict[int, int] | None,
