@@ -57,10 +57,14 @@ class Scheduler:
         self.num_prefix_cache_hits = 0      # of those, tokens found
 
     def add(self, seq: Sequence):
+        self._enqueue(self.waiting, seq, self.waiting.append)
+
+    def _enqueue(self, queue: deque[Sequence] | list[Sequence], seq: Sequence, fcfs_put):
+        """Priority policy: into queue at its (priority, arrival) place; FCFS: fcfs_put(seq)."""
         if self.policy == "priority":
-            bisect.insort(self.waiting, seq, key=_priority_order)
+            bisect.insort(queue, seq, key=_priority_order)
         else:
-            self.waiting.append(seq)
+            fcfs_put(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -114,10 +118,7 @@ class Scheduler:
                 seq.is_first_admission = False
             seq.status = SequenceStatus.RUNNING
             self.block_manager.cache_full_blocks(seq, num_cached + num_new)
-            if self.policy == "priority":
-                bisect.insort(self.running, seq, key=_priority_order)   # so running.pop() is the worst
-            else:
-                self.running.append(seq)
+            self._enqueue(self.running, seq, self.running.append)   # priority: running.pop() is the worst
             out.seqs.append(seq)
             out.num_scheduled_tokens.append(num_new)
             budget -= num_new
@@ -127,10 +128,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        if self.policy == "priority":
-            bisect.insort(self.waiting, seq, key=_priority_order)
-        else:
-            self.waiting.appendleft(seq)
+        self._enqueue(self.waiting, seq, self.waiting.appendleft)
         self.num_preemptions += 1
 
     def update_computed(self, out: SchedulerOutput):
