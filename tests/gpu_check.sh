@@ -5,8 +5,9 @@
 # VARIANTS="NANOVLLM_PDL=0 NANOVLLM_PDL=1" runs every benchmark once per environment setting, interleaved.
 # ENGINES=none runs the tests alone. Each GPU test file runs in its own pytest under its own
 # time limit (TEST_TIMEOUT, seconds), so a test blocked in a collective costs only its file;
-# faulthandler prints where a test hung once it has run STACK_AFTER seconds (default 90). REPEATS runs every benchmark that many times, each in a
-# new process (the first run on a fresh machine also compiles kernels its warm-up missed).
+# faulthandler prints where a test hung once it has run STACK_AFTER seconds (default 90).
+# REPEATS runs every benchmark that many times, each in a new process (the first run on a fresh
+# machine also compiles kernels its warm-up missed).
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
