@@ -22,6 +22,7 @@ from nanovllm.kernels import triton_attention as ta
 PTXAS = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "ptxas")
 TARGET = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM, SHARED_PER_SM, MAX_WARPS_PER_SM = 65536, 228 * 1024, 64
+MULTIPLES_OF_16 = {"K", "k_per_split"}   # integer arguments that are multiples of 16 at run time
 
 
 def signature(names: list[str], types: dict[str, str]) -> dict[str, str]:
@@ -33,7 +34,7 @@ def compile_kernel(kernel, types: dict[str, str], constants: dict, num_warps: in
     names = kernel.arg_names
     sig = signature(names, types)
     # Pointers and strides are multiples of 16 at run time, except the unspecialised ones.
-    aligned = [i for i, n in enumerate(names) if (sig[n].startswith("*") or n.startswith("stride"))
+    aligned = [i for i, n in enumerate(names) if (sig[n].startswith("*") or n.startswith("stride") or n in MULTIPLES_OF_16)
                and n not in kernel.do_not_specialize]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     options = {"num_warps": num_warps, "num_stages": num_stages}
@@ -85,7 +86,17 @@ def main():
             constants = dict(GROUP=2, HEAD_DIM=128, PAGE=256, BLOCK_M=block_m, BLOCK_N=block_n)
             compiled = compile_kernel(ta._prefill_kernel, types, constants, warps, stages, None)
             print(report(f"{cache} {(block_m, block_n, warps, stages)}", compiled, warps))
-
+    print("skinny linear, 1-16 rows (split_k, block_n, block_k, stages, warps):")
+    from nanovllm.kernels import triton_skinny as ts
+    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
+             "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32"}
+    for split_k, block_n, block_k, stages, warps in ((1, 64, 256, 4, 4), (8, 64, 256, 4, 4), (1, 32, 128, 6, 4)):
+        constants = dict(HAS_BIAS=False, EVEN_K=True, SPLIT_K=split_k, BLOCK_M=ts.MAX_ROWS, BLOCK_N=block_n,
+                         BLOCK_K=block_k)
+        compiled = compile_kernel(ts._skinny_linear_kernel, types, constants, warps, stages, None)
+        ptx = compiled.asm["ptx"]
+        print(report(f"{(split_k, block_n, block_k, stages, warps)}", compiled, warps) +
+              f"  cp.async {ptx.count('cp.async.cg')}, atom {ptx.count('atom.')}")
 
 if __name__ == "__main__":
     main()

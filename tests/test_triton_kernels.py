@@ -188,6 +188,42 @@ def test_silu_and_mul(rows, d):
     assert rel_err(silu_and_mul(x.to(DEVICE)).cpu(), SiluAndMul()(x)) < TOL
 
 
+@pytest.mark.parametrize("rows, n, k, bias, split_k", [(1, 4096, 1024, False, None), (3, 1000, 300, True, 1),
+                                                      (16, 48, 256, False, 2), (7, 33, 1000, True, 4),
+                                                      (2, 1024, 3072, True, None), (2, 151_936, 64, False, None)])
+def test_skinny_linear(rows, n, k, bias, split_k):
+    """Against F.linear in float32; each case three times, so that a split-K counter left non-zero
+    by one call would break the next."""
+    import torch.nn.functional as F
+    from nanovllm.kernels.triton_skinny import skinny_linear
+    gen = torch.Generator().manual_seed(n + k)
+    x, w = torch.randn(rows, k, generator=gen).to(DTYPE), (torch.randn(n, k, generator=gen) * 0.05).to(DTYPE)
+    b = torch.randn(n, generator=gen).to(DTYPE) if bias else None
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    x, w, b = x.to(DEVICE), w.to(DEVICE), None if b is None else b.to(DEVICE)
+    for _ in range(3):
+        out = skinny_linear(x, w, b, split_k=split_k)
+        assert out.shape == (rows, n) and out.dtype == DTYPE
+        assert rel_err(out.cpu(), ref) < TOL
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
+def test_skinny_linear_split_k_in_a_cuda_graph():
+    """Split-K calls back to back in one graph, replayed: bitwise the eager result every time."""
+    from nanovllm.kernels.triton_skinny import skinny_linear
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 2048, generator=gen).to(DEVICE, DTYPE)
+    ws = [(torch.randn(1024, 2048, generator=gen) * 0.05).to(DEVICE, DTYPE) for _ in range(3)]
+    eager = [skinny_linear(x, w, split_k=8) for w in ws]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [skinny_linear(x, w, split_k=8) for w in ws]
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(same_bits(a, b) for a, b in zip(outs, eager))
+
+
 @pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs an sm_90+ GPU")
 def test_pdl_kernels_in_a_cuda_graph_equal_plain_launches(monkeypatch):

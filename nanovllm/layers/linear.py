@@ -18,6 +18,16 @@ def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str = "paramet
     param.data.copy_(loaded)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear, except for a few rows of 16-bit activations on CUDA (a decode step at small
+    batch), where kernels/triton_skinny.py streams the weight faster than cuBLAS."""
+    if x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1:
+        from nanovllm.kernels import triton_skinny
+        if x.shape[0] <= triton_skinny.MAX_ROWS and triton_skinny.enabled():
+            return triton_skinny.skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool, shard_dim: int | None, tp: TPGroup):
         super().__init__()
@@ -38,7 +48,7 @@ class LinearBase(nn.Module):
         copy_checked(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -92,5 +102,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Bias is added once, on rank 0, before the sum.
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return self.tp.all_reduce(y)

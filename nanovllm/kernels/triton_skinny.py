@@ -1,0 +1,130 @@
+"""y = x @ weight.T (+ bias) for a few rows of x, in Triton: the decode step's projections at
+small batch sizes. Its reference is `F.linear` (layers/linear.py's CPU path).
+
+With a handful of rows a projection only streams its weight. Each program owns BLOCK_N output
+features and a slice of the input features, and streams its part of the weight through Triton's
+software pipeline: the product is a `tl.dot` of the weight tile with x padded to 16 rows (the
+"swapped" GEMM, weight as the left operand), so the loads are the asynchronous, multi-stage kind.
+A projection with few output features (o_proj and down_proj of the 0.6B shape: 16 blocks of 64)
+would leave most SMs idle, so its input features are split SPLIT_K ways: every program writes
+its partial sums to a workspace and counts itself in on a per-block counter; the last one of a
+block adds the partials up in split order (deterministic), writes y and zeroes the counter again,
+so no memset is needed between calls. Measured against cuBLAS in docs/perf_notes.md row 18
+(tests/bench_skinny.py).
+"""
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16           # x's rows padded to this: the MMA's smallest width
+BLOCK_N, BLOCK_K, NUM_STAGES = 64, 256, 4   # the best at 1 row for every shape tried (tests/bench_skinny.py)
+INTERPRETER_SMS = 132   # (TRITON_INTERPRET=1 on the CPU: split as on an H200)
+
+
+@functools.cache
+def enabled() -> bool:
+    """On unless NANOVLLM_SKINNY=0 (for A/B runs against cuBLAS)."""
+    return os.environ.get("NANOVLLM_SKINNY") != "0"
+
+
+@triton.jit
+def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
+                          stride_x, stride_w, stride_o, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                          SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    block, split = tl.program_id(0), tl.program_id(1)
+    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    k_start = split * k_per_split                                     # k_per_split: a multiple of BLOCK_K
+    w_ptrs = w_ptr + offs_n[:, None] * stride_w + (k_start + offs_k)[None, :]   # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_x + (k_start + offs_k)[None, :]   # [BLOCK_M, BLOCK_K]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)                   # y transposed
+    for k in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+        if EVEN_K:
+            k_ok = (offs_k < BLOCK_K)[None, :]
+        else:
+            k_ok = (offs_k < K - k)[None, :]
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok, other=0.0)
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if SPLIT_K > 1:
+        # part: [SPLIT_K, N, BLOCK_M] float32
+        parts = part_ptr + offs_n[:, None] * BLOCK_M + offs_m[None, :]
+        tl.store(parts + split * N * BLOCK_M, acc, mask=n_ok[:, None])
+        tl.debug_barrier()                                            # every thread's partials written ...
+        arrived = tl.atomic_add(count_ptr + block, 1, sem="acq_rel", scope="gpu")   # ... before we count in
+        if arrived == SPLIT_K - 1:                                    # the last of its block: sum in split order
+            acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+            for s in range(SPLIT_K):
+                acc += tl.load(parts + s * N * BLOCK_M, mask=n_ok[:, None], other=0.0, cache_modifier=".cg")
+            _store(acc, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_o, HAS_BIAS)
+            tl.atomic_xchg(count_ptr + block, 0, sem="relaxed", scope="gpu")
+    else:
+        _store(acc, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_o, HAS_BIAS)
+
+
+@triton.jit
+def _store(acc, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_o, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + offs_m[None, :] * stride_o + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+def split_k_for(n: int, k: int, num_sms: int, block_n: int = BLOCK_N, block_k: int = BLOCK_K) -> int:
+    """Input-feature splits. Only a projection whose blocks would occupy under a quarter of the SMs
+    is split (at 48-64 blocks on an H200 splitting measured slower): the most splits, a power of
+    two, that keep the programs within one wave and every split at least one BLOCK_K step long."""
+    blocks, split = triton.cdiv(n, block_n), 1
+    if blocks * 4 >= num_sms:
+        return 1
+    while blocks * split * 2 <= num_sms and k >= split * 2 * block_k:
+        split *= 2
+    return split
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _counters(device: torch.device) -> torch.Tensor:
+    """One arrival counter per block of output features, zero between calls (the last program of a
+    block resets its own). Calls on one stream run one after another, so they can share them."""
+    return torch.zeros(1 << 16, dtype=torch.int32, device=device)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  split_k: int | None = None, block_n: int = BLOCK_N, block_k: int = BLOCK_K,
+                  num_stages: int = NUM_STAGES, num_warps: int = 4) -> torch.Tensor:
+    """x: [M, K] with M <= MAX_ROWS, weight: [N, K], bias: [N] or None -> [M, N] in x's dtype.
+    The keyword arguments after * are tuning knobs (tests/bench_skinny.py sweeps them);
+    split_k None: split_k_for's choice."""
+    (m, k), n = x.shape, weight.shape[0]
+    assert m <= MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
+    if split_k is None:
+        split_k = split_k_for(n, k, _num_sms(x.device) if x.is_cuda else INTERPRETER_SMS, block_n, block_k)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)          # (no empty split)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    blocks = triton.cdiv(n, block_n)
+    parts = counters = out
+    if split_k > 1:
+        parts = torch.empty(split_k, n, MAX_ROWS, dtype=torch.float32, device=x.device)
+        counters = _counters(x.device)
+        assert blocks <= counters.numel()
+    _skinny_linear_kernel[(blocks, split_k)](
+        x, weight, bias if bias is not None else weight, out, parts, counters, m, n, k, k_per_split,
+        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
+        SPLIT_K=split_k, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=num_stages,
+        num_warps=num_warps)
+    return out

@@ -1,0 +1,78 @@
+"""Projection time at small batch sizes on the GPU: kernels/triton_skinny.py against cuBLAS
+(`F.linear`), for the Qwen3-0.6B shapes and the Qwen3-8B shapes at TP=2 (a developer tool, not a test).
+
+Each figure is the time per call inside a CUDA graph (as in the decode graphs), the calls cycling
+through enough copies of the weight that it is read from HBM, not L2.
+
+    PYTHONPATH=. python3 tests/bench_skinny.py [--sweep]
+"""
+import argparse
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from nanovllm.kernels.triton_skinny import skinny_linear, split_k_for
+
+SHAPES = {   # name: (K, N)
+    "0.6b qkv": (1024, 4096), "0.6b o": (2048, 1024), "0.6b gate_up": (1024, 6144), "0.6b down": (3072, 1024),
+    "0.6b lm_head": (1024, 151936),
+    "8b/2 qkv": (4096, 3072), "8b/2 o": (2048, 4096), "8b/2 gate_up": (4096, 12288), "8b/2 down": (6144, 4096),
+}
+ROWS = (1, 2, 4, 8, 16)
+L2_FLUSH_BYTES = 160 << 20
+
+
+def us_per_call(fn, x, weights) -> float:
+    fn(x, weights[0])                   # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(x, w)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / (5 * len(weights))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--sweep", action="store_true", help="at batch 1, time every (split_k, block_n, block_k, stages)")
+    args = p.parse_args()
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print("us per call in a CUDA graph (weights from HBM); GB/s of weight; ours with the default config")
+    print(f"{'shape':14} {'rows':>4} {'cuBLAS':>8} {'ours':>8} {'GB/s cuBLAS':>12} {'GB/s ours':>10}  max |diff|")
+    for name, (k, n) in SHAPES.items():
+        w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        weights = [w0] + [w0.clone() for _ in range(max(1, L2_FLUSH_BYTES // w0.nbytes))]
+        for m in ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            diff = (skinny_linear(x, w0).float() - F.linear(x, w0).float()).abs().max().item()
+            theirs = us_per_call(F.linear, x, weights)
+            ours = us_per_call(skinny_linear, x, weights)
+            print(f"{name:14} {m:4} {theirs:8.2f} {ours:8.2f} {w0.nbytes / theirs / 1e3:12.0f} "
+                  f"{w0.nbytes / ours / 1e3:10.0f}  {diff:.3g}")
+        if args.sweep:
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            results = []
+            for split_k, block_n, block_k, stages in itertools.product((1, 2, 4, 8), (32, 64), (128, 256), (3, 4)):
+                fn = lambda x, w: skinny_linear(x, w, split_k=split_k, block_n=block_n, block_k=block_k,
+                                                num_stages=stages)
+                try:
+                    results.append((round(us_per_call(fn, x, weights), 2), split_k, block_n, block_k, stages))
+                except Exception as e:   # e.g. out of shared memory
+                    print(f"  ({split_k}, {block_n}, {block_k}, {stages}) failed: {type(e).__name__}")
+            results.sort()
+            print(f"  sweep at 1 row, default split_k {split_k_for(n, k, num_sms)}; best (us, split_k, block_n, "
+                  f"block_k, stages): {results[:4]}")
+        del weights, w0
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
