@@ -92,11 +92,16 @@ def main():
              "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32"}
     for split_k, block_n, block_k, stages, warps in ((1, 64, 256, 4, 4), (8, 64, 256, 4, 4), (1, 32, 128, 6, 4)):
         constants = dict(HAS_BIAS=False, EVEN_K=True, SPLIT_K=split_k, BLOCK_M=ts.MAX_ROWS, BLOCK_N=block_n,
-                         BLOCK_K=block_k)
+                         BLOCK_K=block_k, LINE=64, PREFETCH_LINES=16, PDL=False)
         compiled = compile_kernel(ts._skinny_linear_kernel, types, constants, warps, stages, None)
         ptx = compiled.asm["ptx"]
         print(report(f"{(split_k, block_n, block_k, stages, warps)}", compiled, warps) +
               f"  cp.async {ptx.count('cp.async.cg')}, atom {ptx.count('atom.')}")
+    constants |= dict(PDL=True)   # weight prefetched into L2 before the wait for the kernel before
+    compiled = compile_kernel(ts._skinny_linear_kernel, types, constants, 4, 4, None)
+    ptx = compiled.asm["ptx"]
+    print(report("(1, 32, 128, 6, 4) PDL", compiled, 4) + f"  prefetch.global.L2 {ptx.count('prefetch.global.L2')}, "
+          f"griddepcontrol.wait {ptx.count('griddepcontrol.wait')}")
 
 if __name__ == "__main__":
     main()

@@ -227,13 +227,15 @@ def test_skinny_linear_split_k_in_a_cuda_graph():
 @pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs an sm_90+ GPU")
 def test_pdl_kernels_in_a_cuda_graph_equal_plain_launches(monkeypatch):
-    """A decode layer's chain (norm -> GEMM -> q/k norm + RoPE + cache store -> split attention ->
-    merge -> norm -> GEMM -> SiLU) captured in a CUDA graph with programmatic dependent launch
-    gives the bits of the same graph without it: each kernel waits for its predecessor before
-    touching memory, so no read or write can overtake it."""
+    """A decode layer's chain (norm -> projection -> q/k norm + RoPE + cache store -> split
+    attention -> merge -> split-K projection -> norm -> projection -> SiLU, projections through the
+    skinny kernel) captured in a CUDA graph with programmatic dependent launch gives the bits of
+    the same graph without it: each kernel waits for its predecessor before touching anything but
+    its weights, so no read or write can overtake it."""
     from nanovllm.kernels import pdl
     from nanovllm.kernels.triton_attention import decode_attention
     from nanovllm.kernels.triton_fused import qk_norm_rope_store, rms_norm, silu_and_mul
+    from nanovllm.kernels.triton_skinny import skinny_linear
     from nanovllm.layers.rotary import RotaryEmbedding
     gen = torch.Generator().manual_seed(0)
     rand = lambda *shape: (torch.randn(*shape, generator=gen) * 0.05).to(DEVICE, DTYPE)
@@ -245,15 +247,17 @@ def test_pdl_kernels_in_a_cuda_graph_equal_plain_launches(monkeypatch):
     positions = (lens - 1).long()
     slots = tables.long().gather(1, (positions // page)[:, None])[:, 0] * page + positions % page
     cos_sin = RotaryEmbedding(head_dim, 4096, 1e6).cos_sin_cache.to(DEVICE)
-    x, res, w, w_attn, qk_w = rand(4, hidden), rand(4, hidden), rand(hidden), rand(q_heads * head_dim), rand(head_dim)
-    w_qkv, w_up = rand((q_heads + 2 * kv_heads) * head_dim, hidden), rand(2 * 3072, q_heads * head_dim)
+    x, res, w, w_post, qk_w = rand(4, hidden), rand(4, hidden), rand(hidden), rand(hidden), rand(head_dim)
+    w_qkv, w_o = rand((q_heads + 2 * kv_heads) * head_dim, hidden), rand(hidden, q_heads * head_dim)
+    w_up = rand(2 * 3072, hidden)
 
     def layer():
         h, r = rms_norm(x, w, 1e-6, res)
-        q = qk_norm_rope_store(h @ w_qkv.T, positions, cos_sin, q_heads, kv_heads, head_dim, qk_w, qk_w, 1e-6,
-                               k_cache, v_cache, slots)
+        q = qk_norm_rope_store(skinny_linear(h, w_qkv), positions, cos_sin, q_heads, kv_heads, head_dim, qk_w, qk_w,
+                               1e-6, k_cache, v_cache, slots)
         o = decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, num_splits=4, min_split=64)
-        return r, o, silu_and_mul(rms_norm(o.view(4, -1), w_attn, 1e-6) @ w_up.T)
+        h = skinny_linear(o.view(4, -1), w_o, split_k=8)
+        return r, o, h, silu_and_mul(skinny_linear(rms_norm(h, w_post, 1e-6), w_up))
 
     def captured():
         layer()                                  # compile outside the capture

@@ -19,8 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels import pdl
+
 MAX_ROWS = 16           # x's rows padded to this: the MMA's smallest width
 BLOCK_N, BLOCK_K, NUM_STAGES = 64, 256, 4   # the best at 1 row for every shape tried (tests/bench_skinny.py)
+LINE_BYTES = 128        # prefetch granularity (an L2 cache line)
 INTERPRETER_SMS = 132   # (TRITON_INTERPRET=1 on the CPU: split as on an H200)
 
 
@@ -34,7 +37,8 @@ def enabled() -> bool:
 def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
                           stride_x, stride_w, stride_o, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, LINE: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+                          PDL: tl.constexpr):
     block, split = tl.program_id(0), tl.program_id(1)
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -42,6 +46,13 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, 
     n_ok = offs_n < N
     m_ok = offs_m < M
     k_start = split * k_per_split                                     # k_per_split: a multiple of BLOCK_K
+    if PDL:
+        # The weight does not depend on the kernel before this one (x does): start pulling this
+        # program's slice into L2 while that kernel finishes, then wait for it.
+        rows = tl.minimum(offs_n, N - 1)
+        cols = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * LINE, K - 1)
+        _prefetch_l2(w_ptr + rows[:, None] * stride_w + cols[None, :])
+    pdl.begin(PDL)
     w_ptrs = w_ptr + offs_n[:, None] * stride_w + (k_start + offs_k)[None, :]   # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + offs_m[:, None] * stride_x + (k_start + offs_k)[None, :]   # [BLOCK_M, BLOCK_K]
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)                   # y transposed
@@ -69,6 +80,11 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, 
             tl.atomic_xchg(count_ptr + block, 0, sem="relaxed", scope="gpu")
     else:
         _store(acc, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_o, HAS_BIAS)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -125,6 +141,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _skinny_linear_kernel[(blocks, split_k)](
         x, weight, bias if bias is not None else weight, out, parts, counters, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        SPLIT_K=split_k, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=num_stages,
-        num_warps=num_warps)
+        SPLIT_K=split_k, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, LINE=LINE_BYTES // x.element_size(),
+        PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k_per_split * x.element_size(), LINE_BYTES)),
+        num_stages=num_stages, num_warps=num_warps, **pdl.launch_options())
     return out
