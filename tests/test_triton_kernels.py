@@ -260,10 +260,11 @@ def test_pdl_kernels_in_a_cuda_graph_equal_plain_launches(monkeypatch):
         return r, o, h, silu_and_mul(skinny_linear(rms_norm(h, w_post, 1e-6), w_up))
 
     def captured():
-        layer()                                  # compile outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outputs = layer()
+        with pdl.decode_graph(4):
+            layer()                              # compile outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outputs = layer()
         return graph, outputs
 
     plain_graph, plain = captured()

@@ -3,18 +3,25 @@
 A kernel launched with it may be scheduled while the kernel before it in the stream is still
 finishing; its first instruction (`griddepcontrol.wait`) holds it until that kernel has completed
 and its writes are visible, so nothing it reads or writes can race. What overlaps is the launch
-itself: at batch 1 a decode step is ~300 kernels of a few microseconds each, and the gaps between
-them are a large part of the step. Each kernel also lets its own successor launch early
-(`griddepcontrol.launch_dependents`) once it has started.
+itself, and whatever a kernel does before that wait with memory no earlier kernel writes (the
+skinny projection kernel prefetches its weights there). Each kernel also lets its own successor
+launch early (`griddepcontrol.launch_dependents`) once it has waited.
 
-Experimental, so off unless NANOVLLM_PDL=1 (docs/perf_notes.md: not yet measured).
+Used only in the decode CUDA graphs of at most MAX_ROWS sequences: at batch 1 it took the H200's
+latency from 1.16 to 1.06 ms/token, while on the default workload, with every graph using it, the
+large batches made the run ~2% slower (docs/perf_notes.md rows 17 and 19). Opt-in for now
+(NANOVLLM_PDL=1): the engine-level GPU tests have not yet run with it.
 """
+import contextlib
 import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+MAX_ROWS = 16
+_in_small_decode_graph = False
 
 
 @functools.cache
@@ -23,14 +30,27 @@ def enabled() -> bool:
             and torch.cuda.get_device_capability()[0] >= 9)
 
 
+@contextlib.contextmanager
+def decode_graph(num_seqs: int):
+    """Around the capture of a decode graph for num_seqs sequences: its launches use PDL if enabled
+    and num_seqs <= MAX_ROWS."""
+    global _in_small_decode_graph
+    _in_small_decode_graph = num_seqs <= MAX_ROWS
+    try:
+        yield
+    finally:
+        _in_small_decode_graph = False
+
+
 def launch_options() -> dict:
     """Keyword arguments for a kernel launch: the PDL constexpr and, when on, Triton's launch flag."""
-    return dict(PDL=True, launch_pdl=True) if enabled() else dict(PDL=False)
+    return dict(PDL=True, launch_pdl=True) if _in_small_decode_graph and enabled() else dict(PDL=False)
 
 
 @triton.jit
 def begin(PDL: tl.constexpr):
-    """First statement of a kernel launched with launch_options()."""
+    """First statement of a kernel launched with launch_options() (after any prefetch of memory
+    that no earlier kernel writes)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
