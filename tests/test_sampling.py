@@ -36,6 +36,22 @@ def test_seed_gives_same_output_whatever_the_batch(llm):
     assert llm.generate([ids(PROMPTS[5])], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
 
 
+def test_numpy_numbers_are_taken_as_python_numbers(llm):
+    """Parameters computed with numpy (np.int64 seeds, counts, ids; np.float32 temperatures) work
+    as their Python values do: same tokens, plain ints and floats in the params."""
+    import numpy as np
+    plain = SamplingParams(n=2, temperature=0.9, top_k=20, seed=11, max_tokens=6, min_tokens=2, logprobs=1,
+                           stop_token_ids=[7], logit_bias={5: 2.0}, ignore_eos=True)
+    numpy = SamplingParams(n=np.int64(2), temperature=np.float64(0.9), top_k=np.int32(20), seed=np.int64(11),
+                           max_tokens=np.int64(6), min_tokens=np.int64(2), logprobs=np.int64(1),
+                           stop_token_ids=[np.int64(7)], logit_bias={np.int64(5): np.float32(2.0)},
+                           ignore_eos=np.bool_(True))
+    assert repr(numpy) == repr(plain)
+    assert type(numpy.seed) is int and type(numpy.stop_token_ids[0]) is int and type(numpy.temperature) is float
+    outs = llm.generate([ids(PROMPTS[2])] * 2, [plain, numpy], use_tqdm=False)
+    assert [c.token_ids for c in outs[0].outputs] == [c.token_ids for c in outs[1].outputs]
+
+
 def test_top_k_1_equals_greedy(llm):
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     top1 = SamplingParams(temperature=1.5, top_k=1, max_tokens=10, ignore_eos=True)

@@ -4,21 +4,40 @@ import numbers
 import types
 import typing
 
+import numpy as np
+
 # What each annotated type accepts: numpy scalars count as numbers, a tuple as a list.
 ACCEPTS = {int: (numbers.Integral,), float: (numbers.Real,), list: (list, tuple)}
+
+
+def as_python(value):
+    """numpy scalars as Python numbers and bools, also inside a list, tuple or dict (a numpy seed would break
+    seed arithmetic and torch.manual_seed; the range checks test isinstance(x, int))."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, numbers.Integral) and type(value) is not int:
+        return int(value)
+    if isinstance(value, numbers.Real) and type(value) not in (int, float):   # np.float64 is a float subclass
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(as_python(v) for v in value)
+    if isinstance(value, dict):
+        return {as_python(k): as_python(v) for k, v in value.items()}
+    return value
 
 
 def check_field_types(obj):
     """Raise ValueError naming the first init field whose value is not of its annotated type, so
     that max_num_seqs="8" is reported as such and not as a TypeError deep inside. Checked at the
     outer level: `X | None`; `list[X]` is a list or tuple; an int passes for a float; a bool only
-    for a bool."""
+    for a bool. numpy scalars are replaced by Python numbers first (as_python)."""
     for f in dataclasses.fields(obj):
         if not f.init:
             continue
         options = f.type.__args__ if isinstance(f.type, types.UnionType) else (f.type,)
         allowed = tuple(typing.get_origin(t) or t for t in options)
-        value = getattr(obj, f.name)
+        value = as_python(getattr(obj, f.name))
+        object.__setattr__(obj, f.name, value)
         ok = any(isinstance(value, ACCEPTS.get(t, (t,))) for t in allowed)
         if isinstance(value, bool) and bool not in allowed:   # True is an int to Python, not here
             ok = False
