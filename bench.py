@@ -120,9 +120,10 @@ def main():
     print(f"Total throughput: {result['total_tok_s']:.2f}tok/s (prompt {num_in}tok), "
           f"Requests: {result['req_s']:.2f}req/s, Cached prompt tokens: {num_cached}, Start-up: {startup:.1f}s")
     if args.engine == "nanovllm":
-        from nanovllm.kernels import pdl
+        from nanovllm.kernels import pdl, triton_skinny
         result["startup_breakdown_s"] = {k: round(v, 2) for k, v in llm.llm_engine.model_runner.timings.items()}
         result["pdl"] = pdl.enabled()      # NANOVLLM_PDL=1 on an sm_90+ GPU (experimental)
+        result["skinny"] = triton_skinny.enabled()   # NANOVLLM_SKINNY=0 turns the small-batch projections off
     if args.workload == "latency":
         result["ms_per_token"] = round(elapsed * 1000 / num_out, 3)
         print(f"Latency: {result['ms_per_token']:.3f} ms/token (batch 1)")

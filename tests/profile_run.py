@@ -6,7 +6,7 @@
    GPU sat idle (wall time minus kernel time: one stream, so kernels do not overlap).
 3. With --tp > 1: the spread of rank 0's all-reduce times.
 
-    PYTHONPATH=. python3 tests/profile_run.py [--model qwen3-0.6b] [--workload default] [--tp 2]
+    PYTHONPATH=. python3 tests/profile_run.py [--model qwen3-0.6b] [--workload default] [--tp 2] [--profile-steps 200]
 """
 import argparse
 import collections
@@ -24,8 +24,8 @@ from nanovllm import LLM, SamplingParams
 DECODE_BUCKETS = (1, 8, 32, 64, 128, 192, 256, 512)
 
 
-def run_steps(llm, prompts, settings) -> list[tuple[str, float]]:
-    """Run the workload step by step -> (kind, seconds) per step."""
+def run_steps(llm, prompts, settings, on_step=None) -> list[tuple[str, float]]:
+    """Run the workload step by step -> (kind, seconds) per step; on_step() after each."""
     engine = llm.llm_engine
     for ids, (max_tokens, temperature) in zip(prompts, settings):
         engine.add_request(None, ids, SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True))
@@ -40,6 +40,8 @@ def run_steps(llm, prompts, settings) -> list[tuple[str, float]]:
             bucket = next(b for b in DECODE_BUCKETS if stats.num_decode_tokens <= b)
             kind = f"decode, batch <= {bucket:3}"
         steps.append((kind, elapsed))
+        if on_step is not None:
+            on_step()
     torch.cuda.synchronize()
     return steps
 
@@ -49,6 +51,9 @@ def main():
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--workload", default="default")
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="profile only this many engine steps, from the 10th on (0: the whole run). Gathering "
+                        "the events of a whole Qwen3-8B TP=2 run took longer than 4 minutes")
     args = p.parse_args()
     args.seed, args.num_seqs = 0, 256
     args.min_input_len, args.max_input_len, args.min_output_len, args.max_output_len = 100, 1024, 100, 1024
@@ -69,13 +74,18 @@ def main():
         print(f"  {kind:22} {n:5} steps {seconds:7.3f} s  {seconds / n * 1000:7.3f} ms/step")
 
     llm.reset_prefix_cache()          # the same prompts again: without this they would all be cache hits
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    window = (torch.profiler.schedule(wait=9, warmup=1, active=args.profile_steps, repeat=1)
+              if args.profile_steps else None)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], schedule=window) as prof:
         start = time.perf_counter()
-        run_steps(llm, prompts, settings)
+        steps = run_steps(llm, prompts, settings, prof.step if window else None)
         wall = time.perf_counter() - start
+    if window:   # wall time of the profiled steps only
+        wall = sum(seconds for _, seconds in steps[10:10 + args.profile_steps])
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
     busy = sum(e.self_device_time_total for e in kernels) / 1e6
-    print(f"profiled run: {wall:.2f} s wall, GPU busy {busy:.2f} s, idle {wall - busy:.2f} s")
+    scope = f"steps 10-{9 + args.profile_steps}" if window else "run"
+    print(f"profiled {scope}: {wall:.2f} s wall, GPU busy {busy:.2f} s, idle {wall - busy:.2f} s")
     kernels.sort(key=lambda e: -e.self_device_time_total)
     for e in kernels[:25]:
         print(f"  {e.self_device_time_total / 1e6:7.3f} s {e.count:8} calls  {e.key[:90]}")

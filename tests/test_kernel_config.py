@@ -1,5 +1,7 @@
-"""Launch choices of the Triton attention kernels (plain functions: no GPU needed)."""
+"""Launch choices of the Triton kernels (plain functions: no GPU needed)."""
+from nanovllm.kernels import pdl
 from nanovllm.kernels.triton_attention import decode_split_config, tile_size
+from nanovllm.kernels.triton_skinny import split_k_for
 
 
 def test_decode_splits_follow_the_batch_and_the_longest_context():
@@ -16,3 +18,27 @@ def test_decode_splits_follow_the_batch_and_the_longest_context():
 
 def test_tiles_divide_the_page():
     assert [tile_size(64, page) for page in (16, 32, 48, 96, 256, 1024)] == [16, 32, 16, 32, 64, 64]
+
+
+def test_skinny_splits_only_projections_with_few_output_blocks():
+    # (output features, input features, num_sms) -> splits of the input features (blocks of 64 outputs)
+    assert split_k_for(1024, 2048, 132) == 8        # 0.6B o_proj: 16 blocks -> 128 programs
+    assert split_k_for(1024, 3072, 132) == 8        # 0.6B down_proj
+    assert split_k_for(4096, 1024, 132) == 1        # 64 blocks: splitting measured slower
+    assert split_k_for(3072, 4096, 132) == 1        # 48 blocks (Qwen3-8B qkv at TP=2)
+    assert split_k_for(1024, 512, 132) == 2         # every split at least one 256-wide step
+    assert split_k_for(1024, 256, 132) == 1
+    assert split_k_for(64, 100_000, 132) == 128     # one block: as many splits as SMs allow
+
+
+def test_pdl_only_in_small_decode_graphs(monkeypatch):
+    monkeypatch.setattr(pdl, "enabled", lambda: True)
+    assert pdl.launch_options() == dict(PDL=False)                   # eager launches (prefill, ...)
+    with pdl.decode_graph(pdl.MAX_ROWS):
+        assert pdl.launch_options() == dict(PDL=True, launch_pdl=True)
+    with pdl.decode_graph(pdl.MAX_ROWS + 1):
+        assert pdl.launch_options() == dict(PDL=False)
+    assert pdl.launch_options() == dict(PDL=False)
+    monkeypatch.setattr(pdl, "enabled", lambda: False)              # NANOVLLM_PDL unset
+    with pdl.decode_graph(1):
+        assert pdl.launch_options() == dict(PDL=False)
