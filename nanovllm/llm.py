@@ -72,11 +72,14 @@ class LLM:
 
     # ---- generation ---------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in input order. priority: one int per prompt,
-        lower first, with LLM(scheduling_policy="priority")."""
+        lower first, with LLM(scheduling_policy="priority"). lora_request: vLLM's; only None."""
         if self.closed:
             raise RuntimeError("this LLM is closed; create a new one.")
+        if lora_request is not None:
+            raise ValueError(f"lora_request is not supported (nanovllm runs the base model only), "
+                             f"got {lora_request!r:.80}.")
         parsed = self._parse_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -180,18 +183,26 @@ class LLM:
         return results
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool = True, lora_request=None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation ([{"role": ..., "content": ...}, ...]) or a list of them.
         continue_final_message: the reply continues the last (assistant) message instead of starting
-        a new one; chat_template replaces the tokenizer's; tools go to the template."""
+        a new one; chat_template replaces the tokenizer's; tools go to the template. A content given
+        as OpenAI-style parts ([{"type": "text", "text": ...}, ...]) reaches the template as one
+        string, the texts joined by newlines ("auto", "string"), or as the list itself ("openai")."""
         tokenizer = self.llm_engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat() needs a tokenizer, but the engine has none (skip_tokenizer_init=True).")
         if add_generation_prompt and continue_final_message:
             raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', "
+                             f"got {chat_template_content_format!r}.")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if chat_template_content_format != "openai":
+            conversations = [[_with_string_content(m) for m in conversation] for conversation in conversations]
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
@@ -199,4 +210,19 @@ class LLM:
                                                  continue_final_message=continue_final_message, tools=tools,
                                                  **(chat_template_kwargs or {}))
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+
+
+def _with_string_content(message: dict) -> dict:
+    """message with its content parts (OpenAI style) joined into one string; text parts only."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text":
+            raise ValueError(f"message content part of type {kind!r} is not supported: nanovllm runs "
+                             f"text-only models (parts of type 'text' only).")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}

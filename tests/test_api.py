@@ -74,6 +74,37 @@ def test_chat_template_options(llm):
         llm.chat(messages, sp, continue_final_message=True, use_tqdm=False)
 
 
+def test_chat_content_parts(llm):
+    """OpenAI-style content parts: their texts joined by newlines for the template ("auto", "string"),
+    the list itself with "openai"; a non-text part or an unknown format is a ValueError."""
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}]
+    joined = llm.chat([{"role": "user", "content": "Hello\nworld"}], sp, use_tqdm=False)[0].prompt
+    assert llm.chat(parts, sp, use_tqdm=False)[0].prompt == joined
+    assert llm.chat(parts, sp, use_tqdm=False, chat_template_content_format="string")[0].prompt == joined
+    listing = "{% for m in messages %}{% for p in m['content'] %}<{{ p['text'] }}>{% endfor %}{% endfor %}"
+    out = llm.chat(parts, sp, use_tqdm=False, chat_template=listing, add_generation_prompt=False,
+                   chat_template_content_format="openai")[0]
+    assert out.prompt == "<Hello><world>"
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]
+    with pytest.raises(ValueError, match="content part of type 'image_url' is not supported"):
+        llm.chat(image, sp, use_tqdm=False)
+    with pytest.raises(ValueError, match="chat_template_content_format must be 'auto', 'string' or 'openai', got 'xml'"):
+        llm.chat(parts, sp, use_tqdm=False, chat_template_content_format="xml")
+
+
+def test_lora_request_is_refused_unless_none(llm):
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    plain = llm.generate([{"prompt_token_ids": [1, 2, 3]}], sp, use_tqdm=False)
+    assert llm.generate([{"prompt_token_ids": [1, 2, 3]}], sp, use_tqdm=False, lora_request=None)[0].outputs[0].token_ids \
+        == plain[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="lora_request is not supported"):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], sp, use_tqdm=False, lora_request=object())
+    with pytest.raises(ValueError, match="lora_request is not supported"):
+        llm.chat([{"role": "user", "content": "Hi"}], sp, use_tqdm=False, lora_request="adapter")
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_max_tokens_none_runs_to_max_model_len(llm):
     out = llm.generate([PROMPTS[6]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
                        use_tqdm=False)[0]
