@@ -96,7 +96,11 @@ class LLM:
                 raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}.")
             keep = params.truncate_prompt_tokens
             if keep is not None:   # the prompt's last tokens, as vLLM truncates
-                keep = engine.config.max_model_len if keep == -1 else keep
+                max_model_len = engine.config.max_model_len
+                if keep > max_model_len:
+                    raise ValueError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+                                     f"({max_model_len}). Please, select a smaller truncation size.")
+                keep = max_model_len if keep == -1 else keep
                 parsed[i] = (text, token_ids[-keep:])
             engine.validate_request(i, parsed[i][1], params)
         request_ids = [engine.add_request(text, token_ids, params, rank)
@@ -200,7 +204,9 @@ class LLM:
         if chat_template_content_format not in ("auto", "string", "openai"):
             raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', "
                              f"got {chat_template_content_format!r}.")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        one = isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if one else messages
+        _check_conversations(conversations)
         if chat_template_content_format != "openai":
             conversations = [[_with_string_content(m) for m in conversation] for conversation in conversations]
         prompts = []
@@ -211,6 +217,17 @@ class LLM:
                                                  **(chat_template_kwargs or {}))
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+
+
+def _check_conversations(conversations):
+    """Each conversation a list of messages, each a dict with a string "role"."""
+    if not isinstance(conversations, list) or not all(isinstance(c, list) for c in conversations):
+        raise ValueError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, or a list of such "
+                         f"lists; got {conversations!r:.80}.")
+    for conversation in conversations:
+        for message in conversation:
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise ValueError(f"each message must be a dict with a 'role' string, got {message!r:.80}.")
 
 
 def _with_string_content(message: dict) -> dict:

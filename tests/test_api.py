@@ -93,6 +93,19 @@ def test_chat_content_parts(llm):
         llm.chat(parts, sp, use_tqdm=False, chat_template_content_format="xml")
 
 
+@pytest.mark.parametrize("messages, message", [
+    ("Hello", "messages must be a list of {'role': ..., 'content': ...} dicts, or a list of such lists; got 'Hello'."),
+    ({"role": "user", "content": "Hi"}, "messages must be a list of"),
+    ([[{"role": "user", "content": "Hi"}], "Hi"], "messages must be a list of"),
+    ([{"content": "Hi"}], "each message must be a dict with a 'role' string, got {'content': 'Hi'}."),
+])
+def test_chat_bad_messages(llm, messages, message):
+    with pytest.raises(ValueError) as e:
+        llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert message in str(e.value)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_lora_request_is_refused_unless_none(llm):
     sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     plain = llm.generate([{"prompt_token_ids": [1, 2, 3]}], sp, use_tqdm=False)

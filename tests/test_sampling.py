@@ -309,6 +309,12 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(llm):
                                                      truncate_prompt_tokens=40), use_tqdm=False)[0]
     assert out.prompt_token_ids == prompt[-40:]
     assert out.outputs[0].token_ids == llm.generate([ids(prompt[-40:])], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    max_model_len = llm.llm_engine.config.max_model_len
+    too_many = SamplingParams(max_tokens=5, truncate_prompt_tokens=max_model_len + 1)
+    with pytest.raises(ValueError, match=rf"truncate_prompt_tokens value \({max_model_len + 1}\) is greater than "
+                                         rf"max_model_len \({max_model_len}\)"):
+        llm.generate([ids(prompt), ids(prompt)], [greedy, too_many], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_detokenize_false_gives_ids_only(qwen3_dir):
