@@ -5,7 +5,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from nanovllm.utils.hub import resolve_model_path
+from nanovllm.utils.hub import check_directory_or_hub_id, resolve_model_path
 from nanovllm.utils.validation import check_field_types
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
@@ -118,6 +118,8 @@ class Config:
                              f"<= {window} (got {self.max_model_len}).")
         if self.tokenizer is None:
             self.tokenizer = self.model_path
+        elif not self.skip_tokenizer_init:
+            check_directory_or_hub_id(self.tokenizer, "tokenizer")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
                              f"max_model_len ({self.max_model_len}): with enable_chunked_prefill=False a "

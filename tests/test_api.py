@@ -228,6 +228,8 @@ def test_interrupted_generate_aborts_its_requests(llm, monkeypatch):
     (dict(tokenizer_mode="mistral"), "tokenizer_mode must be 'auto' or 'slow', got 'mistral'."),
     (dict(scheduling_policy="lifo"), "scheduling_policy must be 'fcfs' or 'priority', got 'lifo'."),
     (dict(max_num_seqs="8"), "max_num_seqs must be int, got '8'."),
+    (dict(tokenizer="/no/such/tokenizer"), "tokenizer must be a local directory or a Hugging Face hub id such as "
+                                           "'Qwen/Qwen3-0.6B', got '/no/such/tokenizer': no such directory."),
     (dict(enforce_eager="yes"), "enforce_eager must be bool, got 'yes'."),
     (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization must be float, got '0.5'."),
     (dict(kv_cache_memory_bytes=1.5), "kv_cache_memory_bytes must be int or None, got 1.5."),

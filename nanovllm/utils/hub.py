@@ -5,14 +5,19 @@ WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
 CONFIG_PATTERNS = ["*.json", "*.txt", "*.model", "*.jinja"]
 
 
+def check_directory_or_hub_id(name: str, field: str):
+    """Raise ValueError unless name is a local directory or has the form of a hub id ('org/name')."""
+    if not os.path.isdir(name) and (os.path.exists(name) or name.startswith((".", "/")) or name.count("/") != 1):
+        raise ValueError(f"{field} must be a local directory or a Hugging Face hub id "
+                         f"such as 'Qwen/Qwen3-0.6B', got {name!r}: no such directory.")
+
+
 def resolve_model_path(model: str, need_weights: bool = True, revision: str | None = None,
                        cache_dir: str | None = None) -> str:
     """Return a local directory holding `model`'s files; a hub id is downloaded (or read from cache)."""
     if os.path.isdir(model):
         return model
-    if os.path.exists(model) or model.startswith((".", "/")) or model.count("/") != 1:
-        raise ValueError(f"model must be a local directory or a Hugging Face hub id "
-                         f"such as 'Qwen/Qwen3-0.6B', got {model!r}: no such directory.")
+    check_directory_or_hub_id(model, "model")
     from huggingface_hub import snapshot_download
     patterns = WEIGHT_PATTERNS if need_weights else CONFIG_PATTERNS
     try:
