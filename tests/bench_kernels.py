@@ -10,6 +10,7 @@ import random
 import torch
 from triton.testing import do_bench
 
+from gpu_timing import us_per_call_in_graph
 from nanovllm.kernels import triton_attention as ta
 
 H, KV, D, PAGE = 16, 8, 128, 256
@@ -46,6 +47,16 @@ def main():
                 print(f"  {str(cache_dtype)[6:]:13} {name:10}  {(*cfg, max_registers)}: {ms * 1000:8.1f} us  "
                       f"{kv_bytes / ms / 1e6:7.0f} GB/s")
             del k, v
+    print("decode, merge of the splits fused into the split kernel or a second kernel: us per call in a "
+          "CUDA graph of 20 calls (bf16 cache)")
+    for name, lens, splits in (("1 x 1024", [1024], (16, 64)), ("1 x 512", [512], (16, 64)),
+                               ("16 x 1024", [1024] * 16, (16, 256)), ("256 mixed", mixed, (4, 1024))):
+        k, v, tables, seq_lens = paged(lens)
+        q = torch.randn(len(lens), H, D, device="cuda", dtype=torch.bfloat16)
+        for fuse_merge in (False, True):
+            call = lambda: ta.decode_attention(q, k, v, tables, seq_lens, D ** -0.5, *splits, fuse_merge=fuse_merge)
+            print(f"  {name:10} {splits} fuse_merge={fuse_merge!s:5}: {us_per_call_in_graph([call] * 20):8.1f} us")
+        del k, v
     print("prefill: 16 x 1024 new tokens, config (block_m, block_n, warps, stages) -> us, TFLOP/s")
     lens = [1024] * 16
     for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):

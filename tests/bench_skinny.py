@@ -12,6 +12,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from gpu_timing import us_per_call_in_graph
 from nanovllm.kernels.triton_skinny import skinny_linear, split_k_for
 
 SHAPES = {   # name: (K, N)
@@ -21,23 +22,6 @@ SHAPES = {   # name: (K, N)
 }
 ROWS = (1, 2, 4, 8, 16)
 L2_FLUSH_BYTES = 160 << 20
-
-
-def us_per_call(fn, x, weights) -> float:
-    fn(x, weights[0])                   # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in weights:
-            fn(x, w)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / (5 * len(weights))
 
 
 def main():
@@ -53,8 +37,8 @@ def main():
         for m in ROWS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             diff = (skinny_linear(x, w0).float() - F.linear(x, w0).float()).abs().max().item()
-            theirs = us_per_call(F.linear, x, weights)
-            ours = us_per_call(skinny_linear, x, weights)
+            theirs = us_per_call_in_graph([lambda w=w: F.linear(x, w) for w in weights])
+            ours = us_per_call_in_graph([lambda w=w: skinny_linear(x, w) for w in weights])
             print(f"{name:14} {m:4} {theirs:8.2f} {ours:8.2f} {w0.nbytes / theirs / 1e3:12.0f} "
                   f"{w0.nbytes / ours / 1e3:10.0f}  {diff:.3g}")
         if args.sweep:
@@ -64,7 +48,8 @@ def main():
                 fn = lambda x, w: skinny_linear(x, w, split_k=split_k, block_n=block_n, block_k=block_k,
                                                 num_stages=stages)
                 try:
-                    results.append((round(us_per_call(fn, x, weights), 2), split_k, block_n, block_k, stages))
+                    us = us_per_call_in_graph([lambda w=w: fn(x, w) for w in weights])
+                    results.append((round(us, 2), split_k, block_n, block_k, stages))
                 except Exception as e:   # e.g. out of shared memory
                     print(f"  ({split_k}, {block_n}, {block_k}, {stages}) failed: {type(e).__name__}")
             results.sort()

@@ -34,7 +34,8 @@ def compile_kernel(kernel, types: dict[str, str], constants: dict, num_warps: in
     names = kernel.arg_names
     sig = signature(names, types)
     # Pointers and strides are multiples of 16 at run time, except the unspecialised ones.
-    aligned = [i for i, n in enumerate(names) if (sig[n].startswith("*") or n.startswith("stride") or n in MULTIPLES_OF_16)
+    aligned = [i for i, n in enumerate(names)
+               if (sig[n].startswith("*") or n.startswith("stride") or n in MULTIPLES_OF_16)
                and n not in kernel.do_not_specialize]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     options = {"num_warps": num_warps, "num_stages": num_stages}
@@ -64,13 +65,17 @@ def main():
     for cache in ("bf16", "fp8e4nv"):
         types = {"q_ptr": "*bf16", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}",
                  "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16",
-                 "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "scale": "fp32"}
+                 "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "count_ptr": "*i32", "scale": "fp32"}
         for block_n, stages, warps, maxnreg in ((64, 2, 4, None), (64, 3, 4, None), (64, 3, 4, 128),
                                                 (128, 3, 8, None), (32, 4, 2, None)):
             constants = dict(NUM_SPLITS=4, MIN_SPLIT=1024, GROUP=2, BLOCK_G=16, HEAD_DIM=128, PAGE=256,
-                             BLOCK_N=block_n, PDL=False)
+                             BLOCK_N=block_n, FUSE_MERGE=False, PDL=False)
             compiled = compile_kernel(ta._decode_split_kernel, types, constants, warps, stages, maxnreg)
             print(report(f"{cache} {(block_n, stages, warps, maxnreg)}", compiled, warps))
+        for stages, maxnreg in ((2, None), (3, 128)):   # the defaults per cache dtype, merge fused
+            compiled = compile_kernel(ta._decode_split_kernel, types, constants | dict(BLOCK_N=64, FUSE_MERGE=True),
+                                      4, stages, maxnreg)
+            print(report(f"{cache} (64, {stages}, 4, {maxnreg}) fused merge", compiled, 4))
         constants |= dict(BLOCK_N=64, PDL=True)   # programmatic dependent launch (kernels/pdl.py)
         compiled = compile_kernel(ta._decode_split_kernel, types, constants, 4, 2, None)
         ptx = compiled.asm["ptx"]

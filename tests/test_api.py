@@ -89,7 +89,8 @@ def test_chat_content_parts(llm):
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]
     with pytest.raises(ValueError, match="content part of type 'image_url' is not supported"):
         llm.chat(image, sp, use_tqdm=False)
-    with pytest.raises(ValueError, match="chat_template_content_format must be 'auto', 'string' or 'openai', got 'xml'"):
+    with pytest.raises(ValueError, match="chat_template_content_format must be 'auto', 'string' or 'openai', "
+                                         "got 'xml'"):
         llm.chat(parts, sp, use_tqdm=False, chat_template_content_format="xml")
 
 
@@ -108,11 +109,11 @@ def test_chat_bad_messages(llm, messages, message):
 
 def test_lora_request_is_refused_unless_none(llm):
     sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    plain = llm.generate([{"prompt_token_ids": [1, 2, 3]}], sp, use_tqdm=False)
-    assert llm.generate([{"prompt_token_ids": [1, 2, 3]}], sp, use_tqdm=False, lora_request=None)[0].outputs[0].token_ids \
-        == plain[0].outputs[0].token_ids
+    prompt = [{"prompt_token_ids": [1, 2, 3]}]
+    plain = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate(prompt, sp, use_tqdm=False, lora_request=None)[0].outputs[0].token_ids == plain
     with pytest.raises(ValueError, match="lora_request is not supported"):
-        llm.generate([{"prompt_token_ids": [1, 2, 3]}], sp, use_tqdm=False, lora_request=object())
+        llm.generate(prompt, sp, use_tqdm=False, lora_request=object())
     with pytest.raises(ValueError, match="lora_request is not supported"):
         llm.chat([{"role": "user", "content": "Hi"}], sp, use_tqdm=False, lora_request="adapter")
     assert not llm.llm_engine.has_unfinished_requests()

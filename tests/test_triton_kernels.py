@@ -97,11 +97,14 @@ def test_decode_attention(num_kv_heads, group, head_dim, page, seq_lens, cache_d
     q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen).to(DTYPE)
     scale = head_dim ** -0.5
     ref = torch_attention.paged_attention(q[:-1], k_cache, v_cache, tables, qsl[:-1], seq_lens[:-1], scale)
-    for num_splits, min_split in ((1, 64), (3, 64), (16, 64), (16, 256), (4, 512)):
+    # (fused merge twice in a row: a counter left non-zero by the first call would break the second)
+    for num_splits, min_split, fuse_merge in ((1, 64, False), (3, 64, False), (16, 64, False), (16, 256, False),
+                                              (4, 512, False), (3, 64, True), (16, 64, True), (16, 64, True)):
         out = triton_attention.decode_attention(
             q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE),
-            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), scale, num_splits, min_split).cpu()
-        assert rel_err(out[:-1], ref) < TOL, (num_splits, min_split)
+            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), scale, num_splits, min_split,
+            fuse_merge=fuse_merge).cpu()
+        assert rel_err(out[:-1], ref) < TOL, (num_splits, min_split, fuse_merge)
         assert torch.equal(out[-1], torch.zeros_like(out[-1]))
 
 

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import pdl
+from nanovllm.kernels.counters import counters as arrival_counters
 
 
 # ---- store ------------------------------------------------------------------------------------
@@ -108,11 +109,11 @@ def tile_size(block_n: int, page: int) -> int:
 # otherwise compile a kernel for width 1 and for multiples of 16, in the middle of a run).
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                         out_ptr, o_part_ptr, lse_part_ptr, scale,
+                         out_ptr, o_part_ptr, lse_part_ptr, count_ptr, scale,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cr, stride_ch,
                          NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, GROUP: tl.constexpr,
                          BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PDL: tl.constexpr):
+                         FUSE_MERGE: tl.constexpr, PDL: tl.constexpr):
     pdl.begin(PDL)
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
@@ -152,9 +153,38 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:               # o_part [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM], lse_part [.., NUM_SPLITS]
-        part = (seq * num_heads + heads) * NUM_SPLITS + split
-        tl.store(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None])
-        tl.store(lse_part_ptr + part, m_i + tl.log2(l_i), mask=g_mask)
+        first = (seq * num_heads + heads) * NUM_SPLITS
+        tl.store(o_part_ptr + (first + split)[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None])
+        tl.store(lse_part_ptr + first + split, m_i + tl.log2(l_i), mask=g_mask)
+        if FUSE_MERGE:  # the last split of this (sequence, KV head) to finish merges them all
+            tl.debug_barrier()                                       # every thread's partials written ...
+            counter = count_ptr + seq * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_used - 1:   # ... before counting in
+                out = _merge_splits(o_part_ptr, lse_part_ptr, first, num_used, g_mask, offs_d, BLOCK_G, HEAD_DIM)
+                tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _merge_splits(o_part_ptr, lse_part_ptr, first, num_used, g_mask, offs_d, BLOCK_G: tl.constexpr,
+                  HEAD_DIM: tl.constexpr):
+    """The output of BLOCK_G query heads from their first num_used splits' partials (first: each
+    head's first partial), combined as online softmax combines tiles. Loads bypass L1: the partials
+    were written by other programs."""
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for s in range(0, num_used):
+        lse = tl.load(lse_part_ptr + first + s, mask=g_mask, other=0.0, cache_modifier=".cg")
+        o = tl.load(o_part_ptr + (first + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=g_mask[:, None],
+                    other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        alpha, w = tl.exp2(m - m_new), tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + o * w[:, None]
+        l_sum = l_sum * alpha + w
+        m = m_new
+    return acc / l_sum[:, None]
 
 
 @triton.jit
@@ -199,10 +229,12 @@ def decode_split_config(num_seqs: int, num_kv_heads: int, num_sms: int, max_mode
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      num_splits: int = 16, min_split: int = 64, block_n: int = 64, num_stages: int | None = None,
-                     num_warps: int = 4, max_registers: int | None = None) -> torch.Tensor:
+                     num_warps: int = 4, max_registers: int | None = None, fuse_merge: bool = False) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim], one query per sequence at position seq_lens - 1.
     A context is split into ceil(seq_len / split_len) parts, split_len = max(seq_len / num_splits,
-    min_split) rounded up to block_n. A sequence with seq_len 0 (padding) gets zeros."""
+    min_split) rounded up to block_n. A sequence with seq_len 0 (padding) gets zeros.
+    fuse_merge: the last split of each (sequence, KV head) merges them (kernels/counters.py), instead
+    of a second kernel; not yet measured on a GPU, so off by default."""
     num_seqs, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -215,14 +247,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty_like(q)
     o_part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    fuse_merge = fuse_merge and num_splits > 1
+    count = arrival_counters(q.device) if fuse_merge else lse_part
+    assert not fuse_merge or num_seqs * num_kv_heads <= count.numel()
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, o_part, lse_part, scale,
+        q, k_cache, v_cache, block_tables, seq_lens, out, o_part, lse_part, count, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_SPLITS=num_splits, MIN_SPLIT=min_split, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
-        maxnreg=max_registers, **pdl.launch_options())
-    if num_splits == 1:
+        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n, FUSE_MERGE=fuse_merge, num_warps=num_warps,
+        num_stages=num_stages, maxnreg=max_registers, **pdl.launch_options())
+    if num_splits == 1 or fuse_merge:
         return out
     _decode_merge_kernel[(num_seqs, num_heads)](
         o_part, lse_part, seq_lens, out, out.stride(0), out.stride(1),

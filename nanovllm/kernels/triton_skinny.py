@@ -7,9 +7,9 @@ software pipeline: the product is a `tl.dot` of the weight tile with x padded to
 "swapped" GEMM, weight as the left operand), so the loads are the asynchronous, multi-stage kind.
 A projection with few output features (o_proj and down_proj of the 0.6B shape: 16 blocks of 64)
 would leave most SMs idle, so its input features are split SPLIT_K ways: every program writes
-its partial sums to a workspace and counts itself in on a per-block counter; the last one of a
-block adds the partials up in split order (deterministic), writes y and zeroes the counter again,
-so no memset is needed between calls. Measured against cuBLAS in docs/perf_notes.md row 18
+its partial sums to a workspace and counts itself in on a per-block counter (kernels/counters.py);
+the last one of a block adds the partials up in split order (deterministic), writes y and zeroes
+the counter again. Measured against cuBLAS in docs/perf_notes.md row 18
 (tests/bench_skinny.py).
 """
 import functools
@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import pdl
+from nanovllm.kernels.counters import counters as arrival_counters
 
 MAX_ROWS = 16           # x's rows padded to this: the MMA's smallest width
 BLOCK_N, BLOCK_K, NUM_STAGES = 64, 256, 4   # the best at 1 row for every shape tried (tests/bench_skinny.py)
@@ -112,13 +113,6 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@functools.cache
-def _counters(device: torch.device) -> torch.Tensor:
-    """One arrival counter per block of output features, zero between calls (the last program of a
-    block resets its own). Calls on one stream run one after another, so they can share them."""
-    return torch.zeros(1 << 16, dtype=torch.int32, device=device)
-
-
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   split_k: int | None = None, block_n: int = BLOCK_N, block_k: int = BLOCK_K,
                   num_stages: int = NUM_STAGES, num_warps: int = 4) -> torch.Tensor:
@@ -136,7 +130,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     parts = counters = out
     if split_k > 1:
         parts = torch.empty(split_k, n, MAX_ROWS, dtype=torch.float32, device=x.device)
-        counters = _counters(x.device)
+        counters = arrival_counters(x.device)
         assert blocks <= counters.numel()
     _skinny_linear_kernel[(blocks, split_k)](
         x, weight, bias if bias is not None else weight, out, parts, counters, m, n, k, k_per_split,
