@@ -1,4 +1,5 @@
 """SamplingParams: how to pick each next token and when to stop (vLLM's fields and defaults)."""
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -48,6 +49,10 @@ class SamplingParams:
         if self.is_greedy:
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's SamplingParams.clone)."""
+        return copy.deepcopy(self)
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
@@ -69,8 +74,8 @@ class SamplingParams:
               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         check(-2.0 <= self.frequency_penalty <= 2.0,
               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        check(self.repetition_penalty > 0.0,
-              f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+        check(0.0 < self.repetition_penalty < math.inf,   # (inf would turn a logit of 0 into NaN)
+              f"repetition_penalty must be a finite number greater than zero, got {self.repetition_penalty}.")
         check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}.")
         check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
         check(isinstance(self.top_k, int) and self.top_k >= -1,
@@ -129,5 +134,7 @@ class BeamSearchParams:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer of at least 1, got {value!r}.")
-        if self.temperature < 0:
+        if not self.temperature >= 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty}.")

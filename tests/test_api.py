@@ -140,7 +140,8 @@ def test_default_sampling_params_come_from_generation_config(llm):
     (dict(n=0), "n must be at least 1, got 0."),
     (dict(min_tokens=5, max_tokens=2), "min_tokens must be less than or equal to max_tokens=2, got 5."),
     (dict(presence_penalty=3.0), "presence_penalty must be in [-2, 2], got 3.0."),
-    (dict(repetition_penalty=0.0), "repetition_penalty must be greater than zero, got 0.0."),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number greater than zero, got 0.0."),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite number greater than zero, got inf."),
     (dict(logprobs=-1), "logprobs must be non-negative, got -1."),
     (dict(prompt_logprobs=-2), "prompt_logprobs must be non-negative, got -2."),
     (dict(bad_words=["ok", ""]), "bad_words must be a list of non-empty strings, got ['ok', '']."),
@@ -161,6 +162,15 @@ def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError) as e:
         SamplingParams(**kwargs)
     assert message in str(e.value)
+
+
+def test_sampling_params_clone_is_deep():
+    params = SamplingParams(temperature=0.5, stop=["x"], logit_bias={3: 1.0})
+    copy = params.clone()
+    assert copy == params and copy is not params
+    copy.logit_bias[3] = 2.0
+    copy.stop_strings.append("y")
+    assert params.logit_bias == {3: 1.0} and params.stop_strings == ["x"]
 
 
 @pytest.mark.parametrize("prompts, params, message", [
