@@ -24,6 +24,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True   # passed to the tokenizer's decode (fast tokenizers ignore it)
     logprobs: int | None = None         # top-N logprobs per output token (0: the sampled token only)
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token (0: the prompt token only)
     presence_penalty: float = 0.0
@@ -34,6 +35,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None     # only these ids may be sampled
     truncate_prompt_tokens: int | None = None      # keep only the prompt's last k tokens (-1: max_model_len)
     detokenize: bool = True                        # False: token ids only, text stays ""
+    structured_outputs: object | None = None       # vLLM's StructuredOutputsParams: not supported, only None
+    extra_args: dict | None = None                 # kept for custom code, as vLLM (no built-in use)
     # Normalised copies, filled in __post_init__.
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -67,6 +70,8 @@ class SamplingParams:
             if not ok:
                 raise ValueError(message)
 
+        check(self.structured_outputs is None, f"structured_outputs is not supported (nanovllm has no guided "
+                                               f"decoding), got {self.structured_outputs!r:.80}.")
         check_field_types(self)
 
         check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}.")

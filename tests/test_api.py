@@ -157,11 +157,28 @@ def test_default_sampling_params_come_from_generation_config(llm):
     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens must be at least 1, or -1 (max_model_len), got 0."),
     (dict(detokenize=False, stop="x"), "stop strings are only supported when detokenize is True."),
     (dict(stop=[""]), "stop must be a non-empty string"),
+    (dict(structured_outputs={"json": {}}), "structured_outputs is not supported (nanovllm has no guided decoding), "
+                                            "got {'json': {}}."),
+    (dict(extra_args=["x"]), "extra_args must be dict or None, got ['x']."),
 ])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError) as e:
         SamplingParams(**kwargs)
     assert message in str(e.value)
+
+
+def test_decode_options_reach_the_tokenizer(llm, monkeypatch):
+    """skip_special_tokens and spaces_between_special_tokens go to every decode of the output text;
+    extra_args is kept on the params."""
+    tokenizer = llm.get_tokenizer()
+    seen = []
+    decode = tokenizer.decode
+    monkeypatch.setattr(tokenizer, "decode", lambda ids, **options: seen.append(options) or decode(ids, **options))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, skip_special_tokens=False,
+                            spaces_between_special_tokens=False, extra_args={"tag": 7})
+    out = llm.generate(["Hello"], params, use_tqdm=False)[0]
+    assert seen and all(o == dict(skip_special_tokens=False, spaces_between_special_tokens=False) for o in seen)
+    assert out.outputs[0].text and params.extra_args == {"tag": 7}
 
 
 def test_sampling_params_clone_is_deep():

@@ -65,10 +65,12 @@ class OutputProcessor:
         if seq.read_offset == 0:
             seq.prefix_offset = max(seq.num_prompt_tokens - DETOKENIZE_CONTEXT, 0)
             seq.read_offset = seq.num_prompt_tokens
-        skip = seq.sampling_params.skip_special_tokens
+        params = seq.sampling_params
+        options = dict(skip_special_tokens=params.skip_special_tokens,
+                       spaces_between_special_tokens=params.spaces_between_special_tokens)
         ids = seq.token_ids
-        prefix_text = self.tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
-        new_text = self.tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
+        prefix_text = self.tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], **options)
+        new_text = self.tokenizer.decode(ids[seq.prefix_offset:], **options)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
         delta = new_text[len(prefix_text):]
