@@ -42,3 +42,10 @@ def test_pdl_only_in_small_decode_graphs(monkeypatch):
     monkeypatch.setattr(pdl, "enabled", lambda: False)              # NANOVLLM_PDL unset
     with pdl.decode_graph(1):
         assert pdl.launch_options() == dict(PDL=False)
+
+
+def test_fused_merge_is_an_opt_in(monkeypatch):
+    from nanovllm.layers.attention import TritonBackend
+    assert TritonBackend().fuse_merge is False
+    monkeypatch.setenv("NANOVLLM_FUSE_MERGE", "1")
+    assert TritonBackend().fuse_merge is True
