@@ -2,7 +2,8 @@
 # The whole GPU check in one device call: GPU tests, then bench.py workloads. Logs under $OUT.
 # Usage (repo root, on the GPU machine):
 #   [ENGINES="nanovllm vllm"] [KV_DTYPES="auto fp8"] [REPEATS=2] [SKIP_TESTS=1] bash tests/gpu_check.sh [workloads...]
-# VARIANTS="NANOVLLM_PDL=0 NANOVLLM_PDL=1" runs every benchmark once per environment setting, interleaved.
+# VARIANTS="NANOVLLM_PDL=0 NANOVLLM_PDL=1" runs every benchmark once per environment setting, interleaved;
+# a comma joins settings into one variant: VARIANTS="X=0 X=1,Y=1".
 # ENGINES=none runs the tests alone. Each GPU test file runs in its own pytest under its own
 # time limit (TEST_TIMEOUT, seconds), so a test blocked in a collective costs only its file;
 # faulthandler prints where a test hung once it has run STACK_AFTER seconds (default 90).
@@ -31,7 +32,7 @@ for engine in ${ENGINES:-nanovllm}; do
       for i in $(seq "${REPEATS:-1}"); do
         for v in "${variants[@]}"; do      # interleaved, so that drift hits every variant alike
           tag=${v:+_${v//[^A-Za-z0-9]/}}
-          env $v timeout "${BENCH_TIMEOUT:-240}" python3 bench.py --engine "$engine" --workload "$w" \
+          env ${v//,/ } timeout "${BENCH_TIMEOUT:-240}" python3 bench.py --engine "$engine" --workload "$w" \
             --kv-cache-dtype "$kv" --json 2>&1 | tee "$OUT/bench_${engine}_${w}_${kv}${tag}_$i.log" | grep -v '^{' | tail -4
         done
       done
