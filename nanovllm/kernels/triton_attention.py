@@ -245,10 +245,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         # with two tiles in flight and registers capped so that four programs fit on an SM.
         num_stages, max_registers = (3, 128) if k_cache.element_size() == 1 else (2, max_registers)
     out = torch.empty_like(q)
-    o_part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    lse_part = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    o_part = lse_part = count = out    # (not touched by the kernel unless there are splits / a fused merge)
+    if num_splits > 1:
+        o_part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     fuse_merge = fuse_merge and num_splits > 1
-    count = arrival_counters(q.device) if fuse_merge else lse_part
+    if fuse_merge:
+        count = arrival_counters(q.device)
     assert not fuse_merge or num_seqs * num_kv_heads <= count.numel()
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, o_part, lse_part, count, scale,
