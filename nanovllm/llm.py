@@ -33,8 +33,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
-    def reset_prefix_cache(self):
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prompt blocks; True once done (vLLM's return value; nothing runs
+        between generate calls, so it always succeeds)."""
         self.llm_engine.block_manager.reset_prefix_cache()
+        return True
 
     def get_default_sampling_params(self) -> SamplingParams:
         return self.llm_engine.default_sampling_params()
@@ -72,9 +75,10 @@ class LLM:
 
     # ---- generation ---------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm=True, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in input order. priority: one int per prompt,
-        lower first, with LLM(scheduling_policy="priority"). lora_request: vLLM's; only None."""
+        lower first, with LLM(scheduling_policy="priority"). lora_request: vLLM's; only None.
+        use_tqdm: show a progress bar; a callable is used in place of tqdm (as in vLLM)."""
         if self.closed:
             raise RuntimeError("this LLM is closed; create a new one.")
         if lora_request is not None:
@@ -128,11 +132,12 @@ class LLM:
                              f"the scheduling policy is {policy!r}.")
         return list(priority)
 
-    def _run_engine(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+    def _run_engine(self, num_requests: int, use_tqdm) -> dict[str, RequestOutput]:
         engine = self.llm_engine
         outputs = {}
-        with tqdm(total=num_requests, desc="Processed prompts", dynamic_ncols=True,
-                  disable=not use_tqdm) as pbar:
+        progress_bar = use_tqdm if callable(use_tqdm) else tqdm
+        with progress_bar(total=num_requests, desc="Processed prompts", dynamic_ncols=True,
+                          disable=not use_tqdm) as pbar:
             while engine.has_unfinished_requests():
                 start = time.perf_counter()
                 finished, stats = engine.step()

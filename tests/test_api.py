@@ -107,6 +107,32 @@ def test_chat_bad_messages(llm, messages, message):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+def test_use_tqdm_takes_a_progress_bar_class(llm):
+    """vLLM's use_tqdm may be a callable used in place of tqdm."""
+    made = []
+
+    class Bar:
+        def __init__(self, **kwargs):
+            made.append(kwargs["total"])
+            self.updates = 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def update(self, n):
+            self.updates += n
+
+        def set_postfix(self, *args, **kwargs):
+            pass
+
+    out = llm.generate([[1, 2], [3, 4, 5]], SamplingParams(max_tokens=2), use_tqdm=Bar)
+    assert len(out) == 2 and made == [2]
+    assert llm.reset_prefix_cache() is True
+
+
 def test_lora_request_is_refused_unless_none(llm):
     sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     prompt = [{"prompt_token_ids": [1, 2, 3]}]
