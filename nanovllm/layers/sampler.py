@@ -143,6 +143,10 @@ class Sampler:
 
     def _sample_fused(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         from nanovllm.kernels.triton_sampler import gumbel_argmax
+        if md.all_greedy:
+            # One argmax kernel instead of four (noise seeds, the fused kernel, its reduction over
+            # chunks, the gather); the fused kernel's greedy rows are exactly this argmax.
+            return logits.argmax(-1)
         temperatures = md.temperatures
         if md.top_k is not None or md.top_p is not None or md.min_p is not None:
             logits = filter_logits(logits.float() / temperatures[:, None], md)
