@@ -1,7 +1,8 @@
 """One mixed workload under every scheduling pressure at once gives the same tokens as with room to
 spare: greedy and seeded sampled requests, n > 1, penalties, logprobs, prompt logprobs, shared
 prefixes, priorities; a cache small enough to preempt, a token budget small enough to chunk.
-Seeded sampling depends only on (seed, output index), so it is compared exactly too."""
+Seeded sampling depends only on (seed, output index), so it is compared exactly too; so is a
+tensor-parallel run (gloo, float32)."""
 import random
 
 import pytest
@@ -14,6 +15,7 @@ PRESSURE = {
     "priority_preempt": dict(num_kvcache_blocks=20, scheduling_policy="priority"),
     "few_seqs_no_prefix_cache": dict(max_num_seqs=3, enable_prefix_caching=False, max_num_batched_tokens=64),
     "async_preempt_and_chunk": dict(num_kvcache_blocks=20, max_num_batched_tokens=48, async_scheduling=True),
+    "tp2_preempt_and_chunk": dict(num_kvcache_blocks=20, max_num_batched_tokens=48, tensor_parallel_size=2),
 }
 
 
@@ -68,6 +70,7 @@ def roomy(qwen3_dir):
 @pytest.mark.parametrize("pressure", list(PRESSURE))
 def test_mixed_workload_is_unchanged_by_scheduling_pressure(qwen3_dir, roomy, pressure):
     llm, rounds = run(qwen3_dir, rounds=2, **PRESSURE[pressure])
+    llm.close()                                          # (tensor-parallel workers end here)
     if "num_kvcache_blocks" in PRESSURE[pressure]:
         assert llm.llm_engine.scheduler.num_preemptions > 0
     assert rounds == [roomy, roomy]
