@@ -192,7 +192,7 @@ class LLM:
         return results
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, lora_request=None, chat_template: str | None = None,
+             use_tqdm=True, lora_request=None, chat_template: str | None = None,
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
