@@ -1,5 +1,6 @@
 """Projection time at small batch sizes on the GPU: kernels/triton_skinny.py against cuBLAS
-(`F.linear`), for the Qwen3-0.6B shapes and the Qwen3-8B shapes at TP=2 (a developer tool, not a test).
+(`F.linear`), for the Qwen3-0.6B shapes and the Qwen3-8B shapes at TP=2, and cuBLAS alone at the
+larger decode batches (a developer tool, not a test).
 
 Each figure is the time per call inside a CUDA graph (as in the decode graphs), the calls cycling
 through enough copies of the weight that it is read from HBM, not L2.
@@ -21,6 +22,7 @@ SHAPES = {   # name: (K, N)
     "8b/2 qkv": (4096, 3072), "8b/2 o": (2048, 4096), "8b/2 gate_up": (4096, 12288), "8b/2 down": (6144, 4096),
 }
 ROWS = (1, 2, 4, 8, 16)
+LARGER_ROWS = (32, 64, 128, 256)   # cuBLAS alone: how far its decode-batch GEMMs are from the weights' floor
 L2_FLUSH_BYTES = 160 << 20
 
 
@@ -41,6 +43,11 @@ def main():
             ours = us_per_call_in_graph([lambda w=w: skinny_linear(x, w) for w in weights])
             print(f"{name:14} {m:4} {theirs:8.2f} {ours:8.2f} {w0.nbytes / theirs / 1e3:12.0f} "
                   f"{w0.nbytes / ours / 1e3:10.0f}  {diff:.3g}")
+        for m in LARGER_ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            theirs = us_per_call_in_graph([lambda w=w: F.linear(x, w) for w in weights])
+            print(f"{name:14} {m:4} {theirs:8.2f} {'-':>8} {w0.nbytes / theirs / 1e3:12.0f} {'-':>10}  "
+                  f"({2 * m * n * k / theirs / 1e6:.0f} TFLOP/s)")
         if args.sweep:
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             results = []
