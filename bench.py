@@ -125,6 +125,7 @@ def main():
         result["pdl"] = pdl.enabled()      # NANOVLLM_PDL=1 on an sm_90+ GPU (experimental)
         result["skinny"] = triton_skinny.enabled()   # NANOVLLM_SKINNY=0 turns the small-batch projections off
         result["fuse_merge"] = os.environ.get("NANOVLLM_FUSE_MERGE") == "1"   # experimental
+        result["fuse_norm"] = triton_skinny.fuse_norm_enabled()               # experimental
     if args.workload == "latency":
         result["ms_per_token"] = round(elapsed * 1000 / num_out, 3)
         print(f"Latency: {result['ms_per_token']:.3f} ms/token (batch 1)")
