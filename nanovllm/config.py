@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from nanovllm.layers.rotary import max_positions
 from nanovllm.utils.hub import check_directory_or_hub_id, resolve_model_path
 from nanovllm.utils.validation import check_field_types
 
@@ -105,12 +106,13 @@ class Config:
         self._validate_tensor_parallel()
         self.torch_dtype = self._resolve_dtype()
         self.kv_cache_torch_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
-        max_len = self.hf_config.max_position_embeddings
+        max_len = max_positions(self.hf_config)
         if self.max_model_len is None:
             self.max_model_len = max_len
         elif self.max_model_len > max_len:
+            scaled = ", with its RoPE scaling" if max_len != self.hf_config.max_position_embeddings else ""
             raise ValueError(f"max_model_len ({self.max_model_len}) is greater than the model's "
-                             f"max_position_embeddings ({max_len}).")
+                             f"max_position_embeddings ({max_len}{scaled}).")
         window = getattr(self.hf_config, "sliding_window", None)
         if getattr(self.hf_config, "use_sliding_window", True) and window and self.max_model_len > window:
             raise ValueError(f"the model attends within a sliding window of {window} tokens, which nanovllm does "

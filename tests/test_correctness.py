@@ -114,3 +114,33 @@ def test_mistral_within_its_sliding_window(tmp_path, tokenizer):
     prompts = [p for p in PROMPTS if len(p) + MAX_TOKENS <= 64]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert len(prompts) >= 6 and [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("rope", [
+    dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64),
+    dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=32, beta_fast=16,
+         beta_slow=2, mscale=1.0, mscale_all_dim=0.5),
+    dict(rope_type="linear", rope_theta=10000.0, factor=2.0),
+], ids=["yarn", "yarn_mscale", "linear"])
+def test_scaled_rope_matches_hf(tmp_path, tokenizer, rope):
+    """Qwen3 with YaRN or linear RoPE scaling (prompts past the original context) equals HF; the
+    allowed length is vLLM's derived one (original context x factor for YaRN, max_position x factor
+    for linear), and the same weights with plain RoPE give other tokens (the scaling is applied)."""
+    path = build_model_dir(tmp_path, "qwen3", tokenizer, rope_parameters=rope, max_position_embeddings=256)
+    llm = LLM(path, dtype="float32", block_size=16, num_kvcache_blocks=256)
+    base = rope.get("original_max_position_embeddings", 256)
+    assert llm.llm_engine.config.max_model_len == int(base * rope["factor"])
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == hf_greedy(path, PROMPTS, MAX_TOKENS)
+    plain = LLM(path, dtype="float32", block_size=16, num_kvcache_blocks=256, max_model_len=256,
+                hf_overrides={"rope_parameters": dict(rope_type="default", rope_theta=10000.0)})
+    outs = plain.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] != got
+
+
+def test_unsupported_rope_scaling_is_refused(qwen3_dir):
+    rope = dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)
+    with pytest.raises(ValueError, match="rope scaling .*'dynamic'.* is not supported; only the default RoPE and "
+                                         "'llama3', 'yarn', 'linear' are."):
+        LLM(qwen3_dir, hf_overrides={"rope_parameters": rope})

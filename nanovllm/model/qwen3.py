@@ -16,25 +16,33 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import QKVParallelLinear, RowParallelLinear, norm_linear
 from nanovllm.layers.mlp import GatedMLP
 from nanovllm.layers.moe import SparseMoeBlock, is_moe_layer
-from nanovllm.layers.rotary import RotaryEmbedding
+from nanovllm.layers.rotary import SCALINGS, RotaryEmbedding, max_positions, rope_parameters, rope_type
 
 
 def rope_settings(config: PretrainedConfig) -> tuple[float, dict | None]:
-    """-> (theta, Llama 3 scaling or None); other scaled RoPE variants are refused."""
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", "llama3"):
-        raise ValueError(f"rope scaling {rope} is not supported; only the default RoPE and 'llama3' are.")
+    """-> (theta, the long-context scaling's parameters or None); unsupported variants are refused."""
+    rope = rope_parameters(config)
+    kind = rope_type(rope)
+    if kind != "default" and kind not in SCALINGS:
+        raise ValueError(f"rope scaling {rope} is not supported; only the default RoPE and "
+                         f"{', '.join(repr(k) for k in SCALINGS)} are.")
     theta = getattr(config, "rope_theta", None)
-    return (theta if theta is not None else rope["rope_theta"]), (rope if kind == "llama3" else None)
+    return (theta if theta is not None else rope["rope_theta"]), (rope if kind != "default" else None)
+
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class QwenAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp: TPGroup):
+    def __init__(self, config: PretrainedConfig, tp: TPGroup, rotary_emb: RotaryEmbedding):
+        """rotary_emb: the model's one RotaryEmbedding, shared by all layers (its cos/sin table is
+        [max positions, head_dim] floats: 21 MB for Qwen3-0.6B, 67 MB with YaRN to 131k)."""
         super().__init__()
         tp_size = tp.size
         self.is_qwen3 = config.model_type in ("qwen3", "qwen3_moe")
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim_of(config)
         self.num_heads = config.num_attention_heads // tp_size
         self.num_kv_heads = config.num_key_value_heads // tp_size
         self.q_size = self.num_heads * self.head_dim
@@ -47,7 +55,7 @@ class QwenAttention(nn.Module):
                                           config.num_key_value_heads, bias=qkv_bias, tp=tp)
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                         bias=o_bias, tp=tp)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, *rope_settings(config))
+        self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
         if self.is_qwen3:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -77,9 +85,9 @@ class QwenAttention(nn.Module):
 
 
 class QwenDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp: TPGroup, index: int):
+    def __init__(self, config: PretrainedConfig, tp: TPGroup, index: int, rotary_emb: RotaryEmbedding):
         super().__init__()
-        self.self_attn = QwenAttention(config, tp)
+        self.self_attn = QwenAttention(config, tp, rotary_emb)
         if is_moe_layer(config, index):
             self.mlp = SparseMoeBlock(config, tp)
         else:
@@ -101,7 +109,9 @@ class QwenModel(nn.Module):
     def __init__(self, config: PretrainedConfig, tp: TPGroup):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList([QwenDecoderLayer(config, tp, i) for i in range(config.num_hidden_layers)])
+        rotary_emb = RotaryEmbedding(head_dim_of(config), max_positions(config), *rope_settings(config))
+        self.layers = nn.ModuleList([QwenDecoderLayer(config, tp, i, rotary_emb)
+                                     for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
