@@ -31,6 +31,7 @@ class Config:
     tokenizer_revision: str | None = None   # of a hub tokenizer given by `tokenizer`
     download_dir: str | None = None         # hub cache directory (default: Hugging Face's)
     hf_overrides: dict | None = None        # attributes set on the model's HF config after loading it
+                                            # (a dict attribute is updated with a dict)
     dtype: str = "auto"
     quantization: str | None = None         # only None: checkpoints are loaded unquantized
     device: str = "auto"
@@ -93,6 +94,9 @@ class Config:
                                              revision=self.revision, cache_dir=self.download_dir)
         self.hf_config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
         for name, value in (self.hf_overrides or {}).items():
+            current = getattr(self.hf_config, name, None)
+            if isinstance(current, dict) and isinstance(value, dict):   # a dict attribute is updated, not replaced
+                value = {**current, **value}
             setattr(self.hf_config, name, value)
         quantized = getattr(self.hf_config, "quantization_config", None)
         if quantized:

@@ -139,6 +139,19 @@ def test_scaled_rope_matches_hf(tmp_path, tokenizer, rope):
     assert [o.outputs[0].token_ids for o in outs] != got
 
 
+def test_rope_scaling_by_its_older_name(qwen3_dir):
+    """hf_overrides={"rope_scaling": ...} (the name older configs and scripts use) scales as
+    rope_parameters does; a dict override updates the config's dict (rope_theta is kept)."""
+    yarn = dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=64)
+    runs = []
+    for name in ("rope_scaling", "rope_parameters"):
+        overrides = {name: yarn if name == "rope_scaling" else yarn | dict(rope_theta=10000.0)}
+        llm = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=256, hf_overrides=overrides)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        runs.append([o.outputs[0].token_ids for o in outs])
+    assert runs[0] == runs[1] != reference(qwen3_dir)
+
+
 def test_unsupported_rope_scaling_is_refused(qwen3_dir):
     rope = dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)
     with pytest.raises(ValueError, match="rope scaling .*'dynamic'.* is not supported; only the default RoPE and "

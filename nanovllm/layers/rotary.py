@@ -36,8 +36,13 @@ class RotaryEmbedding(nn.Module):
 
 
 def rope_parameters(config) -> dict:
-    """The HF config's RoPE parameters ({} for plain RoPE in older configs)."""
-    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    """The HF config's RoPE parameters ({} for plain RoPE in older configs). A scaling given under
+    the older name rope_scaling (e.g. through hf_overrides) wins over plain rope_parameters."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    legacy = getattr(config, "rope_scaling", None) or {}
+    if rope_type(legacy) != "default" and rope_type(parameters) == "default":
+        return {**parameters, **legacy}
+    return parameters or legacy
 
 
 def rope_type(scaling: dict) -> str:
