@@ -7,6 +7,7 @@ from tqdm.auto import tqdm
 from nanovllm.beam_search import BeamSearchOutput, BeamSearchSequence, extend, ranked
 from nanovllm.config import Config
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.inputs import parse_prompts
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -43,29 +44,6 @@ class LLM:
         return self.llm_engine.default_sampling_params()
 
     # ---- inputs -------------------------------------------------------------------------
-    def _parse_prompts(self, prompts) -> list[tuple[str | None, list[int]]]:
-        """-> [(prompt text or None, prompt token ids)] for every accepted prompt form."""
-        if isinstance(prompts, (str, dict)) or (
-                isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a string, a token-id list, a dict with "
-                             f"'prompt_token_ids' or 'prompt', or a list of these; got {type(prompts).__name__}.")
-        parsed = []
-        for i, p in enumerate(prompts):
-            if isinstance(p, dict) and "prompt_token_ids" in p:
-                parsed.append((p.get("prompt"), list(p["prompt_token_ids"])))
-            elif isinstance(p, dict) and "prompt" in p:
-                parsed.append((p["prompt"], self._encode(i, p["prompt"])))
-            elif isinstance(p, str):
-                parsed.append((p, self._encode(i, p)))
-            elif isinstance(p, (list, tuple)):
-                parsed.append((None, list(p)))
-            else:
-                raise ValueError(f"prompt {i} must be a string, a token-id list or a dict with "
-                                 f"'prompt_token_ids' or 'prompt'; got {p!r:.80}.")
-        return parsed
-
     def _encode(self, index: int, text: str) -> list[int]:
         tokenizer = self.llm_engine.tokenizer
         if tokenizer is None:
@@ -84,7 +62,7 @@ class LLM:
         if lora_request is not None:
             raise ValueError(f"lora_request is not supported (nanovllm runs the base model only), "
                              f"got {lora_request!r:.80}.")
-        parsed = self._parse_prompts(prompts)
+        parsed = parse_prompts(prompts, self._encode)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -160,7 +138,7 @@ class LLM:
         if 2 * params.beam_width > engine.config.max_logprobs:
             raise ValueError(f"beam_width must be at most max_logprobs / 2 = {engine.config.max_logprobs // 2} "
                              f"(each step asks for 2 x beam_width logprobs), got {params.beam_width}.")
-        parsed = self._parse_prompts(prompts)
+        parsed = parse_prompts(prompts, self._encode)
         step = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
                               ignore_eos=True)
         whole = SamplingParams(max_tokens=params.max_tokens, ignore_eos=True)

@@ -133,6 +133,25 @@ def test_use_tqdm_takes_a_progress_bar_class(llm):
     assert llm.reset_prefix_cache() is True
 
 
+def test_vllm_prompt_types(llm):
+    """vLLM's TextPrompt / TokensPrompt import from nanovllm and work; keys asking for what nanovllm
+    does not do (multimodal data, cache_salt) or unknown keys are ValueErrors, not ignored."""
+    from nanovllm import TextPrompt, TokensPrompt
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    by_ids = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], sp, use_tqdm=False)[0]
+    by_text = llm.generate([TextPrompt(prompt="Hello")], sp, use_tqdm=False)[0]
+    assert by_ids.prompt_token_ids == [5, 6, 7] and by_text.prompt == "Hello"
+    for prompt, message in (
+            ({"prompt": "Hi", "multi_modal_data": {"image": None}},
+             "prompt 1: 'multi_modal_data' is not supported: multimodal inputs (nanovllm runs text-only models)."),
+            ({"prompt_token_ids": [5], "cache_salt": "a"}, "prompt 1: 'cache_salt' is not supported"),
+            ({"prompt_token_ids": [5], "prompt_ids": [6]}, "prompt 1: unknown key 'prompt_ids'")):
+        with pytest.raises(ValueError) as e:
+            llm.generate([[1, 2], prompt], sp, use_tqdm=False)
+        assert message in str(e.value)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_lora_request_is_refused_unless_none(llm):
     sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     prompt = [{"prompt_token_ids": [1, 2, 3]}]
