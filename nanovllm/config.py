@@ -1,5 +1,6 @@
 """Config: every engine setting in one place, validated up front (vLLM's names and defaults)."""
 import os
+import random
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -35,7 +36,7 @@ class Config:
     dtype: str = "auto"
     quantization: str | None = None         # only None: checkpoints are loaded unquantized
     device: str = "auto"
-    seed: int = 0
+    seed: int | None = 0                    # None: a random seed (vLLM's meaning)
     max_model_len: int | None = None
     max_num_seqs: int = 512
     max_num_batched_tokens: int = 16384
@@ -83,6 +84,8 @@ class Config:
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
         check_field_types(self)
+        if self.seed is None:
+            self.seed = random.randrange(2**31)
         self._validate_scalars()
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -320,6 +320,17 @@ def test_bad_engine_arguments(qwen3_dir, kwargs, message):
     assert message in str(e.value)
 
 
+def test_seed_none_draws_a_random_seed(qwen3_dir):
+    """LLM(seed=None), vLLM's "no fixed seed": each engine draws its own, so unseeded sampling differs."""
+    sampled = []
+    for _ in range(2):
+        llm = LLM(qwen3_dir, dtype="float32", num_kvcache_blocks=16, seed=None)
+        assert isinstance(llm.llm_engine.config.seed, int)
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        sampled.append(out[0].outputs[0].token_ids)
+    assert sampled[0] != sampled[1]
+
+
 def test_missing_model_directory():
     with pytest.raises(ValueError, match="no such directory"):
         LLM("./no/such/model")
