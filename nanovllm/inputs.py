@@ -1,11 +1,18 @@
 """The prompt forms LLM.generate takes, by vLLM's names (vllm.inputs): a string, a list of token
 ids, TextPrompt {"prompt": ...} or TokensPrompt {"prompt_token_ids": [...]}, or a list of these.
-The dict types are plain dicts at run time; they exist so that vLLM scripts import them."""
-from typing import Callable, TypedDict
+The dict types are plain dicts at run time; they exist so that vLLM scripts import them.
+
+Either dict may carry a "cache_salt" string: its blocks then hit in the prefix cache only for
+requests with the same salt (vLLM's isolation of tenants sharing one engine)."""
+from typing import Callable, NamedTuple, TypedDict
 
 
-class TextPrompt(TypedDict):
+class _Text(TypedDict):
     prompt: str
+
+
+class TextPrompt(_Text, total=False):
+    cache_salt: str
 
 
 class _TokenIds(TypedDict):
@@ -13,7 +20,15 @@ class _TokenIds(TypedDict):
 
 
 class TokensPrompt(_TokenIds, total=False):
-    prompt: str     # optional: the text the ids came from, reported back in RequestOutput.prompt
+    prompt: str     # the text the ids came from, reported back in RequestOutput.prompt
+    cache_salt: str
+
+
+class Prompt(NamedTuple):
+    """A parsed prompt."""
+    text: str | None
+    token_ids: list[int]
+    cache_salt: str | None = None
 
 
 PromptType = str | list[int] | TextPrompt | TokensPrompt
@@ -22,13 +37,12 @@ PromptType = str | list[int] | TextPrompt | TokensPrompt
 UNSUPPORTED_KEYS = {"multi_modal_data": "multimodal inputs (nanovllm runs text-only models)",
                     "mm_processor_kwargs": "multimodal inputs (nanovllm runs text-only models)",
                     "multi_modal_uuids": "multimodal inputs (nanovllm runs text-only models)",
-                    "cache_salt": "cache_salt (prefix-cache isolation)",
                     "token_type_ids": "token_type_ids (pooling models)"}
+KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 
 
-def parse_prompts(prompts, encode: Callable[[int, str], list[int]]) -> list[tuple[str | None, list[int]]]:
-    """-> [(prompt text or None, prompt token ids)] for every accepted prompt form; encode(index,
-    text) tokenizes a text prompt."""
+def parse_prompts(prompts, encode: Callable[[int, str], list[int]]) -> list[Prompt]:
+    """Every accepted prompt form as a Prompt; encode(index, text) tokenizes a text prompt."""
     if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
         prompts = [prompts]
@@ -41,17 +55,20 @@ def parse_prompts(prompts, encode: Callable[[int, str], list[int]]) -> list[tupl
             for key in p:
                 if key in UNSUPPORTED_KEYS:
                     raise ValueError(f"prompt {i}: {key!r} is not supported: {UNSUPPORTED_KEYS[key]}.")
-                if key not in ("prompt", "prompt_token_ids"):
+                if key not in KEYS:
                     raise ValueError(f"prompt {i}: unknown key {key!r}; a prompt dict has 'prompt' and/or "
-                                     f"'prompt_token_ids'.")
+                                     f"'prompt_token_ids', and may have 'cache_salt'.")
+            salt = p.get("cache_salt")
+            if salt is not None and not (isinstance(salt, str) and salt):
+                raise ValueError(f"prompt {i}: cache_salt must be a non-empty string, got {salt!r:.80}.")
         if isinstance(p, dict) and "prompt_token_ids" in p:
-            parsed.append((p.get("prompt"), list(p["prompt_token_ids"])))
+            parsed.append(Prompt(p.get("prompt"), list(p["prompt_token_ids"]), p.get("cache_salt")))
         elif isinstance(p, dict) and "prompt" in p:
-            parsed.append((p["prompt"], encode(i, p["prompt"])))
+            parsed.append(Prompt(p["prompt"], encode(i, p["prompt"]), p.get("cache_salt")))
         elif isinstance(p, str):
-            parsed.append((p, encode(i, p)))
+            parsed.append(Prompt(p, encode(i, p)))
         elif isinstance(p, (list, tuple)):
-            parsed.append((None, list(p)))
+            parsed.append(Prompt(None, list(p)))
         else:
             raise ValueError(f"prompt {i} must be a string, a token-id list or a dict with "
                              f"'prompt_token_ids' or 'prompt'; got {p!r:.80}.")

@@ -73,7 +73,7 @@ class LLM:
         engine = self.llm_engine
         priority = self._check_priority(priority, len(parsed))
         # Validate the whole call before any request is added: a bad prompt leaves no trace.
-        for i, ((text, token_ids), params) in enumerate(zip(parsed, sampling_params)):
+        for i, (prompt, params) in enumerate(zip(parsed, sampling_params)):
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}.")
             keep = params.truncate_prompt_tokens
@@ -83,10 +83,10 @@ class LLM:
                     raise ValueError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
                                      f"({max_model_len}). Please, select a smaller truncation size.")
                 keep = max_model_len if keep == -1 else keep
-                parsed[i] = (text, token_ids[-keep:])
-            engine.validate_request(i, parsed[i][1], params)
-        request_ids = [engine.add_request(text, token_ids, params, rank)
-                       for (text, token_ids), params, rank in zip(parsed, sampling_params, priority)]
+                parsed[i] = prompt._replace(token_ids=prompt.token_ids[-keep:])
+            engine.validate_request(i, parsed[i].token_ids, params)
+        request_ids = [engine.add_request(prompt.text, prompt.token_ids, params, rank, prompt.cache_salt)
+                       for prompt, params, rank in zip(parsed, sampling_params, priority)]
         try:
             outputs = self._run_engine(len(request_ids), use_tqdm)
         except BaseException:
@@ -142,19 +142,21 @@ class LLM:
         step = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
                               ignore_eos=True)
         whole = SamplingParams(max_tokens=params.max_tokens, ignore_eos=True)
-        for i, (_, token_ids) in enumerate(parsed):
-            engine.validate_request(i, token_ids, whole)
+        for i, prompt in enumerate(parsed):
+            engine.validate_request(i, prompt.token_ids, whole)
         eos = engine.eos_token_ids
-        live = [[BeamSearchSequence(token_ids)] for _, token_ids in parsed]
+        live = [[BeamSearchSequence(prompt.token_ids)] for prompt in parsed]
+        salts = [{"cache_salt": p.cache_salt} if p.cache_salt is not None else {} for p in parsed]
         finished = [[] for _ in parsed]
         for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm):
             for i, prompt_beams in enumerate(live):   # beams at max_model_len end here
                 finished[i] += [b for b in prompt_beams if len(b.tokens) >= engine.config.max_model_len]
                 live[i] = [b for b in prompt_beams if len(b.tokens) < engine.config.max_model_len]
-            beams = [beam for prompt_beams in live for beam in prompt_beams]
+            beams = [{"prompt_token_ids": b.tokens, **salts[i]} for i, prompt_beams in enumerate(live)
+                     for b in prompt_beams]
             if not beams:
                 break
-            outputs = iter(self.generate([{"prompt_token_ids": b.tokens} for b in beams], step, use_tqdm=False))
+            outputs = iter(self.generate(beams, step, use_tqdm=False))
             for i, prompt_beams in enumerate(live):
                 tops = [next(outputs).outputs[0].logprobs[0] for _ in prompt_beams]
                 live[i], done = extend(prompt_beams, tops, params, eos)

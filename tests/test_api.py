@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import make_prompts
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, BeamSearchParams, SamplingParams
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.sequence import Sequence
 
@@ -135,7 +135,7 @@ def test_use_tqdm_takes_a_progress_bar_class(llm):
 
 def test_vllm_prompt_types(llm):
     """vLLM's TextPrompt / TokensPrompt import from nanovllm and work; keys asking for what nanovllm
-    does not do (multimodal data, cache_salt) or unknown keys are ValueErrors, not ignored."""
+    does not do (multimodal data), unknown keys and a bad cache_salt are ValueErrors, not ignored."""
     from nanovllm import TextPrompt, TokensPrompt
     sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     by_ids = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], sp, use_tqdm=False)[0]
@@ -144,12 +144,33 @@ def test_vllm_prompt_types(llm):
     for prompt, message in (
             ({"prompt": "Hi", "multi_modal_data": {"image": None}},
              "prompt 1: 'multi_modal_data' is not supported: multimodal inputs (nanovllm runs text-only models)."),
-            ({"prompt_token_ids": [5], "cache_salt": "a"}, "prompt 1: 'cache_salt' is not supported"),
+            ({"prompt_token_ids": [5], "cache_salt": ""}, "prompt 1: cache_salt must be a non-empty string, got ''."),
             ({"prompt_token_ids": [5], "prompt_ids": [6]}, "prompt 1: unknown key 'prompt_ids'")):
         with pytest.raises(ValueError) as e:
             llm.generate([[1, 2], prompt], sp, use_tqdm=False)
         assert message in str(e.value)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_cache_salt_isolates_prefix_cache_hits(qwen3_dir):
+    """A salted prompt hits the prefix cache only for the same salt; the tokens do not change."""
+    llm = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=64)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = PROMPTS[7][:70]                                  # 4 full blocks of 16, then 6 tokens
+
+    def run(**salt):
+        out = llm.generate([{"prompt_token_ids": ids, **salt}], sp, use_tqdm=False)[0]
+        return out.num_cached_tokens, out.outputs[0].token_ids
+
+    first = run(cache_salt="tenant-a")
+    assert first[0] == 0
+    assert run(cache_salt="tenant-a") == (64, first[1])    # the same salt hits every full block
+    assert run(cache_salt="tenant-b") == (0, first[1])     # another salt does not
+    assert run() == (0, first[1])                          # nor does no salt
+    assert run() == (64, first[1])
+    beams = llm.beam_search([{"prompt_token_ids": ids, "cache_salt": "tenant-c"}],
+                            BeamSearchParams(beam_width=2, max_tokens=2))
+    assert len(beams[0].sequences) == 2
 
 
 def test_lora_request_is_refused_unless_none(llm):

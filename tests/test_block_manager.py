@@ -152,3 +152,15 @@ def test_reset_prefix_cache_forgets_free_blocks_only():
     assert set(bm.cached_block_ids.values()) == {3, 4}
     assert bm.get_computed_blocks(seq_of(list(range(9)))) == []
     assert bm.get_computed_blocks(seq_of(list(range(20, 29)))) == [3, 4]
+
+
+def test_cache_salt_separates_equal_prefixes():
+    bm = BlockManager(num_blocks=11, block_size=4)
+    salted = Sequence("r", 0, list(range(10)), SamplingParams(), cache_salt="a")
+    bm.allocate_slots(salted, 10)
+    compute_all(bm, salted)
+    assert salted.block_table == [0, 1, 2]
+    assert bm.get_computed_blocks(seq_of(list(range(10)))) == []                    # no salt: no hit
+    assert bm.get_computed_blocks(Sequence("r", 0, list(range(10)), SamplingParams(), cache_salt="b")) == []
+    same = Sequence("r", 0, list(range(10)), SamplingParams(), cache_salt="a")
+    assert bm.get_computed_blocks(same) == [0, 1]                                   # both full blocks

@@ -4,7 +4,8 @@ No torch here: a block is an id into the KV-cache tensors the model runner owns.
 
 A full block of `block_size` tokens is identified by a chained hash,
 `hash(block i) = xxh64(hash(block i-1) || token ids of block i)`, so equal hashes mean equal
-prefixes. A hit is confirmed by comparing the block's token ids too.
+prefixes. A hit is confirmed by comparing the block's token ids too. A request with a cache_salt
+starts the chain from the salt's hash, so its blocks match only requests with the same salt.
 
 Every block with ref_count 0 sits in one free queue, ordered by reuse preference:
 
@@ -25,6 +26,11 @@ class Block:
         self.ref_count = 0
         self.block_hash: int | None = None
         self.token_ids: list[int] = []   # set only for full, hashed blocks
+
+
+def salt_hash(cache_salt: str | None) -> int | None:
+    """The first block's parent hash: None, or the salt's, so salted blocks match only their salt."""
+    return None if cache_salt is None else xxhash.xxh64(cache_salt.encode()).intdigest()
 
 
 def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
@@ -66,7 +72,7 @@ class BlockManager:
         """Extend seq.block_hashes to every full block of seq's known (not pending) tokens."""
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_resolved_tokens // bs):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else salt_hash(seq.cache_salt)
             seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]))
 
     def get_computed_blocks(self, seq) -> list[int]:

@@ -143,7 +143,8 @@ class LLMEngine:
                              f"than max allowed: {cfg.max_logprobs}.")
 
     def add_request(self, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, priority: int = 0) -> str:
+                    params: SamplingParams, priority: int = 0, cache_salt: str | None = None) -> str:
+        """cache_salt: the request's blocks hit in the prefix cache only for requests with the same salt."""
         request_id = str(next(self._request_ids))
         request = Request(request_id, prompt, list(prompt_token_ids), params)
         bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
@@ -151,7 +152,7 @@ class LLMEngine:
             child_params = params
             if params.n > 1 and params.seed is not None:   # distinct, reproducible completions
                 child_params = replace(params, seed=params.seed + index)
-            seq = Sequence(request_id, index, prompt_token_ids, child_params, priority)
+            seq = Sequence(request_id, index, prompt_token_ids, child_params, priority, cache_salt)
             seq.bad_words_token_ids = bad_words_token_ids
             request.seqs.append(seq)
             self.scheduler.add(seq)

@@ -33,7 +33,7 @@ class Sequence:
     _ids = count()
 
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int],
-                 sampling_params: SamplingParams, priority: int = 0):
+                 sampling_params: SamplingParams, priority: int = 0, cache_salt: str | None = None):
         self.seq_id = next(Sequence._ids)        # also the arrival order
         self.request_id = request_id
         self.priority = priority                 # with the "priority" policy: lower runs first
@@ -47,6 +47,7 @@ class Sequence:
         self.is_first_admission = True
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []        # chained hashes of the full blocks of token_ids
+        self.cache_salt = cache_salt             # mixed into the first block's hash (inputs.py)
         self.num_pending_tokens = 0              # PENDING_TOKEN placeholders at the end of token_ids
         # Output state, owned by the engine (detokenizer and stop checks).
         self.output_text = ""
