@@ -47,6 +47,7 @@ class Config:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None   # the KV cache per GPU, instead of sizing it from the above
     num_kvcache_blocks: int | None = None
+    num_gpu_blocks_override: int | None = None   # vLLM's name for num_kvcache_blocks
     # Accepted so that vLLM scripts run: preemption recomputes (as vLLM's V1 engine does), so no
     # CPU swap space is used; nothing is offloaded to the CPU.
     swap_space: float = 4
@@ -55,6 +56,10 @@ class Config:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1                  # only 1
     distributed_executor_backend: str | None = None  # None or "mp": tensor-parallel worker processes
+    # vLLM arguments for what nanovllm does not do, accepted at the values that ask for nothing.
+    enable_lora: bool = False
+    speculative_config: dict | None = None
+    runner: str = "auto"                             # "auto" or "generate": a generative model
     # The symmetric-memory all-reduce (custom_all_reduce.py) is experimental, so unlike vLLM it is
     # off by default: False turns it on; True or unset: NCCL for every all-reduce.
     disable_custom_all_reduce: bool = True
@@ -84,6 +89,11 @@ class Config:
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
         check_field_types(self)
+        if self.num_gpu_blocks_override is not None:
+            if self.num_kvcache_blocks not in (None, self.num_gpu_blocks_override):
+                raise ValueError(f"num_gpu_blocks_override ({self.num_gpu_blocks_override}) and num_kvcache_blocks "
+                                 f"({self.num_kvcache_blocks}) name the same setting; give one.")
+            self.num_kvcache_blocks = self.num_gpu_blocks_override
         if self.seed is None:
             self.seed = random.randrange(2**31)
         self._validate_scalars()
@@ -182,6 +192,11 @@ class Config:
         check(self.distributed_executor_backend in (None, "mp"),
               f"distributed_executor_backend must be None or 'mp' (worker processes), "
               f"got {self.distributed_executor_backend!r}.")
+        check(not self.enable_lora, "enable_lora=True is not supported: nanovllm runs the base model only.")
+        check(not self.speculative_config, f"speculative_config is not supported (no speculative decoding), "
+                                           f"got {self.speculative_config!r:.80}.")
+        check(self.runner in ("auto", "generate"),
+              f"runner must be 'auto' or 'generate' (nanovllm runs generative models), got {self.runner!r}.")
 
     def _validate_tensor_parallel(self):
         n, hf = self.tensor_parallel_size, self.hf_config

@@ -322,6 +322,11 @@ def test_interrupted_generate_aborts_its_requests(llm, monkeypatch):
     (dict(tokenizer_mode="mistral"), "tokenizer_mode must be 'auto' or 'slow', got 'mistral'."),
     (dict(scheduling_policy="lifo"), "scheduling_policy must be 'fcfs' or 'priority', got 'lifo'."),
     (dict(max_num_seqs="8"), "max_num_seqs must be int, got '8'."),
+    (dict(enable_lora=True), "enable_lora=True is not supported: nanovllm runs the base model only."),
+    (dict(speculative_config={"method": "ngram"}), "speculative_config is not supported (no speculative decoding)"),
+    (dict(runner="pooling"), "runner must be 'auto' or 'generate' (nanovllm runs generative models), got 'pooling'."),
+    (dict(num_gpu_blocks_override=8, num_kvcache_blocks=9), "num_gpu_blocks_override (8) and num_kvcache_blocks (9) "
+                                                              "name the same setting; give one."),
     (dict(tokenizer="/no/such/tokenizer"), "tokenizer must be a local directory or a Hugging Face hub id such as "
                                            "'Qwen/Qwen3-0.6B', got '/no/such/tokenizer': no such directory."),
     (dict(enforce_eager="yes"), "enforce_eager must be bool, got 'yes'."),
@@ -339,6 +344,15 @@ def test_bad_engine_arguments(qwen3_dir, kwargs, message):
     with pytest.raises(ValueError) as e:
         LLM(qwen3_dir, **kwargs)
     assert message in str(e.value)
+
+
+def test_vllm_engine_arguments_at_their_defaults(qwen3_dir):
+    """vLLM's names run: num_gpu_blocks_override sizes the cache; enable_lora=False,
+    speculative_config=None and runner='generate' ask for nothing we lack."""
+    llm = LLM(qwen3_dir, dtype="float32", num_gpu_blocks_override=12, enable_lora=False, speculative_config=None,
+              runner="generate")
+    assert llm.llm_engine.block_manager.num_blocks == 12
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_seed_none_draws_a_random_seed(qwen3_dir):
