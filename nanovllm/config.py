@@ -107,6 +107,8 @@ class Config:
                                              revision=self.revision, cache_dir=self.download_dir)
         self.hf_config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
         for name, value in (self.hf_overrides or {}).items():
+            if name == "rope_scaling" and isinstance(getattr(self.hf_config, "rope_parameters", None), dict):
+                name = "rope_parameters"    # transformers 5's name for it (the old one is deprecated)
             current = getattr(self.hf_config, name, None)
             if isinstance(current, dict) and isinstance(value, dict):   # a dict attribute is updated, not replaced
                 value = {**current, **value}
