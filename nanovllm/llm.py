@@ -34,6 +34,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def set_tokenizer(self, tokenizer):
+        """Use another tokenizer for text prompts, chat and detokenizing (vLLM's set_tokenizer)."""
+        self.llm_engine.tokenizer = self.llm_engine.output_processor.tokenizer = tokenizer
+
     def reset_prefix_cache(self) -> bool:
         """Forget the cached prompt blocks; True once done (vLLM's return value; nothing runs
         between generate calls, so it always succeeds)."""

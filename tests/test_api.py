@@ -107,6 +107,30 @@ def test_chat_bad_messages(llm, messages, message):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+def test_set_tokenizer(qwen3_dir):
+    """set_tokenizer replaces the tokenizer for prompts and for the output text."""
+    llm = LLM(qwen3_dir, dtype="float32", num_kvcache_blocks=16)
+    original = llm.get_tokenizer()
+
+    decoded = []
+
+    class Shouting:
+        def encode(self, text, **kwargs):
+            return original.encode(text.upper(), **kwargs)
+
+        def decode(self, ids, **kwargs):
+            decoded.append(list(ids))
+            return original.decode(ids, **kwargs).upper()
+
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.set_tokenizer(Shouting())
+    out = llm.generate(["hello"], sp, use_tqdm=False)[0]
+    assert out.prompt_token_ids == original.encode("HELLO")
+    assert decoded and out.outputs[0].text == out.outputs[0].text.upper()
+    llm.set_tokenizer(original)
+    assert llm.get_tokenizer() is original
+
+
 def test_use_tqdm_takes_a_progress_bar_class(llm):
     """vLLM's use_tqdm may be a callable used in place of tqdm."""
     made = []
