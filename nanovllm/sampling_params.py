@@ -72,9 +72,9 @@ class SamplingParams:
 
         check(self.structured_outputs is None, f"structured_outputs is not supported (nanovllm has no guided "
                                                f"decoding), got {self.structured_outputs!r:.80}.")
-        check_field_types(self)
+        check_field_types(self)   # the types first: the checks below test values only
 
-        check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}.")
+        check(self.n >= 1, f"n must be at least 1, got {self.n}.")
         check(-2.0 <= self.presence_penalty <= 2.0,
               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         check(-2.0 <= self.frequency_penalty <= 2.0,
@@ -83,42 +83,38 @@ class SamplingParams:
               f"repetition_penalty must be a finite number greater than zero, got {self.repetition_penalty}.")
         check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}.")
         check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
-        check(isinstance(self.top_k, int) and self.top_k >= -1,
+        check(self.top_k >= -1,
               f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
-        check(self.seed is None or isinstance(self.seed, int),
-              f"seed must be an integer or None, got {self.seed!r}.")
         check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}.")
-        check(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+        check(self.min_tokens >= 0,
               f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
               f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
               f"got {self.min_tokens}.")
-        check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+        check(self.logprobs is None or self.logprobs >= 0,
               f"logprobs must be non-negative, got {self.logprobs}.")
-        check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
+        check(self.prompt_logprobs is None or self.prompt_logprobs >= 0,
               f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
         check(self.bad_words is None or (isinstance(self.bad_words, list) and all(
             isinstance(w, str) and w.strip() for w in self.bad_words)),
               f"bad_words must be a list of non-empty strings, got {self.bad_words!r:.200}.")
-        check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+        check(self.logit_bias is None or all(
             isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and math.isfinite(b)
-            for t, b in self.logit_bias.items())),
+            for t, b in self.logit_bias.items()),
               f"logit_bias must map non-negative token ids to finite numbers, got {self.logit_bias!r:.200}.")
         check(self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0 and all(
             isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)),
               f"allowed_token_ids must be a non-empty list of non-negative token ids, "
               f"got {self.allowed_token_ids!r:.200}.")
-        check(self.truncate_prompt_tokens is None or (isinstance(self.truncate_prompt_tokens, int) and (
-            self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)),
+        check(self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1,
               f"truncate_prompt_tokens must be at least 1, or -1 (max_model_len), got {self.truncate_prompt_tokens}.")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        check(isinstance(stops, (list, tuple)) and all(isinstance(s, str) and s for s in stops),
+        check(all(isinstance(s, str) and s for s in stops),
               f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}.")
         check(self.detokenize or not stops,
               "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
-        stop_ids = self.stop_token_ids or []
-        check(isinstance(stop_ids, (list, tuple)) and all(isinstance(t, int) and t >= 0 for t in stop_ids),
+        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or []),
               f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}.")
 
 
@@ -134,10 +130,10 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self):
-        check_field_types(self)
+        check_field_types(self)   # the types first: the checks below test values only
         for name in ("beam_width", "max_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if value < 1:
                 raise ValueError(f"{name} must be an integer of at least 1, got {value!r}.")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")

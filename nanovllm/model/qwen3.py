@@ -30,7 +30,6 @@ def rope_settings(config: PretrainedConfig) -> tuple[float, dict | None]:
     return (theta if theta is not None else rope["rope_theta"]), (rope if kind != "default" else None)
 
 
-
 def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
