@@ -49,6 +49,17 @@ def rope_type(scaling: dict) -> str:
     return scaling.get("rope_type", scaling.get("type", "default"))
 
 
+def rope_settings(config) -> tuple[float, dict | None]:
+    """-> (theta, the long-context scaling's parameters or None); unsupported variants are refused."""
+    rope = rope_parameters(config)
+    kind = rope_type(rope)
+    if kind != "default" and kind not in SCALINGS:
+        raise ValueError(f"rope scaling {rope} is not supported; only the default RoPE and "
+                         f"{', '.join(repr(k) for k in SCALINGS)} are.")
+    theta = getattr(config, "rope_theta", None)
+    return (theta if theta is not None else rope["rope_theta"]), (rope if kind != "default" else None)
+
+
 def max_positions(config) -> int:
     """Positions the model can embed: max_position_embeddings, or with YaRN the original context
     times the factor, with linear scaling max_position_embeddings times it (vLLM's derived

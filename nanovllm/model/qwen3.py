@@ -16,18 +16,7 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import QKVParallelLinear, RowParallelLinear, norm_linear
 from nanovllm.layers.mlp import GatedMLP
 from nanovllm.layers.moe import SparseMoeBlock, is_moe_layer
-from nanovllm.layers.rotary import SCALINGS, RotaryEmbedding, max_positions, rope_parameters, rope_type
-
-
-def rope_settings(config: PretrainedConfig) -> tuple[float, dict | None]:
-    """-> (theta, the long-context scaling's parameters or None); unsupported variants are refused."""
-    rope = rope_parameters(config)
-    kind = rope_type(rope)
-    if kind != "default" and kind not in SCALINGS:
-        raise ValueError(f"rope scaling {rope} is not supported; only the default RoPE and "
-                         f"{', '.join(repr(k) for k in SCALINGS)} are.")
-    theta = getattr(config, "rope_theta", None)
-    return (theta if theta is not None else rope["rope_theta"]), (rope if kind != "default" else None)
+from nanovllm.layers.rotary import RotaryEmbedding, max_positions, rope_settings
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
