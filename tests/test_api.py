@@ -370,15 +370,6 @@ def test_bad_engine_arguments(qwen3_dir, kwargs, message):
     assert message in str(e.value)
 
 
-def test_vllm_engine_arguments_at_their_defaults(qwen3_dir):
-    """vLLM's names run: num_gpu_blocks_override sizes the cache; enable_lora=False,
-    speculative_config=None and runner='generate' ask for nothing we lack."""
-    llm = LLM(qwen3_dir, dtype="float32", num_gpu_blocks_override=12, enable_lora=False, speculative_config=None,
-              runner="generate")
-    assert llm.llm_engine.block_manager.num_blocks == 12
-    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
-
-
 def test_seed_none_draws_a_random_seed(qwen3_dir):
     """LLM(seed=None), vLLM's "no fixed seed": each engine draws its own, so unseeded sampling differs."""
     sampled = []
@@ -492,10 +483,13 @@ def test_fp8_cache_keeps_auto_off_flash_attn(monkeypatch):
 
 
 def test_vllm_engine_arguments_that_mean_our_behaviour_are_accepted(qwen3_dir):
-    """A vLLM script's usual LLM() arguments run unchanged where their value is what we do anyway."""
+    """A vLLM script's usual LLM() arguments run unchanged where their value is what we do anyway;
+    num_gpu_blocks_override (vLLM's name for num_kvcache_blocks) sizes the cache."""
     llm = LLM(qwen3_dir, tokenizer_mode="slow", quantization=None, swap_space=8, cpu_offload_gb=0,
               pipeline_parallel_size=1, distributed_executor_backend="mp", disable_log_stats=True,
-              block_size=16, num_kvcache_blocks=16)
+              enable_lora=False, speculative_config=None, runner="generate",
+              block_size=16, num_gpu_blocks_override=16)
+    assert llm.llm_engine.block_manager.num_blocks == 16
     out = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [3, 3]
 
