@@ -122,10 +122,8 @@ def main():
     if args.engine == "nanovllm":
         from nanovllm.kernels import pdl, triton_skinny
         result["startup_breakdown_s"] = {k: round(v, 2) for k, v in llm.llm_engine.model_runner.timings.items()}
-        result["pdl"] = pdl.enabled()      # NANOVLLM_PDL=1 on an sm_90+ GPU (experimental)
+        result["pdl"] = pdl.enabled()      # on an sm_90+ GPU unless NANOVLLM_PDL=0
         result["skinny"] = triton_skinny.enabled()   # NANOVLLM_SKINNY=0 turns the small-batch projections off
-        result["fuse_merge"] = os.environ.get("NANOVLLM_FUSE_MERGE") == "1"   # experimental
-        result["fuse_norm"] = triton_skinny.fuse_norm_enabled()               # experimental
     if args.workload == "latency":
         result["ms_per_token"] = round(elapsed * 1000 / num_out, 3)
         print(f"Latency: {result['ms_per_token']:.3f} ms/token (batch 1)")

@@ -94,11 +94,10 @@ def main():
     print("skinny linear, 1-16 rows (split_k, block_n, block_k, stages, warps):")
     from nanovllm.kernels import triton_skinny as ts
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
-             "count_ptr": "*i32", "res_ptr": "*bf16", "norm_w_ptr": "*bf16", "res_out_ptr": "*bf16",
-             "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "eps": "fp32"}
+             "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32"}
     for split_k, block_n, block_k, stages, warps in ((1, 64, 256, 4, 4), (8, 64, 256, 4, 4), (1, 32, 128, 6, 4)):
-        constants = dict(HAS_BIAS=False, EVEN_K=True, SPLIT_K=split_k, NORM=False, HAS_RESIDUAL=False,
-                         BLOCK_M=ts.MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, LINE=64, PREFETCH_LINES=16, PDL=False)
+        constants = dict(HAS_BIAS=False, EVEN_K=True, SPLIT_K=split_k, BLOCK_M=ts.MAX_ROWS, BLOCK_N=block_n,
+                         BLOCK_K=block_k, LINE=64, PREFETCH_LINES=16, PDL=False)
         compiled = compile_kernel(ts._skinny_linear_kernel, types, constants, warps, stages, None)
         ptx = compiled.asm["ptx"]
         print(report(f"{(split_k, block_n, block_k, stages, warps)}", compiled, warps) +
@@ -108,11 +107,6 @@ def main():
     ptx = compiled.asm["ptx"]
     print(report("(1, 32, 128, 6, 4) PDL", compiled, 4) + f"  prefetch.global.L2 {ptx.count('prefetch.global.L2')}, "
           f"griddepcontrol.wait {ptx.count('griddepcontrol.wait')}")
-    for split_k in (1, 8):        # add + RMSNorm fused in front (the default tile configuration)
-        constants |= dict(SPLIT_K=split_k, NORM=True, HAS_RESIDUAL=True, BLOCK_N=64, BLOCK_K=256)
-        compiled = compile_kernel(ts._skinny_linear_kernel, types, constants, 4, 4, None)
-        print(report(f"({split_k}, 64, 256, 4, 4) PDL, add + norm", compiled, 4) +
-              f"  cp.async {compiled.asm['ptx'].count('cp.async.cg')}")
 
 if __name__ == "__main__":
     main()

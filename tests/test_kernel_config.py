@@ -39,13 +39,12 @@ def test_pdl_only_in_small_decode_graphs(monkeypatch):
     with pdl.decode_graph(pdl.MAX_ROWS + 1):
         assert pdl.launch_options() == dict(PDL=False)
     assert pdl.launch_options() == dict(PDL=False)
-    monkeypatch.setattr(pdl, "enabled", lambda: False)              # NANOVLLM_PDL unset
+    monkeypatch.setattr(pdl, "enabled", lambda: False)              # NANOVLLM_PDL=0, or no Hopper GPU
     with pdl.decode_graph(1):
         assert pdl.launch_options() == dict(PDL=False)
 
 
-def test_fused_merge_is_an_opt_in(monkeypatch):
-    from nanovllm.layers.attention import TritonBackend
-    assert TritonBackend().fuse_merge is False
-    monkeypatch.setenv("NANOVLLM_FUSE_MERGE", "1")
-    assert TritonBackend().fuse_merge is True
+def test_fused_merge_only_above_the_small_decode_graphs():
+    from nanovllm.kernels.triton_attention import fused_merge_for
+    assert [fused_merge_for(n) for n in (1, 16, 17, 256)] == [False, False, True, True]
+    assert fused_merge_for(pdl.MAX_ROWS) is False    # the PDL graphs keep the separate merge kernel

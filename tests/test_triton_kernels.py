@@ -210,44 +210,6 @@ def test_skinny_linear(rows, n, k, bias, split_k):
         assert rel_err(out.cpu(), ref) < TOL
 
 
-@pytest.mark.parametrize("rows, n, k, has_residual, split_k", [(1, 256, 1024, True, None), (3, 100, 300, True, 2),
-                                                               (4, 128, 1024, False, 4), (16, 64, 1000, True, 1)])
-def test_skinny_linear_with_add_and_norm(rows, n, k, has_residual, split_k):
-    """The projection of RMSNorm(x + residual), and x + residual (exact: the same bf16 add), against
-    the RMSNorm module and F.linear in float32."""
-    import torch.nn.functional as F
-    from nanovllm.kernels.triton_skinny import skinny_linear
-    from nanovllm.layers.layernorm import RMSNorm
-    gen = torch.Generator().manual_seed(n + k)
-    x, w = torch.randn(rows, k, generator=gen).to(DTYPE), (torch.randn(n, k, generator=gen) * 0.05).to(DTYPE)
-    res = torch.randn(rows, k, generator=gen).to(DTYPE) if has_residual else None
-    norm = RMSNorm(k, 1e-6)
-    norm.weight.data = (1 + 0.1 * torch.randn(k, generator=gen)).to(DTYPE)
-    h, new_res = norm(x, res) if has_residual else (norm(x), x)
-    ref = F.linear(h.float(), w.float())
-    on = lambda t: None if t is None else t.to(DEVICE)
-    for _ in range(2):
-        out, res_out = skinny_linear(on(x), on(w), norm=(on(norm.weight.data), 1e-6, on(res)), split_k=split_k)
-        assert rel_err(out.cpu(), ref) < TOL
-        assert torch.equal(res_out.cpu(), new_res)
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="the layer path takes the kernel on CUDA only")
-def test_norm_linear_fused_equals_the_two_steps(monkeypatch):
-    from nanovllm.kernels import triton_skinny
-    from nanovllm.layers.layernorm import RMSNorm
-    from nanovllm.layers.linear import MergedColumnParallelLinear, norm_linear
-    gen = torch.Generator().manual_seed(3)
-    with torch.device(DEVICE):
-        norm, proj = RMSNorm(1024, 1e-6).to(DTYPE), MergedColumnParallelLinear(1024, [3072, 3072]).to(DTYPE)
-    proj.weight.data = (torch.randn(6144, 1024, generator=gen) * 0.03).to(DEVICE, DTYPE)
-    x, res = (torch.randn(4, 1024, generator=gen).to(DEVICE, DTYPE) for _ in range(2))
-    two_steps = [norm_linear(x, r, norm, proj) for r in (res, None)]
-    monkeypatch.setattr(triton_skinny, "fuse_norm_enabled", lambda: True)
-    for (y, r), (y_ref, r_ref) in zip([norm_linear(x, r, norm, proj) for r in (res, None)], two_steps):
-        assert rel_err(y, y_ref) < TOL and torch.equal(r, r_ref)
-
-
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
 def test_skinny_linear_split_k_in_a_cuda_graph():
     """Split-K calls back to back in one graph, replayed: bitwise the eager result every time."""

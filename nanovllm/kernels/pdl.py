@@ -7,10 +7,10 @@ itself, and whatever a kernel does before that wait with memory no earlier kerne
 skinny projection kernel prefetches its weights there). Each kernel also lets its own successor
 launch early (`griddepcontrol.launch_dependents`) once it has waited.
 
-Used only in the decode CUDA graphs of at most MAX_ROWS sequences: at batch 1 it took the H200's
-latency from 1.16 to 1.06 ms/token, while on the default workload, with every graph using it, the
-large batches made the run ~2% slower (docs/perf_notes.md rows 17 and 19). Opt-in for now
-(NANOVLLM_PDL=1): the engine-level GPU tests have not yet run with it.
+Used only in the decode CUDA graphs of at most MAX_ROWS sequences: at batch 1 it takes the H200's
+latency from 1.14 to 1.00 ms/token, while on the default workload, with every graph using it, the
+large batches made the run ~2% slower (docs/perf_notes.md rows 17 and 19). On by default on sm_90
+and newer; NANOVLLM_PDL=0 turns it off (for A/B runs).
 """
 import contextlib
 import functools
@@ -26,7 +26,7 @@ _in_small_decode_graph = False
 
 @functools.cache
 def enabled() -> bool:
-    return (os.environ.get("NANOVLLM_PDL") == "1" and torch.cuda.is_available()
+    return (os.environ.get("NANOVLLM_PDL") != "0" and torch.cuda.is_available()
             and torch.cuda.get_device_capability()[0] >= 9)
 
 

@@ -8,8 +8,10 @@ lives in page block_table[t // block_size] at row t % block_size.
   range, and the attention kernels convert each tile back to the queries' dtype after loading it.
 - decode_attention: one new query per sequence. Each program owns one (sequence, KV head,
   context split) and loads every K/V row once for all query heads of its group (GQA); the splits
-  are merged by a second small kernel (flash-decoding), so a few long sequences still fill the GPU.
-  A context that fits in one split is written out by its program, and the merge skips it.
+  are merged (flash-decoding), so a few long sequences still fill the GPU: by a second small kernel
+  at small batches, above FUSED_MERGE_ABOVE sequences by the split program of each (sequence, KV
+  head) that finishes last. A context that fits in one split is written out by its program, and
+  the merge skips it.
 - prefill_attention: causal, variable-length queries over the cached prefix plus themselves;
   serves prefill, chunked prefill and prefix-cache hits alike.
 """
@@ -20,7 +22,9 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import pdl
-from nanovllm.kernels.counters import counters as arrival_counters
+from nanovllm.kernels.counters import NUM_COUNTERS, counters as arrival_counters
+
+FUSED_MERGE_ABOVE = 16   # sequences
 
 
 # ---- store ------------------------------------------------------------------------------------
@@ -226,15 +230,24 @@ def decode_split_config(num_seqs: int, num_kv_heads: int, num_sms: int, max_mode
     return max(1, min(16, -(-max_model_len // min_split))), min_split
 
 
+def fused_merge_for(num_seqs: int) -> bool:
+    """Whether the decode kernel merges its splits itself: above FUSED_MERGE_ABOVE sequences. On the
+    H200 (docs/perf_notes.md row 20) the fused merge was faster at 16 and 256 sequences (22.6 -> 21.9
+    and 283.5 -> 277.6 us), slower at 1 (5.6 -> 8.6 us: its last program merges alone, after the
+    others), where the separate merge kernel also overlaps its launch under PDL."""
+    return num_seqs > FUSED_MERGE_ABOVE
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      num_splits: int = 16, min_split: int = 64, block_n: int = 64, num_stages: int | None = None,
-                     num_warps: int = 4, max_registers: int | None = None, fuse_merge: bool = False) -> torch.Tensor:
+                     num_warps: int = 4, max_registers: int | None = None,
+                     fuse_merge: bool | None = None) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim], one query per sequence at position seq_lens - 1.
     A context is split into ceil(seq_len / split_len) parts, split_len = max(seq_len / num_splits,
     min_split) rounded up to block_n. A sequence with seq_len 0 (padding) gets zeros.
     fuse_merge: the last split of each (sequence, KV head) merges them (kernels/counters.py), instead
-    of a second kernel; not yet measured on a GPU, so off by default."""
+    of a second kernel; None: fused_merge_for's choice."""
     num_seqs, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -249,10 +262,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits > 1:
         o_part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    fuse_merge = fuse_merge and num_splits > 1
+    if fuse_merge is None:
+        fuse_merge = fused_merge_for(num_seqs)
+    fuse_merge = fuse_merge and num_splits > 1 and num_seqs * num_kv_heads <= NUM_COUNTERS
     if fuse_merge:
         count = arrival_counters(q.device)
-    assert not fuse_merge or num_seqs * num_kv_heads <= count.numel()
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, o_part, lse_part, count, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),

@@ -34,20 +34,12 @@ def enabled() -> bool:
     return os.environ.get("NANOVLLM_SKINNY") != "0"
 
 
-@functools.cache
-def fuse_norm_enabled() -> bool:
-    """The add + RMSNorm before qkv_proj and gate_up_proj done in the projection's kernel: only with
-    NANOVLLM_FUSE_NORM=1 (experimental: not yet run on a GPU)."""
-    return os.environ.get("NANOVLLM_FUSE_NORM") == "1"
-
-
 @triton.jit
-def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, res_ptr, norm_w_ptr, res_out_ptr,
-                          M, N, K, k_per_split, eps, stride_x, stride_w, stride_o, stride_r, stride_ro,
-                          HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                          NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LINE: tl.constexpr,
-                          PREFETCH_LINES: tl.constexpr, PDL: tl.constexpr):
+def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
+                          stride_x, stride_w, stride_o, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                          SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, LINE: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+                          PDL: tl.constexpr):
     block, split = tl.program_id(0), tl.program_id(1)
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -62,9 +54,6 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, res
         cols = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * LINE, K - 1)
         _prefetch_l2(w_ptr + rows[:, None] * stride_w + cols[None, :])
     pdl.begin(PDL)
-    if NORM:   # x is RMSNorm(x + residual): each program needs the rows' 1 / rms over all of K first
-        rstd = _rows_rstd(x_ptr, res_ptr, res_out_ptr, offs_m, offs_k, m_ok, M, K, eps, stride_x, stride_r,
-                          stride_ro, (block == 0) & (split == 0), HAS_RESIDUAL, BLOCK_M, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None] * stride_w + (k_start + offs_k)[None, :]   # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + offs_m[:, None] * stride_x + (k_start + offs_k)[None, :]   # [BLOCK_M, BLOCK_K]
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)                   # y transposed
@@ -75,12 +64,6 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, res
             k_ok = (offs_k < K - k)[None, :]
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok, other=0.0)
         x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
-        if NORM:   # as kernels/triton_fused.py's rms_norm rounds: (x + res), (h * rstd) and (.. * w) in x's dtype
-            if HAS_RESIDUAL:
-                x = x + tl.load(res_ptr + offs_m[:, None] * stride_r + (k + offs_k)[None, :],
-                                mask=m_ok[:, None] & k_ok, other=0.0)
-            norm_w = tl.load(norm_w_ptr + k + offs_k, mask=k + offs_k < K, other=0.0)
-            x = (x.to(tl.float32) * rstd[:, None]).to(x.dtype) * norm_w[None, :]
         acc = tl.dot(w, tl.trans(x), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -98,24 +81,6 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, res
             tl.atomic_xchg(count_ptr + block, 0, sem="relaxed", scope="gpu")
     else:
         _store(acc, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_o, HAS_BIAS)
-
-
-@triton.jit
-def _rows_rstd(x_ptr, res_ptr, res_out_ptr, offs_m, offs_k, m_ok, M, K, eps, stride_x, stride_r, stride_ro,
-               WRITE_SUM, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1 / rms of each row of h = x (+ residual) over all K columns, h rounded to x's dtype; with
-    WRITE_SUM (one program) h itself is written to res_out (the next residual)."""
-    sum_sq = tl.zeros([BLOCK_M], tl.float32)
-    for k in range(0, K, BLOCK_K):
-        cols = k + offs_k
-        mask = m_ok[:, None] & (cols < K)[None, :]
-        h = tl.load(x_ptr + offs_m[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            h = h + tl.load(res_ptr + offs_m[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
-            tl.store(res_out_ptr + offs_m[:, None] * stride_ro + cols[None, :], h, mask=mask & WRITE_SUM)
-        hf = h.to(tl.float32)
-        sum_sq += tl.sum(hf * hf, 1)
-    return tl.rsqrt(sum_sq / K + eps)
 
 
 @triton.jit
@@ -149,14 +114,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  norm: tuple[torch.Tensor, float, torch.Tensor | None] | None = None,
                   split_k: int | None = None, block_n: int = BLOCK_N, block_k: int = BLOCK_K,
-                  num_stages: int = NUM_STAGES, num_warps: int = 4):
+                  num_stages: int = NUM_STAGES, num_warps: int = 4) -> torch.Tensor:
     """x: [M, K] with M <= MAX_ROWS, weight: [N, K], bias: [N] or None -> [M, N] in x's dtype.
-    norm = (norm_weight, eps, residual or None): the product is taken with RMSNorm(x + residual)
-    instead of x, and the result is (y, x + residual) (x itself without a residual): the add and
-    norm between decoder layers, fused. The keyword arguments from split_k on are tuning knobs
-    (tests/bench_skinny.py sweeps them); split_k None: split_k_for's choice."""
+    The keyword arguments after * are tuning knobs (tests/bench_skinny.py sweeps them);
+    split_k None: split_k_for's choice."""
     (m, k), n = x.shape, weight.shape[0]
     assert m <= MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     if split_k is None:
@@ -170,16 +132,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         parts = torch.empty(split_k, n, MAX_ROWS, dtype=torch.float32, device=x.device)
         counters = arrival_counters(x.device)
         assert blocks <= counters.numel()
-    norm_weight, eps, residual = norm if norm is not None else (x, 0.0, None)
-    res_out = torch.empty_like(x) if residual is not None else x
-    res = residual if residual is not None else x
-    assert res.stride(1) == 1
     _skinny_linear_kernel[(blocks, split_k)](
-        x, weight, bias if bias is not None else weight, out, parts, counters, res, norm_weight, res_out,
-        m, n, k, k_per_split, eps, x.stride(0), weight.stride(0), out.stride(0), res.stride(0), res_out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, SPLIT_K=split_k, NORM=norm is not None,
-        HAS_RESIDUAL=residual is not None, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-        LINE=LINE_BYTES // x.element_size(),
+        x, weight, bias if bias is not None else weight, out, parts, counters, m, n, k, k_per_split,
+        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
+        SPLIT_K=split_k, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, LINE=LINE_BYTES // x.element_size(),
         PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k_per_split * x.element_size(), LINE_BYTES)),
         num_stages=num_stages, num_warps=num_warps, **pdl.launch_options())
-    return out if norm is None else (out, res_out)
+    return out

@@ -1,7 +1,6 @@
 """Attention over the paged KV cache, the per-step metadata every attention layer reads, and
 the backends that compute it: plain torch (CPU, reference), our Triton kernels, flash-attn."""
 import importlib.util
-import os
 from dataclasses import dataclass
 
 import torch
@@ -50,15 +49,13 @@ class TritonBackend:
     def __init__(self):
         from nanovllm.kernels import triton_attention
         self.kernels = triton_attention
-        # Experimental, for A/B runs: the merge of the decode splits inside the split kernel.
-        self.fuse_merge = os.environ.get("NANOVLLM_FUSE_MERGE") == "1"
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         if k is not None:
             self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.decode_split is not None:
             return self.kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                                 scale, *meta.decode_split, fuse_merge=self.fuse_merge)
+                                                 scale, *meta.decode_split)
         return self.kernels.prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                               meta.seq_lens, meta.max_query_len, scale)
 

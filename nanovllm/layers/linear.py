@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed import SINGLE, TPGroup
-from nanovllm.layers.layernorm import RMSNorm
 
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str = "parameter"):
@@ -19,34 +18,14 @@ def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str = "paramet
     param.data.copy_(loaded)
 
 
-def skinny_kernel_for(x: torch.Tensor):
-    """kernels/triton_skinny.py if x is a few rows of 16-bit activations on CUDA (a decode step at
-    small batch, where it streams the weight faster than cuBLAS), else None."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear, except for a few rows of 16-bit activations on CUDA (a decode step at small
+    batch), where kernels/triton_skinny.py streams the weight faster than cuBLAS."""
     if x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1:
         from nanovllm.kernels import triton_skinny
         if x.shape[0] <= triton_skinny.MAX_ROWS and triton_skinny.enabled():
-            return triton_skinny
-    return None
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear, or the skinny kernel for a few rows on CUDA."""
-    skinny = skinny_kernel_for(x)
-    if skinny is not None:
-        return skinny.skinny_linear(x, weight, bias)
+            return triton_skinny.skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-                proj: "ColumnParallelLinear") -> tuple[torch.Tensor, torch.Tensor]:
-    """proj(norm(x + residual)) and the new residual x + residual (without a residual:
-    proj(norm(x)) and x): a decoder layer's add and norm with the projection after them. One
-    kernel for a few rows on CUDA with NANOVLLM_FUSE_NORM=1 (experimental), else the two steps."""
-    skinny = skinny_kernel_for(x)
-    if skinny is not None and skinny.fuse_norm_enabled():
-        return skinny.skinny_linear(x, proj.weight, proj.bias, norm=(norm.weight, norm.eps, residual))
-    h, residual = norm(x, residual) if residual is not None else (norm(x), x)
-    return proj(h), residual
 
 
 class LinearBase(nn.Module):

@@ -26,8 +26,4 @@ class GatedMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate_up_proj(x))
-
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The MLP after its gate_up projection."""
-        return self.down_proj(self.act_fn(gate_up))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))

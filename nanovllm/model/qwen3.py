@@ -13,7 +13,7 @@ from nanovllm.distributed import SINGLE, TPGroup
 from nanovllm.layers.attention import Attention, AttentionMetadata
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import QKVParallelLinear, RowParallelLinear, norm_linear
+from nanovllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.mlp import GatedMLP
 from nanovllm.layers.moe import SparseMoeBlock, is_moe_layer
 from nanovllm.layers.rotary import RotaryEmbedding, max_positions, rope_settings
@@ -49,9 +49,9 @@ class QwenAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """qkv: self.qkv_proj's output [num_tokens, q_size + 2 * kv_size] (the decoder layer projects,
-        so that it can fuse the norm before) -> [num_tokens, hidden_size]."""
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # x: [num_tokens, hidden_size]
+        qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if qkv.is_cuda:   # one fused kernel: q/k norms, RoPE, and k/v written into the KV cache
@@ -84,11 +84,11 @@ class QwenDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, x, residual, meta):
-        qkv, residual = norm_linear(x, residual, self.input_layernorm, self.self_attn.qkv_proj)
-        x = self.self_attn(positions, qkv, meta)
-        if isinstance(self.mlp, GatedMLP):
-            gate_up, residual = norm_linear(x, residual, self.post_attention_layernorm, self.mlp.gate_up_proj)
-            return self.mlp.down(gate_up), residual
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
