@@ -9,14 +9,21 @@ another dtype, or not 16-byte sized go through NCCL.
 - two-shot: reduce-scatter then all-gather through the buffers (reads ~2x the bytes), for
   larger tensors on more than two GPUs.
 
+Its kernels synchronise through per-block flags in each rank's signal pad: a rank sets a flag in
+its peer's pad and spins until the peer has set the matching one in its own. A dead peer never
+sets it, and NCCL's abort does not reach these kernels, so after a peer died release_waiters()
+sets the flags the dead peer owed, over and over from a side stream, until rank 0's stream drains.
+
 Experimental, so off by default (LLM(..., disable_custom_all_reduce=False) turns it on). On
 2x H200 it summed correctly at every size class, made the Qwen3-8B-shape benchmark 3% faster at
 TP=2 (docs/perf_notes.md) and passed the TP=2 logprob tests with and without CUDA graphs; runs
-on more than two GPUs have not passed on a GPU yet, and its kernels would wait for a dead peer
-where NCCL's abort cannot stop them (the killed-worker test has not run with it). Only the first
-engine of a process gets it (see _rendezvous_started); later ones use NCCL. A start-up self-check
-falls back to NCCL on any doubt.
+on more than two GPUs have not passed on a GPU yet, and the release of a dead peer's waiters has
+not yet run on a GPU. Only the first engine of a process gets it (see _rendezvous_started); later
+ones use NCCL. A start-up self-check falls back to NCCL on any doubt.
 """
+import threading
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -35,7 +42,8 @@ class SymmMemAllReduce:
         buffer; rendezvous() then exchanges the buffers (collective). Raises if symmetric memory is
         unusable."""
         from torch.distributed import _symmetric_memory as symm_mem
-        self.name, self.size = name, size
+        self.name, self.rank, self.size = name, rank, size
+        self.handle = None
         # symm_mem finds its group by name in c10d's registry: register a ProcessGroup over our backend.
         group = dist.ProcessGroup(store, rank, size)
         group._register_backend(device, dist.ProcessGroup.BackendType.NCCL, backend)
@@ -49,12 +57,46 @@ class SymmMemAllReduce:
     def rendezvous(self):
         """Collective: map every rank's buffer into this one's address space."""
         from torch.distributed import _symmetric_memory as symm_mem
-        symm_mem.rendezvous(self.buffer, self.name)
+        self.handle = symm_mem.rendezvous(self.buffer, self.name)
 
     def close(self):
         """Drop the group from c10d's registry (it holds the NCCL communicators) and the buffer."""
         torch._C._distributed_c10d._unregister_process_group(self.name)
-        self.group = self.buffer = None
+        self.group = self.buffer = self.handle = None
+
+    def release_waiters(self, timeout_s: float = 30.0) -> threading.Thread | None:
+        """After a peer died: free this rank's kernels that wait for it, in a background thread.
+
+        torch's kernels synchronise block b of every rank through slot b * size + r of each
+        signal pad: rank r sets that slot in its peer's pad (waiting while it is still 1) and
+        then waits for the peer's flag in slot b * size + peer of its own pad (taking it back to
+        0). So, over and over until everything this rank's stream holds now has run (or
+        timeout_s), the flags a peer owes are set in this rank's pad and this rank's flags in
+        every peer's pad are cleared; the stuck kernels finish, with garbage, in an engine
+        that is closing. A kernel's own slot (r = this rank) is left alone."""
+        if self.handle is None:
+            return None
+        device = self.buffer.device
+        drained = torch.cuda.Event()
+        drained.record(torch.cuda.current_stream(device))
+        pads = [self.handle.get_signal_pad(r, (self.handle.signal_pad_size // 4,), torch.int32).view(-1, self.size)
+                for r in range(self.size)]
+        peers = [r for r in range(self.size) if r != self.rank]
+
+        def run():
+            side = torch.cuda.Stream(device)
+            deadline = time.monotonic() + timeout_s
+            with torch.cuda.stream(side):
+                while not drained.query() and time.monotonic() < deadline:
+                    for peer in peers:
+                        pads[self.rank][:, peer].fill_(1)
+                        pads[peer][:, self.rank].fill_(0)
+                    side.synchronize()
+                    time.sleep(0.001)
+
+        thread = threading.Thread(target=run, name="nanovllm-release-all-reduce", daemon=True)
+        thread.start()
+        return thread
 
     def can_reduce(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
@@ -64,6 +106,9 @@ class SymmMemAllReduce:
         """x summed over ranks, in place. Caller checks can_reduce(x) first."""
         flat = x.view(-1)
         staged = self.buffer.view(x.dtype)[:flat.numel()]
+        # (not torch's one_shot_all_reduce_copy_out, which copies x inside the reducing kernel: in
+        # the torch source we read, its blocks signal their peers before all their threads' copies
+        # are done)
         staged.copy_(flat)
         if self.size == 2 or flat.numel() * x.element_size() <= ONE_SHOT_MAX_BYTES:
             torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.name, flat)

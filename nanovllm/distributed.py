@@ -29,11 +29,16 @@ class TPGroup:
         return x
 
     def abort(self):
-        """Make every pending and later collective of this group fail (a peer is gone)."""
+        """Make every pending and later collective of this group fail (a peer is gone), and free
+        the symmetric-memory all-reduce's kernels that wait for the peer (NCCL's abort does not
+        reach them)."""
+        releaser = self.custom_all_reduce.release_waiters() if self.custom_all_reduce is not None else None
         try:
             self.process_group.abort()
         except Exception:   # a backend without abort: its collectives fail on their own
             pass
+        if releaser is not None:
+            releaser.join()
 
     def close(self):
         if self.custom_all_reduce is not None:

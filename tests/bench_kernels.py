@@ -3,8 +3,13 @@ Qwen3-0.6B attention shape: 16 query heads, 8 KV heads, head_dim 128, bf16 queri
 fp8 cache, block_size 256, pages scattered at random over a large cache (so reads come from HBM,
 not L2).
 
-    PYTHONPATH=. python3 tests/bench_kernels.py
+    PYTHONPATH=. python3 tests/bench_kernels.py [--layout]
+
+--layout: only the table of cache layouts ([block, token, KV head, dim], the engine's, against
+[block, KV head, token, dim], whose pages hold each head's tokens back to back; the kernels read
+either through the cache's strides).
 """
+import argparse
 import random
 
 import torch
@@ -16,19 +21,57 @@ from nanovllm.kernels import triton_attention as ta
 H, KV, D, PAGE = 16, 8, 128, 256
 
 
-def paged(seq_lens, num_blocks=6000, cache_dtype=torch.bfloat16):
+def paged(seq_lens, num_blocks=6000, cache_dtype=torch.bfloat16, heads_first=False):
+    """Random K/V caches (shape [block, token, KV head, dim]; with heads_first a view of
+    [block, KV head, token, dim] memory), block tables of scattered pages, seq_lens."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    k = torch.randn(num_blocks, PAGE, KV, D, device="cuda", dtype=torch.bfloat16, generator=gen).to(cache_dtype)
+    shape = (num_blocks, KV, PAGE, D) if heads_first else (num_blocks, PAGE, KV, D)
+    k = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen).to(cache_dtype)
     v = torch.randn_like(k, dtype=torch.bfloat16).to(cache_dtype)
+    if heads_first:
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
     width = max(-(-n // PAGE) for n in seq_lens)
     perm = torch.randperm(num_blocks, device="cuda", generator=gen)
     tables = perm[:len(seq_lens) * width].view(len(seq_lens), width).to(torch.int32)
     return k, v, tables, torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
 
 
+def layouts(mixed):
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print("decode and prefill by cache layout: us per call in a CUDA graph of 20 calls, GB/s of K/V "
+          "(decode: the engine's splits for max_model_len 4096)")
+    for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        for name, lens in (("256 mixed", mixed), ("256 x 1024", [1024] * 256), ("64 x 2048", [2048] * 64),
+                           ("16 x 1024", [1024] * 16), ("1 x 1024", [1024])):
+            q = torch.randn(len(lens), H, D, device="cuda", dtype=torch.bfloat16)
+            splits = ta.decode_split_config(len(lens), KV, num_sms, 4096)
+            kv_bytes = 2 * sum(lens) * KV * D * cache_dtype.itemsize
+            for heads_first in (False, True):
+                k, v, tables, seq_lens = paged(lens, cache_dtype=cache_dtype, heads_first=heads_first)
+                us = us_per_call_in_graph([lambda: ta.decode_attention(q, k, v, tables, seq_lens, D ** -0.5,
+                                                                       *splits)] * 20)
+                layout = "[block, head, token, dim]" if heads_first else "[block, token, head, dim]"
+                print(f"  decode  {str(cache_dtype)[6:]:13} {name:10} {splits} {layout}: {us:8.1f} us "
+                      f"{kv_bytes / us / 1e3:7.0f} GB/s")
+        lens = [1024] * 16
+        q = torch.randn(sum(lens), H, D, device="cuda", dtype=torch.bfloat16)
+        qsl = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device="cuda")
+        for heads_first in (False, True):
+            k, v, tables, seq_lens = paged(lens, cache_dtype=cache_dtype, heads_first=heads_first)
+            us = us_per_call_in_graph([lambda: ta.prefill_attention(q, k, v, tables, qsl, seq_lens, 1024,
+                                                                    D ** -0.5)] * 20)
+            layout = "[block, head, token, dim]" if heads_first else "[block, token, head, dim]"
+            print(f"  prefill {str(cache_dtype)[6:]:13} 16 x 1024  {layout}: {us:8.1f} us")
+
+
 def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--layout", action="store_true", help="only the cache-layout table")
+    args = p.parse_args()
     random.seed(0)
     mixed = [random.randint(100, 2048) for _ in range(256)]     # the default workload's spread
+    if args.layout:
+        return layouts(mixed)
     print("decode: cache dtype, batch, config (splits, min_split, block_n, stages, warps, max registers)"
           " -> us, GB/s of K/V; stages None: the kernel's per-dtype default")
     configs = [(4, 1024, 64, None, 4, None), (4, 1024, 64, 2, 4, None), (4, 1024, 64, 3, 4, 128),

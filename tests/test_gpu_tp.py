@@ -4,6 +4,7 @@ with CUDA graphs on and off. Each case skips when the machine has too few GPUs."
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -100,12 +101,18 @@ def test_tp_logprobs_close_to_tp1(tp_model_dir, tp1_reference, tp, enforce_eager
     assert check_logprobs_close(ours, tp1_reference) >= len(tp1_reference) // 2
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_worker_killed_mid_generate_is_named(tp_model_dir, enforce_eager):
-    """NCCL waits for a dead peer until its own timeout; the watchdog must abort the group instead."""
+@pytest.mark.parametrize("enforce_eager,custom_all_reduce", [(False, False), (True, False), (False, True)],
+                         ids=["graphs", "eager", "graphs-custom-all-reduce"])
+def test_worker_killed_mid_generate_is_named(tp_model_dir, enforce_eager, custom_all_reduce):
+    """NCCL waits for a dead peer until its own timeout, the symmetric-memory all-reduce's kernels
+    for ever: the group is aborted and those kernels released, so the caller gets the rank named
+    and rank 0's GPU drains."""
+    if custom_all_reduce and custom_all_reduce_module._rendezvous_started:
+        pytest.skip("one symmetric-memory group per process: run alone, -k graphs-custom-all-reduce")
     llm = LLM(tp_model_dir, dtype="bfloat16", max_model_len=1024, block_size=16, tensor_parallel_size=2,
-              enforce_eager=enforce_eager)
+              enforce_eager=enforce_eager, disable_custom_all_reduce=not custom_all_reduce)
     engine = llm.llm_engine
+    assert (engine.workers.group.custom_all_reduce is not None) == custom_all_reduce
     real_step, calls, pid = engine.step, [], engine.workers.procs[0].pid
 
     def step():
@@ -120,3 +127,7 @@ def test_worker_killed_mid_generate_is_named(tp_model_dir, enforce_eager):
         llm.generate([[1, 2, 3, i] for i in range(32)], SamplingParams(max_tokens=900, ignore_eos=True),
                      use_tqdm=False)
     assert time.monotonic() - start < 30
+    synced = threading.Thread(target=torch.cuda.synchronize, daemon=True)   # nothing left spinning
+    synced.start()
+    synced.join(30)
+    assert not synced.is_alive()
