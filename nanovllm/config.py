@@ -60,9 +60,9 @@ class Config:
     enable_lora: bool = False
     speculative_config: dict | None = None
     runner: str = "auto"                             # "auto" or "generate": a generative model
-    # The symmetric-memory all-reduce (custom_all_reduce.py) is experimental, so unlike vLLM it is
-    # off by default: False turns it on; True or unset: NCCL for every all-reduce.
-    disable_custom_all_reduce: bool = True
+    # False (vLLM's default): on CUDA, the symmetric-memory all-reduce (custom_all_reduce.py) for
+    # tensors up to 16 MB, NCCL for the rest; True: NCCL for every all-reduce.
+    disable_custom_all_reduce: bool = False
     load_format: str = "auto"
     max_logprobs: int = 20
     attention_backend: str = "auto"     # "auto" | "triton" | "flash_attn" | "torch"

@@ -14,12 +14,13 @@ its peer's pad and spins until the peer has set the matching one in its own. A d
 sets it, and NCCL's abort does not reach these kernels, so after a peer died release_waiters()
 sets the flags the dead peer owed, over and over from a side stream, until rank 0's stream drains.
 
-Experimental, so off by default (LLM(..., disable_custom_all_reduce=False) turns it on). On
-2x H200 it summed correctly at every size class, made the Qwen3-8B-shape benchmark 3% faster at
-TP=2 (docs/perf_notes.md) and passed the TP=2 logprob tests with and without CUDA graphs; runs
-on more than two GPUs have not passed on a GPU yet, and the release of a dead peer's waiters has
-not yet run on a GPU. Only the first engine of a process gets it (see _rendezvous_started); later
-ones use NCCL. A start-up self-check falls back to NCCL on any doubt.
+On by default, as vLLM's own all-reduce is (LLM(..., disable_custom_all_reduce=True) turns it
+off). On 2x H200 it summed correctly at every size class, made the Qwen3-8B-shape benchmark 3%
+faster at TP=2 (9.84 -> 9.54 s, docs/perf_notes.md), passed the TP=2 logprob tests with and
+without CUDA graphs, and with a worker killed mid-generate the caller got the rank named and rank
+0's GPU drained. Runs on more than two GPUs have not yet been on a GPU. Only the first engine of
+a process gets it (see _rendezvous_started); later ones use NCCL. A start-up self-check falls
+back to NCCL on any doubt.
 """
 import threading
 import time

@@ -37,12 +37,6 @@ def same_bits(a, b):
                                               b.view(INT_OF_SIZE[b.element_size()]))
 
 
-def heads_first(cache):
-    """The same values with each page's heads first in memory (the engine's
-    NANOVLLM_KV_HEADS_FIRST=1 layout), seen through the same [block, token, head, dim] shape."""
-    return cache.transpose(1, 2).contiguous().transpose(1, 2)
-
-
 def random_batch(seq_lens, q_lens, num_kv_heads, head_dim, page, gen, cache_dtype=DTYPE):
     """A paged cache with the sequences' blocks scattered at random, and their block tables."""
     num_blocks = sum(-(-n // page) for n in seq_lens) + 3
@@ -65,8 +59,7 @@ def random_batch(seq_lens, q_lens, num_kv_heads, head_dim, page, gen, cache_dtyp
 
 @pytest.mark.parametrize("num_kv_heads, group, head_dim", [(2, 1, 16), (2, 4, 32), (8, 2, 128), (1, 7, 64)])
 @pytest.mark.parametrize("cache_dtype", [DTYPE, *FP8])
-@pytest.mark.parametrize("layout", [lambda c: c, heads_first], ids=["tokens-first", "heads-first"])
-def test_store_kvcache(num_kv_heads, group, head_dim, cache_dtype, layout):
+def test_store_kvcache(num_kv_heads, group, head_dim, cache_dtype):
     from nanovllm.kernels import triton_attention
     skip_fp8_store_in_interpreter(cache_dtype)
     gen = torch.Generator().manual_seed(num_kv_heads * 100 + head_dim)
@@ -82,7 +75,7 @@ def test_store_kvcache(num_kv_heads, group, head_dim, cache_dtype, layout):
     slots[[3, 17, 30]] = -1                                                      # padding
     caches = [torch.full((blocks, page, num_kv_heads, head_dim), float("nan"), dtype=cache_dtype) for _ in range(4)]
     torch_attention.store_kvcache(k, v, caches[0], caches[1], slots)
-    caches[2:] = [layout(c.to(DEVICE)) for c in caches[2:]]
+    caches[2:] = [c.to(DEVICE) for c in caches[2:]]
     triton_attention.store_kvcache(k.to(DEVICE), v.to(DEVICE), caches[2], caches[3], slots.to(DEVICE))
     assert same_bits(caches[0], caches[2]) and same_bits(caches[1], caches[3])
     if cache_dtype.itemsize == 1:                  # clamped to the format's range, never inf/NaN
@@ -136,28 +129,6 @@ def test_prefill_attention_with_cached_prefix(num_kv_heads, group, head_dim, pag
     assert rel_err(out, ref) < TOL
 
 
-def test_attention_reads_a_heads_first_cache_like_a_tokens_first_one():
-    """The kernels take the cache's strides: the same values laid out heads first give the same bits."""
-    from nanovllm.kernels import triton_attention
-    gen = torch.Generator().manual_seed(7)
-    seq_lens, new = [5, 40, 33], [5, 1, 33]
-    k_cache, v_cache, tables, qsl = random_batch(seq_lens, new, 2, 32, 16, gen)
-    caches = [(c.to(DEVICE), heads_first(c.to(DEVICE))) for c in (k_cache, v_cache)]
-    tables, lens = tables.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    q_decode = torch.randn(3, 4, 32, generator=gen).to(DTYPE).to(DEVICE)
-    q_prefill = torch.randn(qsl[-1], 4, 32, generator=gen).to(DTYPE).to(DEVICE)
-    qsl = torch.tensor(qsl, dtype=torch.int32, device=DEVICE)
-    for layout in range(2):
-        assert caches[0][layout].stride() != caches[0][1 - layout].stride()
-    for splits in ((1, 16), (4, 16)):
-        a, b = (triton_attention.decode_attention(q_decode, caches[0][i], caches[1][i], tables, lens, 0.2, *splits)
-                for i in range(2))
-        assert torch.equal(a, b)
-    a, b = (triton_attention.prefill_attention(q_prefill, caches[0][i], caches[1][i], tables, qsl, lens, 33, 0.2)
-            for i in range(2))
-    assert torch.equal(a, b)
-
-
 # ---- fused element-wise kernels vs the torch modules ------------------------------------------
 @pytest.mark.parametrize("rows, hidden", [(1, 64), (37, 1024), (5, 1000)])
 def test_rms_norm(rows, hidden):
@@ -178,8 +149,7 @@ def test_rms_norm(rows, hidden):
 @pytest.mark.parametrize("q_heads, kv_heads, head_dim, qk_norm", [(4, 2, 16, True), (16, 8, 128, True),
                                                                  (7, 1, 64, False)])
 @pytest.mark.parametrize("cache_dtype", [DTYPE, FP8[0]])
-@pytest.mark.parametrize("layout", [lambda c: c, heads_first], ids=["tokens-first", "heads-first"])
-def test_qk_norm_rope_store(q_heads, kv_heads, head_dim, qk_norm, cache_dtype, layout):
+def test_qk_norm_rope_store(q_heads, kv_heads, head_dim, qk_norm, cache_dtype):
     from nanovllm.kernels.triton_fused import qk_norm_rope_store
     from nanovllm.layers.layernorm import RMSNorm
     from nanovllm.layers.rotary import RotaryEmbedding
@@ -200,7 +170,7 @@ def test_qk_norm_rope_store(q_heads, kv_heads, head_dim, qk_norm, cache_dtype, l
     ref_q, ref_k = rope(positions, q, k)
     caches = [torch.full((blocks, page, kv_heads, head_dim), float("nan"), dtype=cache_dtype) for _ in range(4)]
     torch_attention.store_kvcache(ref_k, v, caches[0], caches[1], slots)
-    caches[2:] = [layout(c.to(DEVICE)) for c in caches[2:]]
+    caches[2:] = [c.to(DEVICE) for c in caches[2:]]
     out_q = qk_norm_rope_store(qkv.to(DEVICE), positions.to(DEVICE), rope.cos_sin_cache.to(DEVICE), q_heads,
                                kv_heads, head_dim, q_norm.weight.to(DEVICE) if qk_norm else None,
                                k_norm.weight.to(DEVICE) if qk_norm else None, 1e-6, caches[2], caches[3],

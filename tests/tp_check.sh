@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Tensor-parallel benchmarks in one device call: bench.py's default workload on one model shape at
-# every TP size the machine has GPUs for; nanovllm also with its experimental symmetric-memory
-# all-reduce (--custom-all-reduce on) at the sizes in CUSTOM_SIZES (default: all).
+# every TP size the machine has GPUs for; nanovllm also with NCCL for every all-reduce
+# (--custom-all-reduce off, instead of its default symmetric-memory all-reduce) at the sizes in
+# NCCL_SIZES (default: all).
 # Usage (repo root, on the GPU machine): ENGINES="nanovllm vllm" MODEL=qwen3-8b SIZES="1 2 4" bash tests/tp_check.sh
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -12,11 +13,11 @@ SIZES=${SIZES:-$(for n in 1 2 4 8; do [ "$n" -le "$NUM_GPUS" ] && echo $n; done)
 for engine in ${ENGINES:-nanovllm}; do
   for tp in $SIZES; do
     variants=("")
-    if [ "$engine" = nanovllm ] && [ "$tp" -gt 1 ] && [[ " ${CUSTOM_SIZES:-$SIZES} " == *" $tp "* ]]; then
-      variants+=("--custom-all-reduce on")
+    if [ "$engine" = nanovllm ] && [ "$tp" -gt 1 ] && [[ " ${NCCL_SIZES:-$SIZES} " == *" $tp "* ]]; then
+      variants+=("--custom-all-reduce off")
     fi
     for flag in "${variants[@]}"; do
-      log="$OUT/tp_${engine}_${MODEL}_tp${tp}${flag:+_custom}.log"
+      log="$OUT/tp_${engine}_${MODEL}_tp${tp}${flag:+_nccl}.log"
       timeout "${BENCH_TIMEOUT:-300}" python3 bench.py --engine "$engine" --model "$MODEL" --tp "$tp" $flag --json \
         2>&1 | tee "$log" | grep -v '^{' | tail -3
     done

@@ -122,16 +122,9 @@ class ModelRunner:
 
     def _make_kv_cache(self, num_blocks: int) -> torch.Tensor:
         attn = self.attention_layers[0]
-        # kv_cache: [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]; a backend whose
-        # kernels read any strides may want each page's heads first in memory (one head's tokens
-        # back to back), seen through the same shape
-        heads_first = getattr(self.backend, "cache_heads_first", False)
-        shape = [2, len(self.attention_layers), num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim]
-        if heads_first:
-            shape[3], shape[4] = shape[4], shape[3]
-        kv_cache = torch.empty(shape, dtype=self.config.kv_cache_torch_dtype, device=self.device)
-        if heads_first:
-            kv_cache = kv_cache.transpose(3, 4)
+        # kv_cache: [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache = torch.empty(2, len(self.attention_layers), num_blocks, self.block_size, attn.num_kv_heads,
+                               attn.head_dim, dtype=self.config.kv_cache_torch_dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
         return kv_cache

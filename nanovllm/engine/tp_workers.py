@@ -12,7 +12,8 @@ of hanging the caller: a watchdog thread notes the moment a worker exits, and ra
 the GPU end there. Collectives with a dead peer never finish on their own, so the group is
 aborted: by the watchdog at once when the model runs eagerly, and by close() once the CUDA graphs
 are destroyed when it runs graphs (NCCL's abort waits for every graph that captured its
-collectives to be destroyed; aborting under live graphs hung rank 0 on 2x H200).
+collectives to be destroyed; aborting under live graphs hung rank 0 on 2x H200). The abort also
+releases the symmetric-memory all-reduce's kernels that wait for the dead peer.
 """
 import multiprocessing as mp
 import multiprocessing.connection

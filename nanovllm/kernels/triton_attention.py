@@ -40,16 +40,8 @@ def to_cache_dtype(x, cache_ptr):
 
 
 @triton.jit
-def slot_offset(slot, kv_head, PAGE: tl.constexpr, stride_cb, stride_cr, stride_ch):
-    """Element offset of (slot, kv_head) in a cache [num_blocks, page, num_kv_heads, head_dim] given
-    by its strides (its memory may hold the heads before the tokens, see cache_shape)."""
-    return (slot // PAGE).to(tl.int64) * stride_cb + (slot % PAGE) * stride_cr + kv_head * stride_ch
-
-
-@triton.jit
-def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k, stride_v,
-                          stride_cb, stride_cr, stride_ch, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          ROW: tl.constexpr, BLOCK: tl.constexpr):
+def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                          stride_k, stride_v, ROW: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token)
     if slot < 0:
@@ -58,9 +50,8 @@ def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stri
     mask = offs < ROW
     k = tl.load(k_ptr + token * stride_k + offs, mask=mask)
     v = tl.load(v_ptr + token * stride_v + offs, mask=mask)
-    dst = slot_offset(slot, offs // HEAD_DIM, PAGE, stride_cb, stride_cr, stride_ch) + offs % HEAD_DIM
-    tl.store(k_cache_ptr + dst, to_cache_dtype(k, k_cache_ptr), mask=mask)
-    tl.store(v_cache_ptr + dst, to_cache_dtype(v, v_cache_ptr), mask=mask)
+    tl.store(k_cache_ptr + slot * ROW + offs, to_cache_dtype(k, k_cache_ptr), mask=mask)
+    tl.store(v_cache_ptr + slot * ROW + offs, to_cache_dtype(v, v_cache_ptr), mask=mask)
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -68,10 +59,8 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     """k, v: [num_tokens, num_kv_heads, head_dim], rows may be strided (views into the qkv output)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     assert k.stride(-1) == 1 and k.stride(1) == head_dim and v.stride(-1) == 1 and v.stride(1) == head_dim
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
     row = num_kv_heads * head_dim
     _store_kvcache_kernel[(num_tokens,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-                                         *k_cache.stride()[:3], PAGE=k_cache.shape[1], HEAD_DIM=head_dim,
                                          ROW=row, BLOCK=triton.next_power_of_2(row))
 
 

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import pdl
-from nanovllm.kernels.triton_attention import slot_offset, to_cache_dtype
+from nanovllm.kernels.triton_attention import to_cache_dtype
 
 
 @triton.jit
@@ -47,9 +47,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 @triton.jit
 def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-                               slot_ptr, stride_qkv, stride_q, eps, stride_cb, stride_cr, stride_ch,
-                               NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                               PAGE: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+                               slot_ptr, stride_qkv, stride_q, eps, NUM_Q_HEADS: tl.constexpr,
+                               NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+                               PDL: tl.constexpr):
     pdl.begin(PDL)
     token, head = tl.program_id(0), tl.program_id(1)      # heads: q heads, then k heads, then v heads
     offs = tl.arange(0, HALF)
@@ -58,7 +58,7 @@ def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, q_
     x2 = tl.load(src + HALF + offs)
     slot = tl.load(slot_ptr + token)
     kv_head = (head - NUM_Q_HEADS) % NUM_KV_HEADS          # (for k and v heads)
-    cache_row = slot_offset(slot, kv_head, PAGE, stride_cb, stride_cr, stride_ch)
+    cache_row = slot * (NUM_KV_HEADS * 2 * HALF) + kv_head * 2 * HALF
     if head >= NUM_Q_HEADS + NUM_KV_HEADS:                 # v: copied to the cache as is
         if slot >= 0:
             tl.store(v_cache_ptr + cache_row + offs, to_cache_dtype(x1, v_cache_ptr))
@@ -91,17 +91,15 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
                        slot_mapping: torch.Tensor) -> torch.Tensor:
     """qkv: [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim] -> q [num_tokens, num_q_heads, head_dim]:
     per-head RMSNorm (if weights are given), then RoPE, on q and k; k and v are written straight
-    into the paged cache ([num_blocks, page, num_kv_heads, head_dim], any strides with head_dim
-    contiguous) at slot_mapping (slot -1: skipped), which is all the attention kernels read them from."""
+    into the paged cache ([num_blocks, page, num_kv_heads, head_dim]) at slot_mapping (slot -1: skipped),
+    which is all the attention kernels read them from."""
     num_tokens = qkv.shape[0]
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
     q = torch.empty(num_tokens, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     has_norm = q_weight is not None
     _qk_norm_rope_store_kernel[(num_tokens, num_q_heads + 2 * num_kv_heads)](
         qkv, positions, cos_sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv, q,
-        k_cache, v_cache, slot_mapping, qkv.stride(0), q.stride(0), eps, *k_cache.stride()[:3],
-        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, PAGE=k_cache.shape[1],
-        HAS_NORM=has_norm, num_warps=1, **pdl.launch_options())
+        k_cache, v_cache, slot_mapping, qkv.stride(0), q.stride(0), eps, NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, HAS_NORM=has_norm, num_warps=1, **pdl.launch_options())
     return q
 
 

@@ -1,7 +1,6 @@
 """Attention over the paged KV cache, the per-step metadata every attention layer reads, and
 the backends that compute it: plain torch (CPU, reference), our Triton kernels, flash-attn."""
 import importlib.util
-import os
 from dataclasses import dataclass
 
 import torch
@@ -50,9 +49,6 @@ class TritonBackend:
     def __init__(self):
         from nanovllm.kernels import triton_attention
         self.kernels = triton_attention
-        # The KV cache's memory as [block, KV head, token, dim] (the kernels read it through its
-        # strides): only with NANOVLLM_KV_HEADS_FIRST=1 until measured (docs/perf_notes.md row 24).
-        self.cache_heads_first = os.environ.get("NANOVLLM_KV_HEADS_FIRST") == "1"
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         if k is not None:
