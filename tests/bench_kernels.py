@@ -3,11 +3,12 @@ Qwen3-0.6B attention shape: 16 query heads, 8 KV heads, head_dim 128, bf16 queri
 fp8 cache, block_size 256, pages scattered at random over a large cache (so reads come from HBM,
 not L2).
 
-    PYTHONPATH=. python3 tests/bench_kernels.py [--layout]
+    PYTHONPATH=. python3 tests/bench_kernels.py [--layout | --splits]
 
 --layout: only the table of cache layouts ([block, token, KV head, dim], the engine's, against
 [block, KV head, token, dim], whose pages hold each head's tokens back to back; the kernels read
-either through the cache's strides).
+either through the cache's strides). --splits: only the table of decode splits at mid-size
+batches of mixed lengths, where the engine's choice (decode_split_config) changes.
 """
 import argparse
 import random
@@ -64,14 +65,31 @@ def layouts(mixed):
             print(f"  prefill {str(cache_dtype)[6:]:13} 16 x 1024  {layout}: {us:8.1f} us")
 
 
+def splits_at_mid_batches():
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print("decode splits at mid-size batches, contexts of 100-2,048 tokens (bf16 cache): us per call in a "
+          "CUDA graph of 20 calls; * the engine's choice")
+    for batch in (16, 32, 64, 128, 192):
+        lens = [random.randint(100, 2048) for _ in range(batch)]
+        k, v, tables, seq_lens = paged(lens)
+        q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
+        chosen = ta.decode_split_config(batch, KV, num_sms, 4096)
+        for splits in sorted({(1, 64), (4, 1024), (8, 512), (16, 256), (16, 64), chosen}):
+            us = us_per_call_in_graph([lambda: ta.decode_attention(q, k, v, tables, seq_lens, D ** -0.5, *splits)] * 20)
+            print(f"  {batch:3} mixed {str(splits):11}{'*' if splits == chosen else ' '} {us:8.1f} us")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--layout", action="store_true", help="only the cache-layout table")
+    p.add_argument("--splits", action="store_true", help="only the table of decode splits at mid-size batches")
     args = p.parse_args()
     random.seed(0)
     mixed = [random.randint(100, 2048) for _ in range(256)]     # the default workload's spread
     if args.layout:
         return layouts(mixed)
+    if args.splits:
+        return splits_at_mid_batches()
     print("decode: cache dtype, batch, config (splits, min_split, block_n, stages, warps, max registers)"
           " -> us, GB/s of K/V; stages None: the kernel's per-dtype default")
     configs = [(4, 1024, 64, None, 4, None), (4, 1024, 64, 2, 4, None), (4, 1024, 64, 3, 4, 128),
