@@ -22,6 +22,7 @@ without CUDA graphs, and with a worker killed mid-generate the caller got the ra
 a process gets it (see _rendezvous_started); later ones use NCCL. A start-up self-check falls
 back to NCCL on any doubt.
 """
+import math
 import threading
 import time
 
@@ -103,20 +104,33 @@ class SymmMemAllReduce:
         nbytes = x.numel() * x.element_size()
         return x.is_contiguous() and nbytes <= BUFFER_BYTES and nbytes % 16 == 0
 
+    def input_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """The start of the buffer as a tensor of this shape, to compute straight into; None if
+        such a tensor could not be reduced here."""
+        numel = math.prod(shape)
+        nbytes = numel * dtype.itemsize
+        if nbytes > BUFFER_BYTES or nbytes % 16:
+            return None
+        return self.buffer.view(dtype)[:numel].view(shape)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x summed over ranks, in place. Caller checks can_reduce(x) first."""
+        """x summed over ranks: in place, or into a new tensor if x is input_buffer's (the buffer
+        itself is what the peers read). Caller checks can_reduce(x) first."""
         flat = x.view(-1)
         staged = self.buffer.view(x.dtype)[:flat.numel()]
+        in_buffer = flat.data_ptr() == staged.data_ptr()
         # (not torch's one_shot_all_reduce_copy_out, which copies x inside the reducing kernel: in
         # the torch source we read, its blocks signal their peers before all their threads' copies
         # are done)
-        staged.copy_(flat)
+        if not in_buffer:
+            staged.copy_(flat)
+        out = torch.empty_like(flat) if in_buffer else flat
         if self.size == 2 or flat.numel() * x.element_size() <= ONE_SHOT_MAX_BYTES:
-            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.name, flat)
+            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.name, out)
         else:
             torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self.name)
-            flat.copy_(staged)
-        return x
+            out.copy_(staged)
+        return out.view(x.shape)
 
 
 # torch numbers the store keys of its symmetric-memory handle exchanges with one counter per

@@ -20,13 +20,20 @@ class TPGroup:
     custom_all_reduce: SymmMemAllReduce | None = None   # CUDA: NVLink all-reduce for small tensors
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """x summed over the ranks, in place."""
+        """x summed over the ranks: in place, or in a new tensor if x is all_reduce_input's buffer."""
         if self.size == 1:
             return x
         if self.custom_all_reduce is not None and self.custom_all_reduce.can_reduce(x):
             return self.custom_all_reduce(x)
         dist.all_reduce(x, group=self.process_group)
         return x
+
+    def all_reduce_input(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """Where to compute a tensor that all_reduce will sum next, if there is a better place than
+        a new tensor: the symmetric-memory all-reduce's input buffer (saves copying it there)."""
+        if self.custom_all_reduce is None:
+            return None
+        return self.custom_all_reduce.input_buffer(shape, dtype)
 
     def abort(self):
         """Make every pending and later collective of this group fail (a peer is gone), and free

@@ -205,3 +205,33 @@ def test_worker_dying_at_start_is_named(qwen3_dir, tmp_path):
     proc = subprocess.run([sys.executable, str(script), qwen3_dir], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "tensor-parallel worker rank 1 exited with code 1" in proc.stderr
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_row_parallel_linear_computes_into_the_all_reduce_input_buffer(bias):
+    """With a buffer to compute into (the symmetric-memory all-reduce's), the row-parallel product
+    is written there, with the bias, and the layer returns what the all-reduce makes of it."""
+    import torch
+    import torch.nn.functional as F
+    from nanovllm.distributed import TPGroup
+    from nanovllm.layers.linear import RowParallelLinear
+
+    class BufferGroup(TPGroup):
+        buffer = torch.full((8, 4), float("nan"))
+
+        def all_reduce_input(self, shape, dtype):
+            return self.buffer[:shape[0]]
+
+        def all_reduce(self, x):
+            assert x.data_ptr() == self.buffer.data_ptr()
+            return x * 2                     # a new tensor, as the real one returns
+
+    gen = torch.Generator().manual_seed(0)
+    layer = RowParallelLinear(6, 4, bias=bias, tp=BufferGroup())
+    layer.weight.data = torch.randn(4, 6, generator=gen)
+    if bias:
+        layer.bias.data = torch.randn(4, generator=gen)
+    x = torch.randn(3, 6, generator=gen)
+    expected = F.linear(x, layer.weight, layer.bias)
+    assert torch.allclose(layer(x), 2 * expected)
+    assert torch.allclose(BufferGroup.buffer[:3], expected) and BufferGroup.buffer[3:].isnan().all()

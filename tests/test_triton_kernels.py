@@ -208,6 +208,9 @@ def test_skinny_linear(rows, n, k, bias, split_k):
         out = skinny_linear(x, w, b, split_k=split_k)
         assert out.shape == (rows, n) and out.dtype == DTYPE
         assert rel_err(out.cpu(), ref) < TOL
+    given = torch.full((rows + 2, n), float("nan"), dtype=DTYPE, device=DEVICE)   # rows of a larger buffer
+    assert skinny_linear(x, w, b, out=given[:rows], split_k=split_k).data_ptr() == given.data_ptr()
+    assert torch.equal(given[:rows].cpu(), out.cpu()) and given[rows:].isnan().all()
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")

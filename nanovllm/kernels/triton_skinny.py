@@ -114,18 +114,20 @@ def _num_sms(device: torch.device) -> int:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  split_k: int | None = None, block_n: int = BLOCK_N, block_k: int = BLOCK_K,
-                  num_stages: int = NUM_STAGES, num_warps: int = 4) -> torch.Tensor:
-    """x: [M, K] with M <= MAX_ROWS, weight: [N, K], bias: [N] or None -> [M, N] in x's dtype.
-    The keyword arguments after * are tuning knobs (tests/bench_skinny.py sweeps them);
-    split_k None: split_k_for's choice."""
+                  out: torch.Tensor | None = None, split_k: int | None = None, block_n: int = BLOCK_N,
+                  block_k: int = BLOCK_K, num_stages: int = NUM_STAGES, num_warps: int = 4) -> torch.Tensor:
+    """x: [M, K] with M <= MAX_ROWS, weight: [N, K], bias: [N] or None -> [M, N] in x's dtype
+    (written to out if given). The keyword arguments from split_k on are tuning knobs
+    (tests/bench_skinny.py sweeps them); split_k None: split_k_for's choice."""
     (m, k), n = x.shape, weight.shape[0]
     assert m <= MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     if split_k is None:
         split_k = split_k_for(n, k, _num_sms(x.device) if x.is_cuda else INTERPRETER_SMS, block_n, block_k)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)          # (no empty split)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n) and out.stride(1) == 1
     blocks = triton.cdiv(n, block_n)
     parts = counters = out
     if split_k > 1:

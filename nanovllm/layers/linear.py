@@ -18,14 +18,20 @@ def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str = "paramet
     param.data.copy_(loaded)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, except for a few rows of 16-bit activations on CUDA (a decode step at small
-    batch), where kernels/triton_skinny.py streams the weight faster than cuBLAS."""
+    batch), where kernels/triton_skinny.py streams the weight faster than cuBLAS. out: where to
+    write the result ([rows, out_features], contiguous), if not in a new tensor."""
     if x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1:
         from nanovllm.kernels import triton_skinny
         if x.shape[0] <= triton_skinny.MAX_ROWS and triton_skinny.enabled():
-            return triton_skinny.skinny_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+            return triton_skinny.skinny_linear(x, weight, bias, out=out)
+    if out is None:
+        return F.linear(x, weight, bias)
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
 
 
 class LinearBase(nn.Module):
@@ -101,6 +107,8 @@ class RowParallelLinear(LinearBase):
         super().__init__(input_size // tp.size, output_size, bias, shard_dim=1, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Bias is added once, on rank 0, before the sum.
-        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        # Bias is added once, on rank 0, before the sum. The product goes straight into the
+        # all-reduce's input buffer when it has one (no copy into it).
+        out = self.tp.all_reduce_input((x.shape[0], self.weight.shape[0]), x.dtype) if x.dim() == 2 else None
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, out=out)
         return self.tp.all_reduce(y)
