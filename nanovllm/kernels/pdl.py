@@ -26,8 +26,10 @@ _in_small_decode_graph = False
 
 @functools.cache
 def enabled() -> bool:
+    """Unless NANOVLLM_PDL=0: on a Hopper or newer GPU, with a Triton that has PDL (3.4 and later;
+    the project allows older ones)."""
     return (os.environ.get("NANOVLLM_PDL") != "0" and torch.cuda.is_available()
-            and torch.cuda.get_device_capability()[0] >= 9)
+            and torch.cuda.get_device_capability()[0] >= 9 and hasattr(tl.extra.cuda, "gdc_wait"))
 
 
 @contextlib.contextmanager
