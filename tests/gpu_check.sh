@@ -22,6 +22,10 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
       > "$OUT/gpu_$name.log" 2>&1
     echo "$name: $(tail -1 "$OUT/gpu_$name.log")"
   done | tee "$OUT/gpu_tests.log"
+  # one symmetric-memory group per process: this test skips inside the whole file's run
+  timeout -s KILL "$limit" python3 -m pytest -q -m gpu tests/test_gpu_tp.py -k graphs-custom-all-reduce \
+    > "$OUT/gpu_test_gpu_tp_killed_custom.log" 2>&1
+  echo "test_gpu_tp -k graphs-custom-all-reduce: $(tail -1 "$OUT/gpu_test_gpu_tp_killed_custom.log")" | tee -a "$OUT/gpu_tests.log"
 fi
 read -ra variants <<< "${VARIANTS:-}"
 [ ${#variants[@]} -eq 0 ] && variants=("")

@@ -233,8 +233,9 @@ def decode_split_config(num_seqs: int, num_kv_heads: int, num_sms: int, max_mode
 def fused_merge_for(num_seqs: int) -> bool:
     """Whether the decode kernel merges its splits itself: above FUSED_MERGE_ABOVE sequences. On the
     H200 (docs/perf_notes.md row 20) the fused merge was faster at 16 and 256 sequences (22.6 -> 21.9
-    and 283.5 -> 277.6 us), slower at 1 (5.6 -> 8.6 us: its last program merges alone, after the
-    others), where the separate merge kernel also overlaps its launch under PDL."""
+    and 283.5 -> 277.6 us) and slower at 1 (5.6 -> 8.6 us: its last program merges alone, after the
+    others). Up to 16 the decode graphs run under PDL (kernels/pdl.py), where the separate merge
+    kernel's launch overlaps the split kernel, and batch-1 latency was better with it."""
     return num_seqs > FUSED_MERGE_ABOVE
 
 
