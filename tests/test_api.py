@@ -1,4 +1,5 @@
 """The public API: vLLM's input forms and output shapes, bad input, and recovery after errors."""
+import numpy as np
 import pytest
 import torch
 
@@ -157,6 +158,17 @@ def test_use_tqdm_takes_a_progress_bar_class(llm):
     assert llm.reset_prefix_cache() is True
 
 
+def test_token_ids_from_numpy_and_torch(llm):
+    """Token ids may come as numpy integers, a 1-D numpy array or a 1-D torch tensor: taken as ints."""
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    expected = llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0].outputs[0].token_ids
+    for prompts in ([np.int64(5), 6, np.int32(7)], [np.array([5, 6, 7])], [torch.tensor([5, 6, 7])],
+                    {"prompt_token_ids": torch.tensor([5, 6, 7])}):
+        out = llm.generate(prompts, sp, use_tqdm=False)[0]
+        assert out.prompt_token_ids == [5, 6, 7] and all(type(t) is int for t in out.prompt_token_ids)
+        assert out.outputs[0].token_ids == expected
+
+
 def test_vllm_prompt_types(llm):
     """vLLM's TextPrompt / TokensPrompt import from nanovllm and work; keys asking for what nanovllm
     does not do (multimodal data), unknown keys and a bad cache_salt are ValueErrors, not ignored."""
@@ -290,6 +302,11 @@ def test_sampling_params_clone_is_deep():
     ([[1, 2]], SamplingParams(logit_bias={5: 1.0, 384: 2.0}), "logit_bias has out-of-vocabulary token id 384 (vocab_size=384)."),
     ([[1, 2]], SamplingParams(allowed_token_ids=[1, 999]), "allowed_token_ids has out-of-vocabulary token id 999"),
     ([[1, 2], 3.5], None, "prompt 1 must be a string"),
+    ([[1, 2], [5, True]], None, "prompt 1: token ids must be ints, got True (bool)."),
+    ([[1, 2], ["a", "b"]], None, "prompt 1: token ids must be ints, got 'a' (str)."),
+    ([[1, 2], np.array([[5, 6]])], None, "prompt 1: token ids must be one-dimensional, got shape (1, 2)."),
+    ([[1, 2], np.array([5.0, 6.0])], None, "prompt 1: token ids must be ints, got 5.0 (float)."),
+    ([[1, 2], {"prompt_token_ids": "abc"}], None, "prompt 1: prompt_token_ids must be a list of ints, got 'abc'."),
 ])
 def test_bad_requests_leave_engine_usable(llm, prompts, params, message):
     with pytest.raises(ValueError) as e:
