@@ -17,6 +17,10 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "half": torch.float16, "float": torch.float32}
 # vLLM's kv_cache_dtype values ("auto": the model's dtype). fp8 values are stored unscaled
 # (vLLM's k_scale = v_scale = 1.0 for checkpoints without scales), clamped to the format's range.
+# The generation-config fields that default sampling parameters come from (vLLM's), with their
+# SamplingParams names.
+GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
                    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -33,7 +37,13 @@ class Config:
     download_dir: str | None = None         # hub cache directory (default: Hugging Face's)
     hf_overrides: dict | None = None        # attributes set on the model's HF config after loading it
                                             # (a dict attribute is updated with a dict)
-    dtype: str = "auto"
+    # Where LLM.get_default_sampling_params() (generate without sampling params) takes its
+    # defaults from: "auto" the model's generation_config.json, "vllm" none (SamplingParams'
+    # own), or a folder holding a generation_config.json. override_generation_config sets some of
+    # GENERATION_FIELDS on top (with "vllm": alone).
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
+    dtype: str | torch.dtype = "auto"       # "auto", a name in DTYPES, or one of their torch dtypes
     quantization: str | None = None         # only None: checkpoints are loaded unquantized
     device: str = "auto"
     seed: int | None = 0                    # None: a random seed (vLLM's meaning)
@@ -153,8 +163,14 @@ class Config:
 
         check(self.device in ("auto", "cuda", "cpu"),
               f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}.")
-        check(self.dtype == "auto" or self.dtype in DTYPES,
+        check(self.dtype == "auto" or self.dtype in DTYPES or self.dtype in DTYPES.values(),
               f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}.")
+        check(self.generation_config in ("auto", "vllm") or os.path.isdir(self.generation_config),
+              f"generation_config must be 'auto', 'vllm' or a folder with a generation_config.json, "
+              f"got {self.generation_config!r}.")
+        unknown = sorted(set(self.override_generation_config or {}) - set(GENERATION_FIELDS))
+        check(not unknown, f"override_generation_config has unknown key(s) {unknown}; known: "
+                           f"{', '.join(GENERATION_FIELDS)}.")
         check(self.load_format in ("auto", "safetensors", "dummy"),
               f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}.")
         check(self.max_model_len is None or self.max_model_len >= 1,
@@ -215,6 +231,8 @@ class Config:
                                  f"tensor_parallel_size ({n}).")
 
     def _resolve_dtype(self) -> torch.dtype:
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
         if self.dtype != "auto":
             return DTYPES[self.dtype]
         if self.device == "cpu":

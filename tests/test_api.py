@@ -1,4 +1,6 @@
 """The public API: vLLM's input forms and output shapes, bad input, and recovery after errors."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -231,6 +233,31 @@ def test_max_tokens_none_runs_to_max_model_len(llm):
 def test_default_sampling_params_come_from_generation_config(llm):
     assert llm.get_default_sampling_params().temperature == 1.0   # the fixture's config sets none
     assert len(llm.generate([PROMPTS[2]], use_tqdm=False)[0].outputs[0].token_ids) <= 16
+
+
+def test_generation_config_and_its_overrides(qwen3_dir, tmp_path):
+    """vLLM's generation_config ("auto", "vllm" or a folder) and override_generation_config decide
+    what generate() samples with when given no SamplingParams."""
+    from transformers import GenerationConfig
+    GenerationConfig(do_sample=True, temperature=0.6, top_k=20, top_p=0.95, max_new_tokens=7).save_pretrained(tmp_path)
+
+    def defaults(**kwargs):
+        llm = LLM(qwen3_dir, dtype=torch.float32, block_size=16, num_kvcache_blocks=32, max_model_len=256, **kwargs)
+        return llm, llm.get_default_sampling_params()
+
+    llm, params = defaults(generation_config=str(tmp_path))
+    assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.6, 20, 0.95, 7)
+    assert params.min_p == SamplingParams().min_p                    # not set there: SamplingParams' own
+    assert len(llm.generate([PROMPTS[2]], use_tqdm=False)[0].outputs[0].token_ids) <= 7
+    _, params = defaults(generation_config=str(tmp_path), override_generation_config={"temperature": 0.3})
+    assert (params.temperature, params.top_k) == (0.3, 20)
+    _, params = defaults(generation_config="vllm", override_generation_config={"top_k": 5})
+    assert (params.temperature, params.top_k, params.max_tokens) == (1.0, 5, SamplingParams().max_tokens)
+    for kwargs, message in ((dict(generation_config="/no/such/folder"), "generation_config must be 'auto', 'vllm'"),
+                            (dict(override_generation_config={"temp": 1}),
+                             "override_generation_config has unknown key(s) ['temp']")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            LLM(qwen3_dir, **kwargs)
 
 
 @pytest.mark.parametrize("kwargs, message", [

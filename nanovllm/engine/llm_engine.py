@@ -6,7 +6,7 @@ from itertools import count
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from nanovllm.config import Config
+from nanovllm.config import GENERATION_FIELDS, Config
 from nanovllm.distributed import SINGLE
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.model_runner import ModelRunner, runner_device
@@ -85,8 +85,13 @@ class LLMEngine:
         self._request_ids = count()
 
     def _load_generation_config(self) -> GenerationConfig | None:
+        """The model's generation_config.json, or config.generation_config's folder's; None with
+        "vllm" or without the file."""
+        source = self.config.generation_config
+        if source == "vllm":
+            return None
         try:
-            return GenerationConfig.from_pretrained(self.config.model_path)
+            return GenerationConfig.from_pretrained(self.config.model_path if source == "auto" else source)
         except OSError:
             return None
 
@@ -99,14 +104,14 @@ class LLMEngine:
         return ids
 
     def default_sampling_params(self) -> SamplingParams:
-        """SamplingParams() with the model's generation_config.json defaults, as vLLM does."""
-        overrides = {}
+        """SamplingParams() with the defaults the generation config sets (the fields it sets itself,
+        not transformers' defaults) and config.override_generation_config's, as vLLM does."""
+        fields = {}
         if self.generation_config is not None and self.generation_config.do_sample is not False:
-            for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-                value = getattr(self.generation_config, name, None)
-                if value is not None:
-                    overrides[name] = value
-        return SamplingParams(**overrides)
+            fields = self.generation_config.to_diff_dict()
+        fields |= self.config.override_generation_config or {}
+        return SamplingParams(**{name: fields[key] for key, name in GENERATION_FIELDS.items()
+                                 if fields.get(key) is not None})
 
     # ---- requests -----------------------------------------------------------------------
     def validate_request(self, index: int, prompt_token_ids: list[int], params: SamplingParams):
