@@ -35,6 +35,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None      # "stop" or "length"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it; None for EOS
+    lora_request: None = field(default=None, repr=False)   # vLLM's field; no LoRA here
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -50,3 +51,10 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    # vLLM's fields for what nanovllm does not do (LoRA, encoder-decoder models, multimodal
+    # inputs, KV transfer), at their empty values, so that scripts reading them run
+    lora_request: None = field(default=None, repr=False)
+    encoder_prompt: None = field(default=None, repr=False)
+    encoder_prompt_token_ids: None = field(default=None, repr=False)
+    multi_modal_placeholders: dict = field(default_factory=dict, repr=False)
+    kv_transfer_params: None = field(default=None, repr=False)

@@ -160,6 +160,13 @@ def test_use_tqdm_takes_a_progress_bar_class(llm):
     assert llm.reset_prefix_cache() is True
 
 
+def test_vllm_output_fields_for_what_nanovllm_does_not_do(llm):
+    """Scripts written for vLLM read these; they hold vLLM's empty values."""
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert (out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids, out.kv_transfer_params) == (None,) * 4
+    assert out.multi_modal_placeholders == {} and out.outputs[0].lora_request is None
+
+
 def test_token_ids_from_numpy_and_torch(llm):
     """Token ids may come as numpy integers, a 1-D numpy array or a 1-D torch tensor: taken as ints."""
     sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
