@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from nanovllm.layers.rotary import max_positions
+from nanovllm.layers.rotary import max_positions, rope_settings
 from nanovllm.utils.hub import check_directory_or_hub_id, resolve_model_path
 from nanovllm.utils.validation import check_field_types
 
@@ -135,6 +135,7 @@ class Config:
         self._validate_tensor_parallel()
         self.torch_dtype = self._resolve_dtype()
         self.kv_cache_torch_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
+        rope_settings(self.hf_config)   # an unsupported RoPE variant refused here, before any worker starts
         max_len = max_positions(self.hf_config)
         if self.max_model_len is None:
             self.max_model_len = max_len

@@ -153,7 +153,10 @@ def test_rope_scaling_by_its_older_name(qwen3_dir):
 
 
 def test_unsupported_rope_scaling_is_refused(qwen3_dir):
+    """By the engine's config, before a tensor-parallel worker is spawned."""
+    from nanovllm.config import Config
     rope = dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)
-    with pytest.raises(ValueError, match="rope scaling .*'dynamic'.* is not supported; only the default RoPE and "
-                                         "'llama3', 'yarn', 'linear' are."):
-        LLM(qwen3_dir, hf_overrides={"rope_parameters": rope})
+    for make in (Config, LLM):
+        with pytest.raises(ValueError, match="rope scaling .*'dynamic'.* is not supported; only the default RoPE "
+                                             "and 'llama3', 'yarn', 'linear' are."):
+            make(qwen3_dir, hf_overrides={"rope_parameters": rope}, tensor_parallel_size=2)
