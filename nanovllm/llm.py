@@ -71,6 +71,10 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(parsed)
+        elif not isinstance(sampling_params, (list, tuple)):
+            hint = "; beam search is LLM.beam_search" if isinstance(sampling_params, BeamSearchParams) else ""
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
+                             f"{type(sampling_params).__name__}{hint}.")
         elif len(sampling_params) != len(parsed):
             raise ValueError(f"sampling_params has {len(sampling_params)} entries but there are "
                              f"{len(parsed)} prompts; pass one SamplingParams or one per prompt.")
