@@ -15,12 +15,12 @@ SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForC
 ATTENTION_BACKENDS = ("auto", "triton", "flash_attn", "torch")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "half": torch.float16, "float": torch.float32}
-# vLLM's kv_cache_dtype values ("auto": the model's dtype). fp8 values are stored unscaled
-# (vLLM's k_scale = v_scale = 1.0 for checkpoints without scales), clamped to the format's range.
 # The generation-config fields that default sampling parameters come from (vLLM's), with their
 # SamplingParams names.
 GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+# vLLM's kv_cache_dtype values ("auto": the model's dtype). fp8 values are stored unscaled
+# (vLLM's k_scale = v_scale = 1.0 for checkpoints without scales), clamped to the format's range.
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
                    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
