@@ -83,16 +83,13 @@ class SymmMemAllReduce:
         drained.record(torch.cuda.current_stream(device))
         pads = [self.handle.get_signal_pad(r, (self.handle.signal_pad_size // 4,), torch.int32).view(-1, self.size)
                 for r in range(self.size)]
-        peers = [r for r in range(self.size) if r != self.rank]
 
         def run():
             side = torch.cuda.Stream(device)
             deadline = time.monotonic() + timeout_s
             with torch.cuda.stream(side):
                 while not drained.query() and time.monotonic() < deadline:
-                    for peer in peers:
-                        pads[self.rank][:, peer].fill_(1)
-                        pads[peer][:, self.rank].fill_(0)
+                    settle_flags(pads, self.rank)
                     side.synchronize()
                     time.sleep(0.001)
 
@@ -131,6 +128,17 @@ class SymmMemAllReduce:
             torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self.name)
             out.copy_(staged)
         return out.view(x.shape)
+
+
+def settle_flags(pads: list[torch.Tensor], rank: int):
+    """pads: every rank's signal pad as [blocks, world_size] int32 (slot [b, r]: rank r's flag for
+    block b). Sets in rank's own pad the flags its peers owe it, and clears rank's flags in its
+    peers' pads, so that rank's kernels neither wait for a peer nor for a peer to take a flag.
+    Rank's own column, which its kernels set and take themselves, is left alone."""
+    for peer in range(len(pads)):
+        if peer != rank:
+            pads[rank][:, peer].fill_(1)
+            pads[peer][:, rank].fill_(0)
 
 
 # torch numbers the store keys of its symmetric-memory handle exchanges with one counter per

@@ -105,3 +105,15 @@ def test_group_names_are_never_reused():
     store = Store()
     names = {distributed.symm_mem_group_name(store, 0) for _ in range(3)}
     assert len(names) == 3 and store["symm_mem_group"] in names
+
+
+def test_settle_flags_sets_what_peers_owe_and_clears_what_they_hold():
+    """release_waiters' pass over the signal pads, on CPU tensors: 4 ranks, 3 blocks, seen from
+    rank 1 (slot [b, r] of a pad: rank r's flag for block b)."""
+    from nanovllm.custom_all_reduce import settle_flags
+    pads = [torch.full((3, 4), 7, dtype=torch.int32) for _ in range(4)]   # 7: a value no pass writes
+    settle_flags(pads, 1)
+    assert pads[1][:, [0, 2, 3]].eq(1).all() and pads[1][:, 1].eq(7).all()       # own pad: the peers' flags set
+    for peer in (0, 2, 3):
+        assert pads[peer][:, 1].eq(0).all()                                       # rank 1's flags there cleared
+        assert pads[peer][:, [0, 2, 3]].eq(7).all()                               # the rest untouched
