@@ -304,17 +304,35 @@ def test_bad_sampling_params(kwargs, message):
 
 
 def test_decode_options_reach_the_tokenizer(llm, monkeypatch):
-    """skip_special_tokens and spaces_between_special_tokens go to every decode of the output text;
-    extra_args is kept on the params."""
+    """skip_special_tokens and spaces_between_special_tokens go to every decode of the output text
+    (through tokenizer.decode for a tokenizer that cleans up spaces: other fast tokenizers are
+    decoded by their Rust tokenizer directly, where the second option means nothing); extra_args
+    is kept on the params."""
     tokenizer = llm.get_tokenizer()
     seen = []
     decode = tokenizer.decode
     monkeypatch.setattr(tokenizer, "decode", lambda ids, **options: seen.append(options) or decode(ids, **options))
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, skip_special_tokens=False,
                             spaces_between_special_tokens=False, extra_args={"tag": 7})
     out = llm.generate(["Hello"], params, use_tqdm=False)[0]
     assert seen and all(o == dict(skip_special_tokens=False, spaces_between_special_tokens=False) for o in seen)
     assert out.outputs[0].text and params.extra_args == {"tag": 7}
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_fast_detokenizing_gives_what_tokenizer_decode_gives(llm, monkeypatch, skip_special_tokens):
+    """The direct Rust decode against transformers' decode, on outputs with special tokens in them."""
+    tokenizer = llm.get_tokenizer()
+    special = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True,
+                            skip_special_tokens=skip_special_tokens, logit_bias={special[0]: 3.0, special[1]: 3.0})
+    prompts = [p[:12] for p in PROMPTS[:4]]
+    fast = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)    # the tokenizer.decode path
+    slow = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert fast == slow and any(fast)
+    assert skip_special_tokens or any("<|im_start|>" in text or "<|im_end|>" in text for text in fast)
 
 
 def test_sampling_params_clone_is_deep():

@@ -49,7 +49,7 @@ class OutputProcessor:
                        detokenize: bool) -> dict[int, Logprob]:
         """{token_id: Logprob} for the token itself and the num_top best of top ([(id, logprob)])."""
         def decode(t: int) -> str | None:
-            return self.tokenizer.decode([t]) if detokenize and self.tokenizer is not None else None
+            return self._decode([t]) if detokenize and self.tokenizer is not None else None
 
         entry = {token_id: Logprob(logprob, rank, decode(token_id))}
         for r, (tid, lp) in enumerate((top or [])[:num_top], 1):
@@ -69,14 +69,25 @@ class OutputProcessor:
         options = dict(skip_special_tokens=params.skip_special_tokens,
                        spaces_between_special_tokens=params.spaces_between_special_tokens)
         ids = seq.token_ids
-        prefix_text = self.tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], **options)
-        new_text = self.tokenizer.decode(ids[seq.prefix_offset:], **options)
+        prefix_text = self._decode(ids[seq.prefix_offset:seq.read_offset], **options)
+        new_text = self._decode(ids[seq.prefix_offset:], **options)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
         delta = new_text[len(prefix_text):]
         seq.output_text += delta
         seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
         return delta
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool = False,
+                spaces_between_special_tokens: bool = True) -> str:
+        """tokenizer.decode(ids, ...). A fast tokenizer that cleans up no spaces gets the same text
+        from its Rust tokenizer directly, without transformers' per-call work around it (most of
+        the ~8 us a call costs; two calls per output token)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and getattr(self.tokenizer, "clean_up_tokenization_spaces", True) is False:
+            return backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                     spaces_between_special_tokens=spaces_between_special_tokens)
 
     @staticmethod
     def _check_stop_strings(seq: Sequence, num_new_chars: int):
