@@ -636,3 +636,17 @@ def test_priority_scheduling_runs_lower_values_first(qwen3_dir):
     with pytest.raises(ValueError, match="needs LLM\\(scheduling_policy='priority'\\); the scheduling policy is 'fcfs'"):
         fcfs.generate(PROMPTS[:2], SamplingParams(max_tokens=2), use_tqdm=False, priority=[1, 0])
     assert len(fcfs.generate(PROMPTS[:2], SamplingParams(max_tokens=2), use_tqdm=False, priority=[0, 0])) == 2
+
+
+def test_heap_frozen_while_an_engine_lives_and_the_engine_freed_after_del(qwen3_dir):
+    """The engine moves the start-up heap out of the garbage collector's view (freeze_heap); once
+    the LLM is gone the heap is handed back and the model's memory is freed."""
+    import gc
+    import weakref
+    gc.unfreeze()
+    llm = LLM(qwen3_dir, block_size=16, num_kvcache_blocks=16, max_model_len=256)
+    assert gc.get_freeze_count() > 0
+    weight = weakref.ref(next(llm.llm_engine.model_runner.model.parameters()))
+    del llm
+    gc.collect()
+    assert gc.get_freeze_count() == 0 and weight() is None

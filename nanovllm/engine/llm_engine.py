@@ -18,6 +18,7 @@ from nanovllm.engine.tp_workers import TPWorkers
 from nanovllm.layers.sampler import SamplerOutput
 from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.heap import freeze_heap, unfreeze_heap
 
 
 @dataclass
@@ -83,6 +84,7 @@ class LLMEngine:
                                                 config.max_model_len)
         self.requests: dict[str, Request] = {}
         self._request_ids = count()
+        freeze_heap()
 
     def _load_generation_config(self) -> GenerationConfig | None:
         """The model's generation_config.json, or config.generation_config's folder's; None with
@@ -282,7 +284,10 @@ class LLMEngine:
         self.in_flight = None
 
     def close(self):
-        """End the tensor-parallel workers, if any. Idempotent."""
+        """End the tensor-parallel workers, if any, and give the frozen heap back to the garbage
+        collector (so that this engine, once unreferenced, is freed even if it holds a cycle).
+        Idempotent."""
+        unfreeze_heap()
         if self.workers is None:
             return
         runner = getattr(self, "model_runner", None)

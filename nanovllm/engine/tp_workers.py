@@ -141,9 +141,11 @@ def worker_main(config, eos_token_ids, rank: int, port: int, conn):
     """Entry point of ranks 1..N-1."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is rank 0's to handle; it closes us
     from nanovllm.engine.model_runner import ModelRunner, runner_device
+    from nanovllm.utils.heap import freeze_heap
     group = distributed.connect(port, rank, config.tensor_parallel_size, runner_device(config, rank),
                                 not config.disable_custom_all_reduce)
     runner = ModelRunner(config, eos_token_ids, tp=group)
+    freeze_heap()
     while True:
         try:
             command, payload = conn.recv()
