@@ -97,16 +97,18 @@ class SymmMemAllReduce:
         thread.start()
         return thread
 
+    @staticmethod
+    def _fits(nbytes: int) -> bool:
+        return nbytes <= BUFFER_BYTES and nbytes % 16 == 0
+
     def can_reduce(self, x: torch.Tensor) -> bool:
-        nbytes = x.numel() * x.element_size()
-        return x.is_contiguous() and nbytes <= BUFFER_BYTES and nbytes % 16 == 0
+        return x.is_contiguous() and self._fits(x.numel() * x.element_size())
 
     def input_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """The start of the buffer as a tensor of this shape, to compute straight into; None if
         such a tensor could not be reduced here."""
         numel = math.prod(shape)
-        nbytes = numel * dtype.itemsize
-        if nbytes > BUFFER_BYTES or nbytes % 16:
+        if not self._fits(numel * dtype.itemsize):
             return None
         return self.buffer.view(dtype)[:numel].view(shape)
 
