@@ -5,11 +5,7 @@ larger decode batches (a developer tool, not a test).
 Each figure is the time per call inside a CUDA graph (as in the decode graphs), the calls cycling
 through enough copies of the weight that it is read from HBM, not L2.
 
-    PYTHONPATH=. python3 tests/bench_skinny.py [--sweep] [--sweep-rows 64,256]
-
---sweep-rows: for the Qwen3-0.6B shapes at these row counts (the decode batches above the
-engine's 16 rows, where cuBLAS spends 5-8 us per projection), the best of a grid of configurations
-of our kernel against cuBLAS: whether a kernel of our own could pay there.
+    PYTHONPATH=. python3 tests/bench_skinny.py [--sweep]
 """
 import argparse
 import itertools
@@ -33,10 +29,7 @@ L2_FLUSH_BYTES = 160 << 20
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true", help="at batch 1, time every (split_k, block_n, block_k, stages)")
-    p.add_argument("--sweep-rows", help="comma-separated row counts (up to 256): only the larger-batch sweep")
     args = p.parse_args()
-    if args.sweep_rows:
-        return sweep_rows([int(r) for r in args.sweep_rows.split(",")])
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     print("us per call in a CUDA graph (weights from HBM); GB/s of weight; ours with the default config")
     print(f"{'shape':14} {'rows':>4} {'cuBLAS':>8} {'ours':>8} {'GB/s cuBLAS':>12} {'GB/s ours':>10}  max |diff|")
@@ -69,36 +62,6 @@ def main():
             results.sort()
             print(f"  sweep at 1 row, default split_k {split_k_for(n, k, num_sms)}; best (us, split_k, block_n, "
                   f"block_k, stages): {results[:4]}")
-        del weights, w0
-        torch.cuda.empty_cache()
-
-
-def sweep_rows(rows: list[int]):
-    print("larger batches, 0.6B shapes: cuBLAS against the best of our kernel's configurations "
-          "(us per call in a CUDA graph, weights from HBM)")
-    grid = list(itertools.product((1, 4), (64, 128), (64, 128), (3, 4), (4, 8)))
-    for name, (k, n) in SHAPES.items():
-        if not name.startswith("0.6b") or name.endswith("lm_head"):
-            continue
-        w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        weights = [w0] + [w0.clone() for _ in range(max(1, L2_FLUSH_BYTES // w0.nbytes))]
-        for m in rows:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            theirs = us_per_call_in_graph([lambda w=w: F.linear(x, w) for w in weights])
-            results = []
-            for split_k, block_n, block_k, stages, warps in grid:
-                def call(w, split_k=split_k, block_n=block_n, block_k=block_k, stages=stages, warps=warps):
-                    return skinny_linear(x, w, split_k=split_k, block_n=block_n, block_k=block_k,
-                                         num_stages=stages, num_warps=warps)
-                try:
-                    diff = (call(w0).float() - F.linear(x, w0).float()).abs().max().item()
-                    results.append((round(us_per_call_in_graph([lambda w=w: call(w) for w in weights]), 2),
-                                    (split_k, block_n, block_k, stages, warps), diff))
-                except Exception as e:   # e.g. out of shared memory
-                    results.append((float("inf"), (split_k, block_n, block_k, stages, warps), type(e).__name__))
-            results.sort(key=lambda r: r[0])
-            print(f"{name:14} {m:4} cuBLAS {theirs:7.2f} us; ours best (us, (split_k, block_n, block_k, stages, "
-                  f"warps), max |diff|): {results[:3]}")
         del weights, w0
         torch.cuda.empty_cache()
 

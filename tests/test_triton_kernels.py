@@ -193,8 +193,7 @@ def test_silu_and_mul(rows, d):
 
 @pytest.mark.parametrize("rows, n, k, bias, split_k", [(1, 4096, 1024, False, None), (3, 1000, 300, True, 1),
                                                       (16, 48, 256, False, 2), (7, 33, 1000, True, 4),
-                                                      (2, 1024, 3072, True, None), (2, 151_936, 64, False, None),
-                                                      (33, 200, 300, True, 2), (256, 64, 128, False, None)])
+                                                      (2, 1024, 3072, True, None), (2, 151_936, 64, False, None)])
 def test_skinny_linear(rows, n, k, bias, split_k):
     """Against F.linear in float32; each case three times, so that a split-K counter left non-zero
     by one call would break the next."""

@@ -22,10 +22,7 @@ import triton.language as tl
 from nanovllm.kernels import pdl
 from nanovllm.kernels.counters import counters as arrival_counters
 
-MAX_ROWS = 16           # the engine's projections up to this many rows come here; x is padded to it
-                        # (the MMA's smallest width)
-MAX_BLOCK_M = 256       # skinny_linear itself takes up to this many rows (for tests/bench_skinny.py's
-                        # larger-batch sweep; padded to a power of two)
+MAX_ROWS = 16           # x's rows padded to this: the MMA's smallest width
 BLOCK_N, BLOCK_K, NUM_STAGES = 64, 256, 4   # the best at 1 row for every shape tried (tests/bench_skinny.py)
 LINE_BYTES = 128        # prefetch granularity (an L2 cache line)
 INTERPRETER_SMS = 132   # (TRITON_INTERPRET=1 on the CPU: split as on an H200)
@@ -119,12 +116,11 @@ def _num_sms(device: torch.device) -> int:
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   out: torch.Tensor | None = None, split_k: int | None = None, block_n: int = BLOCK_N,
                   block_k: int = BLOCK_K, num_stages: int = NUM_STAGES, num_warps: int = 4) -> torch.Tensor:
-    """x: [M, K] with M <= MAX_BLOCK_M, weight: [N, K], bias: [N] or None -> [M, N] in x's dtype
+    """x: [M, K] with M <= MAX_ROWS, weight: [N, K], bias: [N] or None -> [M, N] in x's dtype
     (written to out if given). The keyword arguments from split_k on are tuning knobs
     (tests/bench_skinny.py sweeps them); split_k None: split_k_for's choice."""
     (m, k), n = x.shape, weight.shape[0]
-    assert m <= MAX_BLOCK_M and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
-    block_m = max(MAX_ROWS, triton.next_power_of_2(m))
+    assert m <= MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     if split_k is None:
         split_k = split_k_for(n, k, _num_sms(x.device) if x.is_cuda else INTERPRETER_SMS, block_n, block_k)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
@@ -135,13 +131,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     blocks = triton.cdiv(n, block_n)
     parts = counters = out
     if split_k > 1:
-        parts = torch.empty(split_k, n, block_m, dtype=torch.float32, device=x.device)
+        parts = torch.empty(split_k, n, MAX_ROWS, dtype=torch.float32, device=x.device)
         counters = arrival_counters(x.device)
         assert blocks <= counters.numel()
     _skinny_linear_kernel[(blocks, split_k)](
         x, weight, bias if bias is not None else weight, out, parts, counters, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, LINE=LINE_BYTES // x.element_size(),
+        SPLIT_K=split_k, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, LINE=LINE_BYTES // x.element_size(),
         PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k_per_split * x.element_size(), LINE_BYTES)),
         num_stages=num_stages, num_warps=num_warps, **pdl.launch_options())
     return out
