@@ -108,5 +108,15 @@ def main():
     print(report("(1, 32, 128, 6, 4) PDL", compiled, 4) + f"  prefetch.global.L2 {ptx.count('prefetch.global.L2')}, "
           f"griddepcontrol.wait {ptx.count('griddepcontrol.wait')}")
 
+    print("q/k norm + RoPE + KV store (Qwen3-0.6B heads, bf16 and fp8 caches), PDL on:")
+    from nanovllm.kernels import triton_fused as tf
+    for cache in ("bf16", "fp8e4nv"):
+        types = {"qkv_ptr": "*bf16", "pos_ptr": "*i64", "cos_sin_ptr": "*fp32", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
+                 "q_out_ptr": "*bf16", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}", "slot_ptr": "*i64",
+                 "eps": "fp32"}
+        constants = dict(NUM_Q_HEADS=16, NUM_KV_HEADS=8, HALF=64, HAS_NORM=True, HEADS=tf.QK_HEADS_PER_PROGRAM, PDL=True)
+        print(report(f"{cache} cache", compile_kernel(tf._qk_norm_rope_store_kernel, types, constants, 2, 1, None), 2))
+
+
 if __name__ == "__main__":
     main()

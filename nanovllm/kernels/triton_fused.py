@@ -12,6 +12,11 @@ import triton.language as tl
 from nanovllm.kernels import pdl
 from nanovllm.kernels.triton_attention import to_cache_dtype
 
+# Heads per program of the q/k norm + RoPE + store kernel. One head per one-warp program made
+# 8,192 programs at 256 tokens (two waves of short, latency-bound programs, 5.8 us a call on the
+# H200); four fit a batch of 256 in one wave (docs/perf_notes.md row 29).
+QK_HEADS_PER_PROGRAM = 4
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro,
@@ -49,40 +54,45 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                                slot_ptr, stride_qkv, stride_q, eps, NUM_Q_HEADS: tl.constexpr,
                                NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-                               PDL: tl.constexpr):
+                               HEADS: tl.constexpr, PDL: tl.constexpr):
     pdl.begin(PDL)
-    token, head = tl.program_id(0), tl.program_id(1)      # heads: q heads, then k heads, then v heads
+    token = tl.program_id(0)
+    # This program's HEADS heads of the token, one per tile row: q heads, then k heads, then v heads.
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     offs = tl.arange(0, HALF)
-    src = qkv_ptr + token * stride_qkv + head * 2 * HALF
-    x1 = tl.load(src + offs)
-    x2 = tl.load(src + HALF + offs)
+    exists = heads < NUM_Q_HEADS + 2 * NUM_KV_HEADS           # (the last program's tile may overhang)
+    is_q = heads < NUM_Q_HEADS
+    is_k = (heads >= NUM_Q_HEADS) & (heads < NUM_Q_HEADS + NUM_KV_HEADS)
+    is_v = (heads >= NUM_Q_HEADS + NUM_KV_HEADS) & exists
+    src = qkv_ptr + token * stride_qkv + heads[:, None] * 2 * HALF + offs[None, :]
+    x1 = tl.load(src, mask=exists[:, None], other=0.0)
+    x2 = tl.load(src + HALF, mask=exists[:, None], other=0.0)
     slot = tl.load(slot_ptr + token)
-    kv_head = (head - NUM_Q_HEADS) % NUM_KV_HEADS          # (for k and v heads)
-    cache_row = slot * (NUM_KV_HEADS * 2 * HALF) + kv_head * 2 * HALF
-    if head >= NUM_Q_HEADS + NUM_KV_HEADS:                 # v: copied to the cache as is
-        if slot >= 0:
-            tl.store(v_cache_ptr + cache_row + offs, to_cache_dtype(x1, v_cache_ptr))
-            tl.store(v_cache_ptr + cache_row + HALF + offs, to_cache_dtype(x2, v_cache_ptr))
-        return
-    dtype = x1.dtype
-    if HAS_NORM:
-        w_ptr = qw_ptr if head < NUM_Q_HEADS else kw_ptr
-        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        rstd = tl.rsqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) / (2 * HALF) + eps)
-        x1 = (f1 * rstd).to(dtype) * tl.load(w_ptr + offs)
-        x2 = (f2 * rstd).to(dtype) * tl.load(w_ptr + HALF + offs)
     pos = tl.load(pos_ptr + token)
-    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + offs)
-    sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + offs)
-    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + offs)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + offs)[None, :]
+    dtype = x1.dtype
+    y1, y2 = x1, x2
+    if HAS_NORM:
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        rstd = tl.rsqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.where(is_q[:, None], tl.load(qw_ptr + offs)[None, :], tl.load(kw_ptr + offs)[None, :])
+        w2 = tl.where(is_q[:, None], tl.load(qw_ptr + HALF + offs)[None, :], tl.load(kw_ptr + HALF + offs)[None, :])
+        y1, y2 = (f1 * rstd).to(dtype) * w1, (f2 * rstd).to(dtype) * w2
+    f1, f2 = y1.to(tl.float32), y2.to(tl.float32)
     y1, y2 = (f1 * cos - f2 * sin).to(dtype), (f2 * cos + f1 * sin).to(dtype)
-    if head < NUM_Q_HEADS:
-        dst = q_out_ptr + token * stride_q + head * 2 * HALF
-        tl.store(dst + offs, y1)
-        tl.store(dst + HALF + offs, y2)
-    elif slot >= 0:                                        # k: to the cache
-        tl.store(k_cache_ptr + cache_row + offs, to_cache_dtype(y1, k_cache_ptr))
-        tl.store(k_cache_ptr + cache_row + HALF + offs, to_cache_dtype(y2, k_cache_ptr))
+    dst = q_out_ptr + token * stride_q + heads[:, None] * 2 * HALF + offs[None, :]
+    tl.store(dst, y1, mask=is_q[:, None])
+    tl.store(dst + HALF, y2, mask=is_q[:, None])
+    # k (normed, rotated) and v (as is) into the cache; a padding row (slot -1) writes nothing.
+    kv_head = (heads - NUM_Q_HEADS) % NUM_KV_HEADS
+    cache = slot * (NUM_KV_HEADS * 2 * HALF) + kv_head[:, None] * 2 * HALF + offs[None, :]
+    k_rows = (is_k & (slot >= 0))[:, None]
+    v_rows = (is_v & (slot >= 0))[:, None]
+    tl.store(k_cache_ptr + cache, to_cache_dtype(y1, k_cache_ptr), mask=k_rows)
+    tl.store(k_cache_ptr + cache + HALF, to_cache_dtype(y2, k_cache_ptr), mask=k_rows)
+    tl.store(v_cache_ptr + cache, to_cache_dtype(x1, v_cache_ptr), mask=v_rows)
+    tl.store(v_cache_ptr + cache + HALF, to_cache_dtype(x2, v_cache_ptr), mask=v_rows)
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_q_heads: int,
@@ -96,10 +106,13 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
     num_tokens = qkv.shape[0]
     q = torch.empty(num_tokens, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     has_norm = q_weight is not None
-    _qk_norm_rope_store_kernel[(num_tokens, num_q_heads + 2 * num_kv_heads)](
+    num_heads = num_q_heads + 2 * num_kv_heads
+    heads = min(QK_HEADS_PER_PROGRAM, triton.next_power_of_2(num_heads))
+    _qk_norm_rope_store_kernel[(num_tokens, triton.cdiv(num_heads, heads))](
         qkv, positions, cos_sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv, q,
         k_cache, v_cache, slot_mapping, qkv.stride(0), q.stride(0), eps, NUM_Q_HEADS=num_q_heads,
-        NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, HAS_NORM=has_norm, num_warps=1, **pdl.launch_options())
+        NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, HAS_NORM=has_norm, HEADS=heads, num_warps=2,
+        **pdl.launch_options())
     return q
 
 
