@@ -5,6 +5,8 @@
     python bench.py --workload latency         # batch 1: 512-token prompt, 512 greedy tokens
     python bench.py --engine vllm              # the same through vLLM
     python bench.py --kv-cache-dtype fp8       # K/V cached in fp8 (half the bytes), either engine
+    python bench.py --top-k 20 --top-p 0.95    # sampled requests also filtered (Qwen3's own defaults)
+    python bench.py --workload default,latency # several workloads, one engine start-up
 
 Without CUDA it runs a small workload on the CPU path and says so.
 """
@@ -61,7 +63,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b", help=f"a path, a hub id, or a preset: {', '.join(PRESETS)}")
     p.add_argument("--engine", choices=["nanovllm", "vllm"], default="nanovllm")
-    p.add_argument("--workload", choices=["default", "prefix", "latency"], default="default")
+    p.add_argument("--workload", default="default",
+                   help="default, prefix or latency; a comma-separated list runs each in turn in one engine "
+                        "(one start-up)")
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--min-input-len", type=int, default=100)
     p.add_argument("--max-input-len", type=int, default=1024)
@@ -72,11 +76,17 @@ def main():
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--custom-all-reduce", choices=["default", "on", "off"], default="default",
                    help="TP > 1: the engine's own all-reduce kernels (on) or NCCL alone (off); default: "
-                        "the engine's default (nanovllm: off, vLLM: on)")
+                        "the engine's default (on for both)")
     p.add_argument("--kv-cache-dtype", default="auto", help="'auto' (the model's dtype), 'fp8', 'fp8_e5m2', ...")
+    p.add_argument("--top-k", type=int, default=0, help="SamplingParams.top_k of the sampled requests (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="SamplingParams.top_p of the sampled requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="also print one JSON line with the results")
     args = p.parse_args()
+    workloads = args.workload.split(",")
+    for name in workloads:
+        if name not in ("default", "prefix", "latency"):
+            p.error(f"--workload: unknown workload {name!r} (default, prefix, latency)")
 
     import torch
     on_cpu = not torch.cuda.is_available()
@@ -99,10 +109,20 @@ def main():
     start = time.perf_counter()
     llm = LLM(model, **kwargs)
     startup = time.perf_counter() - start
-    prompts, settings = make_workload(args, on_cpu)
-    params = [SamplingParams(temperature=t, ignore_eos=True, max_tokens=m) for m, t in settings]
-    inputs = [{"prompt_token_ids": ids} for ids in prompts]
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    for name in workloads:
+        args.workload = name
+        run_workload(llm, SamplingParams, args, on_cpu, startup)
+
+
+def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float):
+    import torch
+    prompts, settings = make_workload(args, on_cpu)
+    sampled = any(t > 0 for _, t in settings)
+    filters = dict(top_k=args.top_k, top_p=args.top_p) if sampled and (args.top_k or args.top_p < 1) else {}
+    params = [SamplingParams(temperature=t, ignore_eos=True, max_tokens=m, **(filters if t > 0 else {}))
+              for m, t in settings]
+    inputs = [{"prompt_token_ids": ids} for ids in prompts]
 
     start = time.perf_counter()
     outputs = llm.generate(inputs, params, use_tqdm=False)
@@ -110,7 +130,8 @@ def main():
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_in = sum(len(ids) for ids in prompts)
     num_cached = sum(o.num_cached_tokens or 0 for o in outputs)
-    result = dict(engine=args.engine, model=args.model, workload=args.workload, tp=args.tp,
+    workload = args.workload + "".join(f" {k}={v}" for k, v in filters.items())
+    result = dict(engine=args.engine, model=args.model, workload=workload, tp=args.tp,
                   custom_all_reduce=args.custom_all_reduce, kv_cache_dtype=args.kv_cache_dtype, num_requests=len(prompts),
                   prompt_tokens=num_in, output_tokens=num_out, cached_prompt_tokens=num_cached,
                   time_s=round(elapsed, 3), output_tok_s=round(num_out / elapsed, 2),

@@ -185,3 +185,21 @@ def test_qwen3_moe_logprobs_close_to_hf(tmp_path_factory, tokenizer):
     assert llm.llm_engine.model_runner.graphs is None
     ours, _ = run(llm)
     assert check_logprobs_close(ours, hf_reference(path)) >= len(PROMPTS) // 2
+
+
+def test_top_k_top_p_select_path_equals_the_sort_on_gpu():
+    """The sampler's top-k/top-p from each row's best logits (torch.topk on CUDA) drops what the
+    sort of the whole vocabulary drops, on a decode batch's shape."""
+    from nanovllm.layers.sampler import apply_top_k_top_p
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(256, 151_936, generator=gen, device="cuda") * 2
+    top_k = torch.randint(1, 200, (256,), generator=gen, device="cuda")
+    top_p = torch.rand(256, generator=gen, device="cuda") * 0.9 + 0.1
+    assert torch.equal(apply_top_k_top_p(logits, top_k, None, max_top_k=int(top_k.max())).isinf(),
+                       apply_top_k_top_p(logits, top_k, None).isinf())
+    full = apply_top_k_top_p(logits, top_k, top_p)
+    selected = apply_top_k_top_p(logits, top_k, top_p, max_top_k=int(top_k.max()))
+    # With top-p, the two sum the probabilities in opposite orders: a token whose mass-ahead lies
+    # within rounding of top_p may fall on either side (one token, in a row or two at most).
+    differ = (selected.isinf() != full.isinf()).sum(-1)
+    assert differ.max() <= 1 and (differ > 0).sum() <= 2

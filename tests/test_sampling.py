@@ -198,6 +198,32 @@ def test_top_k_keeps_k_best():
     assert draw(logits, metadata(1, top_k=torch.tensor([2]))) == {(1,), (3,)}
 
 
+def test_top_k_top_p_from_the_best_logits_equal_the_full_sort():
+    """The select path (every row has a top_k <= SELECT_TOP_K_MAX) drops exactly the tokens the
+    sort of the whole vocabulary drops, top-k alone and with top-p, per-row values; where top-p's
+    cut falls inside a run of tied logits it keeps the whole run (the sort keeps part of it)."""
+    from nanovllm.layers.sampler import apply_top_k_top_p
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 1000, generator=gen) * 3
+    logits[5, :40] = 7.5                                            # 40 tied logits near the top
+    top_k = torch.tensor([1, 2, 5, 20, 50, 20, 1000, 7])
+    for top_p in (None, torch.tensor([0.9, 0.5, 1.0, 0.95, 0.3, 0.8, 0.99, 0.05])):
+        full = apply_top_k_top_p(logits, top_k, top_p)
+        selected = apply_top_k_top_p(logits, top_k, top_p, max_top_k=int(top_k.max()))
+        untied = [0, 1, 2, 3, 4, 6, 7]
+        assert torch.equal(selected[untied].isinf(), full[untied].isinf())
+        assert torch.equal(selected[~selected.isinf()], logits[~selected.isinf()])
+        # the tied row: top-k 20 falls inside the run; either way all 40 are kept
+        assert (~selected[5].isinf()).sum() == (logits[5] >= 7.5).sum() >= 40
+    assert (~full[5].isinf()).sum() < 40                            # (the sort cut the run at top-p 0.8)
+
+
+def test_top_k_and_top_p_sampled_through_the_select_path():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4]])
+    md = metadata(2, top_k=torch.tensor([3, 1]), max_top_k=3, top_p=torch.tensor([0.7, 1.0]))
+    assert draw(probs.log(), md) == {(0, 3), (1, 3)}
+
+
 def test_min_p_drops_unlikely_tokens():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     assert draw(probs.log(), metadata(1, min_p=torch.tensor([0.5]))) == {(0,), (1,)}

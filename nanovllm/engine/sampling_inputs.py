@@ -20,10 +20,13 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids
         is_greedy=to_device([p.is_greedy for p in params], torch.bool),
         all_greedy=all(p.is_greedy for p in params),
         any_greedy=any(p.is_greedy for p in params),
-        top_k=None, top_p=None, min_p=None, row_seeds=[], banned_rows=None, banned_tokens=None,
+        top_k=None, max_top_k=None, top_p=None, min_p=None, row_seeds=[], banned_rows=None, banned_tokens=None,
     )
     if any(p.top_k > 0 for p in params):
-        md.top_k = to_device([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], torch.int64)
+        top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+        md.top_k = to_device(top_k, torch.int64)
+        if all(p.top_k > 0 for p in params):
+            md.max_top_k = max(top_k)
     if any(p.top_p < 1.0 for p in params):
         md.top_p = to_device([p.top_p for p in params], torch.float32)
     if any(p.min_p > 0.0 for p in params):

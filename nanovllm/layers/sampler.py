@@ -28,6 +28,7 @@ class SamplingMetadata:
     # Banned (row, token) pairs: stop tokens of rows still under min_tokens.
     banned_rows: torch.Tensor | None
     banned_tokens: torch.Tensor | None
+    max_top_k: int | None = None          # the largest top_k when every row has one (host int), else None
     # Penalties: [B] each, and the tokens they look at; None when no row has any.
     presence_penalties: torch.Tensor | None = None
     frequency_penalties: torch.Tensor | None = None
@@ -94,8 +95,18 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return logits - md.presence_penalties[:, None] * (counts > 0)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
+# Up to this top_k (in every row) the filters work on the rows' top_k best logits (torch.topk)
+# instead of sorting the whole vocabulary: with Qwen3's own defaults (top_k=20, top_p=0.95) a
+# batch of 256 rows x 151,936 logits took a sort of 39M values per step.
+SELECT_TOP_K_MAX = 1024
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                      max_top_k: int | None = None) -> torch.Tensor:
+    """Dropped tokens get -inf: those below a row's top_k-th logit (ties with it are kept, as in
+    vLLM), then, of the rest, those whose more likely tokens already hold top_p of the mass."""
+    if top_k is not None and max_top_k is not None and max_top_k <= SELECT_TOP_K_MAX:
+        return _top_k_top_p_selected(logits, top_k, top_p, max_top_k)
     sorted_logits, order = logits.sort(-1)     # ascending
     vocab_size = logits.shape[-1]
     if top_k is not None:
@@ -109,11 +120,27 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def _top_k_top_p_selected(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None,
+                          max_top_k: int) -> torch.Tensor:
+    """apply_top_k_top_p from each row's max_top_k best logits: both filters become a cut value
+    per row, and a token is kept if its logit reaches its row's cut."""
+    best = logits.topk(max_top_k, -1).values                       # descending
+    cut = best.gather(-1, top_k[:, None] - 1)                      # the top_k-th logit
+    if top_p is not None:
+        rank = torch.arange(max_top_k, device=logits.device)
+        best = best.masked_fill(rank >= top_k[:, None], float("-inf"))
+        probs = best.softmax(-1)
+        ahead = probs.cumsum(-1) - probs                           # mass of the more likely tokens
+        kept = (ahead < top_p[:, None]).sum(-1, keepdim=True)      # a prefix, at least the best token
+        cut = torch.maximum(cut, best.gather(-1, kept - 1))
+    return logits.masked_fill(logits < cut, float("-inf"))
+
+
 def filter_logits(scaled: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """Top-k, top-p, then min-p on temperature-scaled float32 logits [B, V]: dropped tokens get -inf.
     min-p keeps p >= min_p * p_max, i.e. logit >= max logit + log(min_p)."""
     if md.top_k is not None or md.top_p is not None:
-        scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p)
+        scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p, md.max_top_k)
     if md.min_p is not None:
         floor = scaled.amax(-1, keepdim=True) + md.min_p[:, None].log()
         scaled = scaled.masked_fill(scaled < floor, float("-inf"))
