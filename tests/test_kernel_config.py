@@ -61,3 +61,13 @@ def test_decode_graphs_overlap_halves_from_the_set_batch_size(monkeypatch):
     assert overlap_halves(1) == [(0, 1)]                            # one row is never split
     monkeypatch.setenv("NANOVLLM_OVERLAP_MIN", "0")
     assert overlap_halves(256) == [(0, 256)]
+
+
+def test_second_half_of_an_overlapped_graph_has_its_own_counters():
+    import torch
+    from nanovllm.kernels import counters
+    first = counters.counters(torch.device("cpu"))
+    with counters.second_set():
+        second = counters.counters(torch.device("cpu"))
+    assert second.data_ptr() != first.data_ptr()
+    assert counters.counters(torch.device("cpu")) is first and not first.any() and not second.any()

@@ -10,6 +10,7 @@ the halves share nothing but the weights, so while one half's attention streams 
 the other's projections and norms run on the SMs it leaves free.
 """
 import bisect
+import contextlib
 import os
 
 import numpy as np
@@ -44,9 +45,10 @@ class DecodeGraphs:
         from nanovllm.kernels import pdl
         self.buckets = graph_buckets(max_batch_size)
         self.overlap = overlap
-        # Warm-up and capture on streams of our own, so that per-stream buffers (kernels/counters.py)
-        # are made during the warm-up, never inside a capture.
-        self.streams = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        # (only then a stream of our own: the single-stream graphs keep the stream use they were
+        # tested with, the killed-worker release of custom_all_reduce.py included)
+        two = overlap and len(overlap_halves(max_batch_size)) > 1
+        self.side = torch.cuda.Stream(device) if two else None
         n = max_batch_size
         with torch.device(device):
             self.input_ids = torch.zeros(n, dtype=torch.int64)
@@ -58,12 +60,10 @@ class DecodeGraphs:
             self.hidden = torch.zeros(n, hidden_size, dtype=dtype)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None
-        self.streams[0].wait_stream(torch.cuda.current_stream(device))
         for bs in reversed(self.buckets):
-            with torch.cuda.stream(self.streams[0]):
-                self._forward(model, bs, decode_split_for)   # warm-up
+            self._forward(model, bs, decode_split_for)   # warm-up
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool, stream=self.streams[0]), pdl.decode_graph(bs):
+            with torch.cuda.graph(graph, pool), pdl.decode_graph(bs):
                 self._forward(model, bs, decode_split_for)
             pool = graph.pool()
             self.graphs[bs] = graph
@@ -71,22 +71,24 @@ class DecodeGraphs:
 
     def _forward(self, model: nn.Module, batch_size: int, decode_split_for):
         """The model on the first batch_size rows of the static buffers, on the current stream, or
-        as two halves on our two streams."""
+        as two halves, the second on our side stream with arrival counters of its own."""
+        from nanovllm.kernels import counters
         parts = overlap_halves(batch_size) if self.overlap else [(0, batch_size)]
         main = torch.cuda.current_stream()
         if len(parts) > 1:
-            self.streams[1].wait_stream(main)
-        for (start, end), stream in zip(parts, (main, self.streams[1])):
+            self.side.wait_stream(main)
+        for i, (start, end) in enumerate(parts):
             n = end - start
             meta = AttentionMetadata(
                 slot_mapping=self.slot_mapping[start:end], block_tables=self.block_tables[start:end],
                 query_start_loc=self.query_start_loc[:n + 1], seq_lens=self.seq_lens[start:end],
                 query_start_loc_cpu=[], seq_lens_cpu=[], max_query_len=1, max_seq_len=0,
                 decode_split=decode_split_for(n))
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(self.side if i else main), \
+                    counters.second_set() if i else contextlib.nullcontext():
                 self.hidden[start:end] = model(self.input_ids[start:end], self.positions[start:end], meta)
         if len(parts) > 1:
-            main.wait_stream(self.streams[1])
+            main.wait_stream(self.side)
 
     def reset(self):
         """Destroy the graphs (a graph still running is freed when it ends)."""
