@@ -90,8 +90,12 @@ class SymmMemAllReduce:
             with torch.cuda.stream(side):
                 while not drained.query() and time.monotonic() < deadline:
                     settle_flags(pads, self.rank)
-                    side.synchronize()
-                    time.sleep(0.001)
+                    # Polled, not side.synchronize(): that never returned in a run on 2x H200
+                    # (d8c7481), and the caller's close waits for this thread.
+                    settled = torch.cuda.Event()
+                    settled.record(side)
+                    while not settled.query() and time.monotonic() < deadline:
+                        time.sleep(0.001)
 
         thread = threading.Thread(target=run, name="nanovllm-release-all-reduce", daemon=True)
         thread.start()
