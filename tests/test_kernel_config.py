@@ -1,5 +1,4 @@
 """Launch choices of the Triton kernels (plain functions: no GPU needed)."""
-from nanovllm.engine.cuda_graph import overlap_halves
 from nanovllm.kernels import pdl
 from nanovllm.kernels.triton_attention import decode_split_config, tile_size
 from nanovllm.kernels.triton_skinny import split_k_for
@@ -49,25 +48,3 @@ def test_fused_merge_only_above_the_small_decode_graphs():
     from nanovllm.kernels.triton_attention import fused_merge_for
     assert [fused_merge_for(n) for n in (1, 16, 17, 256)] == [False, False, True, True]
     assert fused_merge_for(pdl.MAX_ROWS) is False    # the PDL graphs keep the separate merge kernel
-
-
-def test_decode_graphs_overlap_halves_from_the_set_batch_size(monkeypatch):
-    assert overlap_halves(256) == [(0, 256)]                        # unset: one stream
-    monkeypatch.setenv("NANOVLLM_OVERLAP_MIN", "64")
-    assert overlap_halves(63) == [(0, 63)]
-    assert overlap_halves(64) == [(0, 32), (32, 64)]
-    assert overlap_halves(255) == [(0, 127), (127, 255)]
-    monkeypatch.setenv("NANOVLLM_OVERLAP_MIN", "1")
-    assert overlap_halves(1) == [(0, 1)]                            # one row is never split
-    monkeypatch.setenv("NANOVLLM_OVERLAP_MIN", "0")
-    assert overlap_halves(256) == [(0, 256)]
-
-
-def test_second_half_of_an_overlapped_graph_has_its_own_counters():
-    import torch
-    from nanovllm.kernels import counters
-    first = counters.counters(torch.device("cpu"))
-    with counters.second_set():
-        second = counters.counters(torch.device("cpu"))
-    assert second.data_ptr() != first.data_ptr()
-    assert counters.counters(torch.device("cpu")) is first and not first.any() and not second.any()

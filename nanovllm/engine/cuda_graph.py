@@ -4,30 +4,14 @@ Recipe: static input buffers; a bucket list covering every batch size up to the 
 (1, 2, 4, 8, then every multiple of 16, then the maximum itself); capture largest first into
 one shared memory pool. A batch of size b replays the smallest bucket >= b; the padding rows
 have slot -1 (the KV-store kernel skips them) and seq_len 0 (attention returns zeros).
-
-A large batch can be captured as two halves on two streams (NANOVLLM_OVERLAP_MIN=<batch size>):
-the halves share nothing but the weights, so while one half's attention streams the KV cache,
-the other's projections and norms run on the SMs it leaves free.
 """
 import bisect
-import contextlib
-import os
 
 import numpy as np
 import torch
 from torch import nn
 
 from nanovllm.layers.attention import AttentionMetadata
-
-
-def overlap_halves(batch_size: int) -> list[tuple[int, int]]:
-    """The (start, end) rows run as one stream each: two halves from NANOVLLM_OVERLAP_MIN sequences
-    on (unset or 0: never), else the whole batch."""
-    least = int(os.environ.get("NANOVLLM_OVERLAP_MIN", "0"))
-    if least <= 0 or batch_size < max(least, 2):
-        return [(0, batch_size)]
-    half = batch_size // 2
-    return [(0, half), (half, batch_size)]
 
 
 def graph_buckets(max_batch_size: int) -> list[int]:
@@ -38,17 +22,10 @@ def graph_buckets(max_batch_size: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: nn.Module, max_batch_size: int, max_blocks_per_seq: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device, decode_split_for, overlap: bool = True):
-        """decode_split_for(batch_size) -> the decode kernel's split configuration for that bucket.
-        overlap: whether a large bucket may run as two halves (overlap_halves); not under tensor
-        parallelism, whose all-reduces must run in one order on every rank."""
+                 dtype: torch.dtype, device: torch.device, decode_split_for):
+        """decode_split_for(batch_size) -> the decode kernel's split configuration for that bucket."""
         from nanovllm.kernels import pdl
         self.buckets = graph_buckets(max_batch_size)
-        self.overlap = overlap
-        # (only then a stream of our own: the single-stream graphs keep the stream use they were
-        # tested with, the killed-worker release of custom_all_reduce.py included)
-        two = overlap and len(overlap_halves(max_batch_size)) > 1
-        self.side = torch.cuda.Stream(device) if two else None
         n = max_batch_size
         with torch.device(device):
             self.input_ids = torch.zeros(n, dtype=torch.int64)
@@ -61,34 +38,18 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None
         for bs in reversed(self.buckets):
-            self._forward(model, bs, decode_split_for)   # warm-up
+            meta = AttentionMetadata(
+                slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
+                query_start_loc=self.query_start_loc[:bs + 1], seq_lens=self.seq_lens[:bs],
+                query_start_loc_cpu=[], seq_lens_cpu=[], max_query_len=1, max_seq_len=0,
+                decode_split=decode_split_for(bs))
+            self.hidden[:bs] = model(self.input_ids[:bs], self.positions[:bs], meta)   # warm-up
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool), pdl.decode_graph(bs):
-                self._forward(model, bs, decode_split_for)
+                self.hidden[:bs] = model(self.input_ids[:bs], self.positions[:bs], meta)
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
-
-    def _forward(self, model: nn.Module, batch_size: int, decode_split_for):
-        """The model on the first batch_size rows of the static buffers, on the current stream, or
-        as two halves, the second on our side stream with arrival counters of its own."""
-        from nanovllm.kernels import counters
-        parts = overlap_halves(batch_size) if self.overlap else [(0, batch_size)]
-        main = torch.cuda.current_stream()
-        if len(parts) > 1:
-            self.side.wait_stream(main)
-        for i, (start, end) in enumerate(parts):
-            n = end - start
-            meta = AttentionMetadata(
-                slot_mapping=self.slot_mapping[start:end], block_tables=self.block_tables[start:end],
-                query_start_loc=self.query_start_loc[:n + 1], seq_lens=self.seq_lens[start:end],
-                query_start_loc_cpu=[], seq_lens_cpu=[], max_query_len=1, max_seq_len=0,
-                decode_split=decode_split_for(n))
-            with torch.cuda.stream(self.side if i else main), \
-                    counters.second_set() if i else contextlib.nullcontext():
-                self.hidden[start:end] = model(self.input_ids[start:end], self.positions[start:end], meta)
-        if len(parts) > 1:
-            main.wait_stream(self.side)
 
     def reset(self):
         """Destroy the graphs (a graph still running is freed when it ends)."""

@@ -94,7 +94,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.model, min(config.max_num_seqs, MAX_GRAPH_BATCH_SIZE), self.max_blocks_per_seq,
                 hf.hidden_size, config.torch_dtype, self.device,
-                self.decode_split, overlap=tp.size == 1)
+                self.decode_split)
             self.timings["cuda_graphs_s"] = time.perf_counter() - start
         if tp.rank == 0:
             self._log_startup()
