@@ -112,6 +112,7 @@ def main():
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     for name in workloads:
         args.workload = name
+        llm.reset_prefix_cache()   # (each workload's prompts start with the same seeded random ids)
         run_workload(llm, SamplingParams, args, on_cpu, startup)
 
 
