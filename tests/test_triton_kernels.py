@@ -284,9 +284,30 @@ def test_pdl_kernels_in_a_cuda_graph_equal_plain_launches(monkeypatch):
 
 
 # ---- fused sampler: greedy rows exact, sampled rows follow softmax(logits / T), seeds reproducible ----
-def sample_fused(logits, temperatures, is_greedy, seeds):
+def sample_fused(logits, temperatures, is_greedy, seeds, cut=None):
     from nanovllm.kernels.triton_sampler import gumbel_argmax
-    return gumbel_argmax(logits.to(DEVICE), temperatures.to(DEVICE), is_greedy.to(DEVICE), seeds.to(DEVICE)).cpu()
+    return gumbel_argmax(logits.to(DEVICE), temperatures.to(DEVICE), is_greedy.to(DEVICE), seeds.to(DEVICE),
+                         None if cut is None else cut.to(DEVICE)).cpu()
+
+
+def test_gumbel_argmax_with_a_cut_draws_what_the_masked_logits_draw():
+    """top-k/top-p as a per-row cut inside the kernel (the sampler's select path) against the same
+    seeds on logits masked to -inf beforehand: the same token in every row and draw (temperatures
+    that are powers of two, so that x / T and x * (1 / T) round alike)."""
+    from nanovllm.layers.sampler import apply_top_k_top_p, top_k_top_p_cut
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(6, 3_000, generator=gen) * 2).to(DTYPE)
+    temps = torch.tensor([1.0, 0.5, 1.0, 0.5, 2.0, 0.25])
+    top_k, top_p = torch.tensor([1, 5, 20, 50, 3, 40]), torch.tensor([1.0, 0.9, 0.5, 0.95, 0.99, 0.3])
+    sampled = torch.zeros(6, dtype=torch.bool)
+    cut = top_k_top_p_cut(logits.float(), top_k, top_p, 50, temps).squeeze(-1)
+    masked = apply_top_k_top_p(logits.float() / temps[:, None], top_k, top_p, max_top_k=50)
+    for draw in range(8):
+        seeds = torch.randint(0, 1 << 62, (6,), generator=gen)
+        ours = sample_fused(logits, temps, sampled, seeds, cut)
+        assert ours.tolist() == sample_fused(masked, torch.ones(6), sampled, seeds).tolist()
+        assert (logits.float().gather(-1, ours[:, None]).squeeze(-1) >= cut).all()
+    assert sample_fused(logits, temps, sampled, seeds, cut)[0] == logits[0].float().argmax()   # top_k 1
 
 
 @pytest.mark.parametrize("batch, vocab", [(1, 151_936), (7, 8_193), (5, 1_000)])

@@ -17,10 +17,10 @@ CHUNK = 8192    # vocab entries per program: ~19 programs per row for a 152k voc
 
 
 @triton.jit
-def _noisy(logits_ptr, offs, vocab_size, inv_temp, u, SAMPLE: tl.constexpr):
+def _noisy(logits_ptr, offs, vocab_size, inv_temp, u, cut, SAMPLE: tl.constexpr):
     x = tl.load(logits_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
     if SAMPLE:
-        x = x * inv_temp - tl.log(-tl.log(tl.maximum(u, 1e-20)))
+        x = tl.where(x >= cut, x * inv_temp - tl.log(-tl.log(tl.maximum(u, 1e-20))), float("-inf"))
     return x
 
 
@@ -31,18 +31,20 @@ def _keep_best(best_val, best_idx, x, offs):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, stride, temps_ptr, greedy_ptr, seeds_ptr, best_val_ptr, best_idx_ptr,
-                          vocab_size, num_chunks, CHUNK: tl.constexpr, QUARTER: tl.constexpr):
+def _gumbel_argmax_kernel(logits_ptr, stride, temps_ptr, greedy_ptr, seeds_ptr, cut_ptr, best_val_ptr,
+                          best_idx_ptr, vocab_size, num_chunks, HAS_CUT: tl.constexpr, CHUNK: tl.constexpr,
+                          QUARTER: tl.constexpr):
     row, chunk = tl.program_id(0), tl.program_id(1)
     row_ptr = logits_ptr + row * stride
     inv_temp = 1.0 / tl.load(temps_ptr + row)
     seed = tl.load(seeds_ptr + row)
+    cut = tl.load(cut_ptr + row) if HAS_CUT else float("-inf")
     best_val = tl.full((QUARTER,), float("-inf"), tl.float32)
     best_idx = tl.zeros((QUARTER,), tl.int32)
     if tl.load(greedy_ptr + row) != 0:
         for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, QUARTER):
             offs = start + tl.arange(0, QUARTER)
-            x = _noisy(row_ptr, offs, vocab_size, inv_temp, 0.0, SAMPLE=False)
+            x = _noisy(row_ptr, offs, vocab_size, inv_temp, 0.0, cut, SAMPLE=False)
             best_val, best_idx = _keep_best(best_val, best_idx, x, offs)
     else:
         # One philox call gives four uniforms: tokens start + i + {0, 1, 2, 3} * QUARTER.
@@ -50,13 +52,13 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temps_ptr, greedy_ptr, seeds_ptr, 
             offs = start + tl.arange(0, QUARTER)
             u0, u1, u2, u3 = tl.rand4x(seed, offs)
             best_val, best_idx = _keep_best(best_val, best_idx,
-                                            _noisy(row_ptr, offs, vocab_size, inv_temp, u0, SAMPLE=True), offs)
+                                            _noisy(row_ptr, offs, vocab_size, inv_temp, u0, cut, SAMPLE=True), offs)
             best_val, best_idx = _keep_best(best_val, best_idx, _noisy(
-                row_ptr, offs + QUARTER, vocab_size, inv_temp, u1, SAMPLE=True), offs + QUARTER)
+                row_ptr, offs + QUARTER, vocab_size, inv_temp, u1, cut, SAMPLE=True), offs + QUARTER)
             best_val, best_idx = _keep_best(best_val, best_idx, _noisy(
-                row_ptr, offs + 2 * QUARTER, vocab_size, inv_temp, u2, SAMPLE=True), offs + 2 * QUARTER)
+                row_ptr, offs + 2 * QUARTER, vocab_size, inv_temp, u2, cut, SAMPLE=True), offs + 2 * QUARTER)
             best_val, best_idx = _keep_best(best_val, best_idx, _noisy(
-                row_ptr, offs + 3 * QUARTER, vocab_size, inv_temp, u3, SAMPLE=True), offs + 3 * QUARTER)
+                row_ptr, offs + 3 * QUARTER, vocab_size, inv_temp, u3, cut, SAMPLE=True), offs + 3 * QUARTER)
     top = tl.max(best_val, 0)
     top_idx = tl.min(tl.where(best_val == top, best_idx, vocab_size), 0)
     tl.store(best_val_ptr + row * num_chunks + chunk, top)
@@ -64,16 +66,17 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temps_ptr, greedy_ptr, seeds_ptr, 
 
 
 def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, is_greedy: torch.Tensor,
-                  seeds: torch.Tensor) -> torch.Tensor:
+                  seeds: torch.Tensor, cut: torch.Tensor | None = None) -> torch.Tensor:
     """logits: [B, V] (any float dtype); temperatures: [B] float32; is_greedy: [B] bool;
-    seeds: [B] int64 -> sampled token ids [B] int64."""
+    seeds: [B] int64; cut: [B] float32 or None, a sampled row's logits below its cut are never
+    drawn (top-k/top-p as one value per row) -> sampled token ids [B] int64."""
     batch, vocab_size = logits.shape
     assert logits.stride(1) == 1
     num_chunks = triton.cdiv(vocab_size, CHUNK)
     best_val = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device)
     _gumbel_argmax_kernel[(batch, num_chunks)](
-        logits, logits.stride(0), temperatures, is_greedy, seeds, best_val, best_idx, vocab_size, num_chunks,
-        CHUNK=CHUNK, QUARTER=256, num_warps=4)
+        logits, logits.stride(0), temperatures, is_greedy, seeds, cut if cut is not None else temperatures,
+        best_val, best_idx, vocab_size, num_chunks, HAS_CUT=cut is not None, CHUNK=CHUNK, QUARTER=256, num_warps=4)
     winner = best_val.argmax(-1, keepdim=True)           # first chunk among ties: the smallest id
     return best_idx.gather(-1, winner).squeeze(-1).long()

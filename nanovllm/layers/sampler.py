@@ -5,7 +5,8 @@ then min_tokens masking and penalties; greedy rows take the argmax of that; the 
 through temperature, top-k, top-p and min-p, and are sampled by the exponential race
 argmax(probs / q), q ~ Exponential(1), which needs no sort and no host sync. On CUDA the race
 runs as Gumbel noise on the logits in one fused Triton pass (kernels/triton_sampler.py), with
-temperature inside it unless top-k/top-p/min-p filter the scaled logits first.
+temperature inside it, and top-k/top-p as one cut value per row when every row has a small
+top_k; otherwise (min-p, top-p without top-k) the scaled logits are filtered first.
 """
 from dataclasses import dataclass
 
@@ -105,8 +106,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
                       max_top_k: int | None = None) -> torch.Tensor:
     """Dropped tokens get -inf: those below a row's top_k-th logit (ties with it are kept, as in
     vLLM), then, of the rest, those whose more likely tokens already hold top_p of the mass."""
-    if top_k is not None and max_top_k is not None and max_top_k <= SELECT_TOP_K_MAX:
-        return _top_k_top_p_selected(logits, top_k, top_p, max_top_k)
+    if selects_top_k(top_k, max_top_k):
+        return logits.masked_fill(logits < top_k_top_p_cut(logits, top_k, top_p, max_top_k), float("-inf"))
     sorted_logits, order = logits.sort(-1)     # ascending
     vocab_size = logits.shape[-1]
     if top_k is not None:
@@ -120,20 +121,26 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def _top_k_top_p_selected(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None,
-                          max_top_k: int) -> torch.Tensor:
-    """apply_top_k_top_p from each row's max_top_k best logits: both filters become a cut value
-    per row, and a token is kept if its logit reaches its row's cut."""
-    best = logits.topk(max_top_k, -1).values                       # descending
+def selects_top_k(top_k: torch.Tensor | None, max_top_k: int | None) -> bool:
+    """Whether top-k/top-p can work from each row's best logits (every row has a small top_k)."""
+    return top_k is not None and max_top_k is not None and max_top_k <= SELECT_TOP_K_MAX
+
+
+def top_k_top_p_cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None, max_top_k: int,
+                    temperatures: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, 1]: each row's smallest logit that top-k, then top-p keep, from its max_top_k best
+    logits; a token is kept if its logit reaches the cut. temperatures: the logits are unscaled
+    and top-p's probabilities are those of logits / temperature."""
+    best = logits.topk(max_top_k, -1).values.float()               # descending
     cut = best.gather(-1, top_k[:, None] - 1)                      # the top_k-th logit
     if top_p is not None:
         rank = torch.arange(max_top_k, device=logits.device)
-        best = best.masked_fill(rank >= top_k[:, None], float("-inf"))
-        probs = best.softmax(-1)
+        scaled = best if temperatures is None else best / temperatures[:, None]
+        probs = scaled.masked_fill(rank >= top_k[:, None], float("-inf")).softmax(-1)
         ahead = probs.cumsum(-1) - probs                           # mass of the more likely tokens
         kept = (ahead < top_p[:, None]).sum(-1, keepdim=True)      # a prefix, at least the best token
         cut = torch.maximum(cut, best.gather(-1, kept - 1))
-    return logits.masked_fill(logits < cut, float("-inf"))
+    return cut
 
 
 def filter_logits(scaled: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -174,11 +181,15 @@ class Sampler:
             # One argmax kernel instead of four (noise seeds, the fused kernel, its reduction over
             # chunks, the gather); the fused kernel's greedy rows are exactly this argmax.
             return logits.argmax(-1)
-        temperatures = md.temperatures
-        if md.top_k is not None or md.top_p is not None or md.min_p is not None:
+        temperatures, cut = md.temperatures, None
+        if md.min_p is None and selects_top_k(md.top_k, md.max_top_k):
+            # top-k/top-p as one cut value per row, applied inside the kernel: no [B, V] pass
+            cut = top_k_top_p_cut(logits, md.top_k, md.top_p, md.max_top_k, temperatures).squeeze(-1)
+        elif md.top_k is not None or md.top_p is not None or md.min_p is not None:
             logits = filter_logits(logits.float() / temperatures[:, None], md)
             temperatures = torch.ones_like(temperatures)      # already applied
-        return gumbel_argmax(logits, temperatures, md.is_greedy, self._row_seeds(md, logits.shape[0], logits.device))
+        return gumbel_argmax(logits, temperatures, md.is_greedy, self._row_seeds(md, logits.shape[0], logits.device),
+                             cut)
 
     def _sample_torch(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """logits: [B, V] float32 -> token ids [B]."""
