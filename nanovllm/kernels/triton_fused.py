@@ -108,12 +108,14 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
     q = torch.empty(num_tokens, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     has_norm = q_weight is not None
     num_heads = num_q_heads + 2 * num_kv_heads
-    heads = 1 if num_tokens <= ONE_HEAD_PER_PROGRAM_UP_TO else min(QK_HEADS_PER_PROGRAM, triton.next_power_of_2(num_heads))
+    heads = 1
+    if num_tokens > ONE_HEAD_PER_PROGRAM_UP_TO:
+        heads = min(QK_HEADS_PER_PROGRAM, triton.next_power_of_2(num_heads))
     _qk_norm_rope_store_kernel[(num_tokens, triton.cdiv(num_heads, heads))](
         qkv, positions, cos_sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv, q,
         k_cache, v_cache, slot_mapping, qkv.stride(0), q.stride(0), eps, NUM_Q_HEADS=num_q_heads,
-        NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, HAS_NORM=has_norm, HEADS=heads, num_warps=1 if heads == 1 else 2,
-        **pdl.launch_options())
+        NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, HAS_NORM=has_norm, HEADS=heads,
+        num_warps=1 if heads == 1 else 2, **pdl.launch_options())
     return q
 
 
