@@ -365,5 +365,5 @@ def test_bad_words_are_never_generated(llm, tokenizer):
     out = tokens(llm.generate([ids(PROMPTS[4])], banned, use_tqdm=False))[0]
     assert len(out) == 32 and tuple(hello) not in zip(out, out[1:])   # ...but its second token never follows
     one = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, allowed_token_ids=[qu[0], 320],
-                         bad_words=["qu"])
+                         bad_words=("qu",))                       # a tuple, as the other list fields take
     assert tokens(llm.generate([ids(PROMPTS[4])], one, use_tqdm=False))[0] == [320] * 16
