@@ -17,3 +17,16 @@ def test_bench_runs_on_the_cpu():
     result = json.loads(lines[-1])
     assert (result["engine"], result["device"], result["output_tokens"]) == ("nanovllm", "cpu", 48)
     assert set(result["startup_breakdown_s"]) == {"load_s", "kv_cache_s"}
+
+
+def test_bench_runs_a_list_of_workloads_in_one_engine():
+    proc = subprocess.run([sys.executable, "bench.py", "--workload", "prefix,latency", "--top-k", "20", "--top-p",
+                           "0.9", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    # the filters only where requests sample (latency is greedy); one start-up for both
+    assert [r["workload"] for r in results] == ["prefix top_k=20 top_p=0.9", "latency"]
+    assert results[0]["startup_s"] == results[1]["startup_s"]
+    bad = subprocess.run([sys.executable, "bench.py", "--workload", "default,nope"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown workload 'nope'" in bad.stderr
