@@ -96,8 +96,7 @@ class SamplingParams:
               f"logprobs must be non-negative, got {self.logprobs}.")
         check(self.prompt_logprobs is None or self.prompt_logprobs >= 0,
               f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
-        check(self.bad_words is None or (isinstance(self.bad_words, (list, tuple)) and all(
-            isinstance(w, str) and w.strip() for w in self.bad_words)),
+        check(all(isinstance(w, str) and w.strip() for w in self.bad_words or []),
               f"bad_words must be a list of non-empty strings, got {self.bad_words!r:.200}.")
         check(self.logit_bias is None or all(
             isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and math.isfinite(b)
