@@ -18,7 +18,9 @@ On by default, as vLLM's own all-reduce is (LLM(..., disable_custom_all_reduce=T
 off). On 2x H200 it summed correctly at every size class, made the Qwen3-8B-shape benchmark 3%
 faster at TP=2 (9.84 -> 9.54 s, docs/perf_notes.md), passed the TP=2 logprob tests with and
 without CUDA graphs, and with a worker killed mid-generate the caller got the rank named and rank
-0's GPU drained. Runs on more than two GPUs have not yet been on a GPU. Only the first engine of
+0's GPU drained (2026-11-30, third session; at one commit of the fourth that test hung in the
+release thread, whose stream change is undone: not rerun since, see perf_notes "Next
+measurements"). Runs on more than two GPUs have not yet been on a GPU. Only the first engine of
 a process gets it (see _rendezvous_started); later ones use NCCL. A start-up self-check falls
 back to NCCL on any doubt.
 """
