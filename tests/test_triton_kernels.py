@@ -310,6 +310,29 @@ def test_gumbel_argmax_with_a_cut_draws_what_the_masked_logits_draw():
     assert sample_fused(logits, temps, sampled, seeds, cut)[0] == logits[0].float().argmax()   # top_k 1
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab, max_top_k", [(1_000, 1), (8_193, 20), (20_011, 64), (3_000, 1_024)])
+def test_radix_top_k_top_p_cut_equals_the_topk_reference(dtype, vocab, max_top_k):
+    """The radix-select cut against torch.topk's (layers/sampler.py) on fresh random logits: ties
+    at the k-th value, an all-negative row, -inf entries (a row with fewer finite logits than its
+    top_k), top_k 1 and max_top_k, top_p off and on, 16-bit and float32 logits."""
+    from nanovllm.kernels.triton_top_k import top_k_top_p_cut
+    from nanovllm.layers.sampler import top_k_top_p_cut as reference
+    gen = torch.Generator().manual_seed(vocab + max_top_k)
+    batch = 6
+    logits = (torch.randn(batch, vocab, generator=gen) * 3).to(dtype)
+    logits[1, :max_top_k + 5] = logits[1, max_top_k + 5]          # ties across the k-th value
+    logits[2] = -logits[2].abs()
+    logits[3, max(max_top_k // 2, 1):] = float("-inf")
+    top_k = torch.randint(1, max_top_k + 1, (batch,), generator=gen)
+    top_k[0], top_k[4] = max_top_k, 1
+    temps = torch.rand(batch, generator=gen) + 0.3
+    for top_p in (None, torch.tensor([0.95, 0.5, 1.0, 0.1, 0.999, 0.7])):
+        ours = top_k_top_p_cut(logits.to(DEVICE), top_k.to(DEVICE), None if top_p is None else top_p.to(DEVICE),
+                               max_top_k, temps.to(DEVICE)).cpu()
+        assert ours.tolist() == reference(logits, top_k, top_p, max_top_k, temps).squeeze(-1).tolist()
+
+
 @pytest.mark.parametrize("batch, vocab", [(1, 151_936), (7, 8_193), (5, 1_000)])
 def test_gumbel_argmax_greedy_rows_are_argmax(batch, vocab):
     gen = torch.Generator().manual_seed(vocab)
