@@ -1,0 +1,43 @@
+"""Sampler kernel timings on the GPU at decode batch sizes (a developer tool, not a test):
+the top-k/top-p cut by torch.topk (layers/sampler.py's reference) against the radix-select
+kernel (kernels/triton_top_k.py), and the fused Gumbel kernel with and without a cut.
+Qwen3's vocabulary (151,936), bf16 logits, several logits buffers in turn (each is larger than
+the L2 at 256 rows, so reads come from HBM); calls inside a CUDA graph, as in the engine.
+
+    PYTHONPATH=. python3 tests/bench_sampler.py
+"""
+import torch
+
+from gpu_timing import us_per_call_in_graph
+from nanovllm.kernels import triton_top_k
+from nanovllm.kernels.triton_sampler import gumbel_argmax
+from nanovllm.layers.sampler import top_k_top_p_cut
+
+VOCAB = 151936
+
+
+def main():
+    print(f"{'rows':>5} {'top_k':>5} {'top_p':>5}  {'topk alone':>10} {'torch cut':>10} {'radix cut':>10} "
+          f"{'gumbel':>8} {'gumbel+cut':>10}  equal")
+    for rows in (1, 16, 64, 128, 256):
+        for max_top_k, top_p in ((20, 0.95), (20, None), (1024, 0.95)):
+            buffers = [torch.randn(rows, VOCAB, device="cuda").mul_(4).bfloat16() for _ in range(4)]
+            top_k = torch.full((rows,), max_top_k, device="cuda")
+            p = None if top_p is None else torch.full((rows,), top_p, device="cuda")
+            temps = torch.full((rows,), 0.6, device="cuda")
+            greedy = torch.zeros(rows, dtype=torch.bool, device="cuda")
+            seeds = torch.arange(rows, device="cuda")
+            cut = triton_top_k.top_k_top_p_cut(buffers[0], top_k, p, max_top_k, temps)
+            equal = torch.equal(cut, top_k_top_p_cut(buffers[0], top_k, p, max_top_k, temps).squeeze(-1))
+            calls = [lambda b: b.topk(max_top_k, -1),
+                     lambda b: top_k_top_p_cut(b, top_k, p, max_top_k, temps),
+                     lambda b: triton_top_k.top_k_top_p_cut(b, top_k, p, max_top_k, temps),
+                     lambda b: gumbel_argmax(b, temps, greedy, seeds),
+                     lambda b: gumbel_argmax(b, temps, greedy, seeds, cut)]
+            times = [us_per_call_in_graph([lambda b=b, call=call: call(b) for b in buffers]) for call in calls]
+            print(f"{rows:5d} {max_top_k:5d} {str(top_p):>5}  " + " ".join(f"{t:10.1f}" for t in times[:3])
+                  + f" {times[3]:8.1f} {times[4]:10.1f}  {equal}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
