@@ -1,6 +1,6 @@
 """Sampler kernel timings on the GPU at decode batch sizes (a developer tool, not a test):
-the top-k/top-p cut by torch.topk (layers/sampler.py's reference) against the radix-select
-kernel (kernels/triton_top_k.py), and the fused Gumbel kernel with and without a cut.
+the top-k/top-p cut by torch.topk (layers/sampler.py's reference) against ours
+(kernels/triton_top_k.py), and the fused Gumbel kernel with and without a cut.
 Qwen3's vocabulary (151,936), bf16 logits, several logits buffers in turn (each is larger than
 the L2 at 256 rows, so reads come from HBM); calls inside a CUDA graph, as in the engine.
 
@@ -17,7 +17,7 @@ VOCAB = 151936
 
 
 def main():
-    print(f"{'rows':>5} {'top_k':>5} {'top_p':>5}  {'topk alone':>10} {'torch cut':>10} {'radix cut':>10} "
+    print(f"{'rows':>5} {'top_k':>5} {'top_p':>5}  {'topk alone':>10} {'torch cut':>10} {'triton cut':>10} "
           f"{'gumbel':>8} {'gumbel+cut':>10}  equal")
     for rows in (1, 16, 64, 128, 256):
         for max_top_k, top_p in ((20, 0.95), (20, None), (1024, 0.95)):

@@ -310,24 +310,32 @@ def test_gumbel_argmax_with_a_cut_draws_what_the_masked_logits_draw():
     assert sample_fused(logits, temps, sampled, seeds, cut)[0] == logits[0].float().argmax()   # top_k 1
 
 
+@pytest.mark.parametrize("candidates", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("vocab, max_top_k", [(1_000, 1), (8_193, 20), (20_011, 64), (3_000, 1_024)])
-def test_radix_top_k_top_p_cut_equals_the_topk_reference(dtype, vocab, max_top_k):
-    """The radix-select cut against torch.topk's (layers/sampler.py) on fresh random logits: ties
-    at the k-th value, an all-negative row, -inf entries (a row with fewer finite logits than its
-    top_k), top_k 1 and max_top_k, top_p off and on, 16-bit and float32 logits."""
+def test_radix_top_k_top_p_cut_equals_the_topk_reference(dtype, vocab, max_top_k, candidates, monkeypatch):
+    """The Triton cut against torch.topk's (layers/sampler.py) on fresh random logits: ties at the
+    k-th value, an all-negative row, -inf entries (a row with fewer finite logits than its
+    top_k), rows with too many candidates for the candidate path (all equal; mostly -inf), top_k
+    1 and max_top_k, top_p off and on, 16-bit and float32 logits; with the candidate path (and
+    its radix fallback for some rows) and with radix select for every row."""
+    from nanovllm.kernels import triton_top_k
     from nanovllm.kernels.triton_top_k import top_k_top_p_cut
     from nanovllm.layers.sampler import top_k_top_p_cut as reference
+    monkeypatch.setattr(triton_top_k, "MIN_ROWS_FOR_CANDIDATES", 1 if candidates else 1 << 30)
     gen = torch.Generator().manual_seed(vocab + max_top_k)
-    batch = 6
+    batch = 8
     logits = (torch.randn(batch, vocab, generator=gen) * 3).to(dtype)
     logits[1, :max_top_k + 5] = logits[1, max_top_k + 5]          # ties across the k-th value
     logits[2] = -logits[2].abs()
     logits[3, max(max_top_k // 2, 1):] = float("-inf")
+    logits[6] = 1.5
+    logits[7, ::3] = float("-inf")
+    logits[7, :vocab // 2] = float("-inf")
     top_k = torch.randint(1, max_top_k + 1, (batch,), generator=gen)
     top_k[0], top_k[4] = max_top_k, 1
     temps = torch.rand(batch, generator=gen) + 0.3
-    for top_p in (None, torch.tensor([0.95, 0.5, 1.0, 0.1, 0.999, 0.7])):
+    for top_p in (None, torch.tensor([0.95, 0.5, 1.0, 0.1, 0.999, 0.7, 0.9, 0.8])):
         ours = top_k_top_p_cut(logits.to(DEVICE), top_k.to(DEVICE), None if top_p is None else top_p.to(DEVICE),
                                max_top_k, temps.to(DEVICE)).cpu()
         assert ours.tolist() == reference(logits, top_k, top_p, max_top_k, temps).squeeze(-1).tolist()
