@@ -1,5 +1,7 @@
 """Fixtures: tiny random Qwen3 / Qwen2 checkpoints (real architecture, small sizes) with a small
 byte-level BPE tokenizer saved beside them, and HF transformers as the reference."""
+import math
+
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -137,3 +139,21 @@ def check_logprobs_close(ours, ref):
         else:
             full += 1
     return full
+
+
+def check_within_top_k_top_p(outputs, top_k: int, top_p: float) -> int:
+    """Every sampled token (temperature 1, logprobs >= top_k requested) is among its step's top_k
+    and, of those renormalised, the tokens more likely than it hold less than top_p. Returns
+    the number of tokens checked."""
+    checked = 0
+    for out in outputs:
+        for completion in out.outputs:
+            for token, step in zip(completion.token_ids, completion.logprobs):
+                rank = step[token].rank
+                assert rank <= top_k, (token, step)
+                best = [lp for lp in step.values() if lp.rank <= top_k]
+                total = sum(math.exp(lp.logprob) for lp in best)
+                ahead = sum(math.exp(lp.logprob) for lp in best if lp.rank < rank) / total
+                assert ahead < top_p + 1e-5, (token, step)
+                checked += 1
+    return checked

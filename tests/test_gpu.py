@@ -5,7 +5,7 @@ import functools
 import pytest
 import torch
 
-from conftest import build_model_dir, check_logprobs_close, make_prompts
+from conftest import build_model_dir, check_logprobs_close, check_within_top_k_top_p, make_prompts
 from nanovllm import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -97,6 +97,18 @@ def test_seeded_sampling_is_batch_independent_on_gpu(gpu_model_dir):
     others = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, max_tokens=24, ignore_eos=True)
     batch = llm.generate(PROMPTS[:8], [others] * 5 + [sp] + [others] * 2, use_tqdm=False)
     assert batch[5].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize("num_prompts, top_k", [(4, 5), (16, 3)])
+def test_sampled_tokens_lie_within_top_k_and_top_p_on_gpu(gpu_model_dir, num_prompts, top_k):
+    """The sampler's Triton top-k/top-p cut never lets a token outside the top_k, or past top_p of
+    their mass, be drawn: radix select at 8 rows, the candidate path at 32 (the 384-token
+    vocabulary has 3 sub-blocks: top_k 3 at most)."""
+    llm = LLM(gpu_model_dir, dtype="bfloat16")
+    sp = SamplingParams(n=2, temperature=1.0, top_k=top_k, top_p=0.8, logprobs=5, seed=3, max_tokens=12,
+                        ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:num_prompts]], sp, use_tqdm=False)
+    assert check_within_top_k_top_p(outs, top_k, top_p=0.8) == num_prompts * 2 * 12
 
 
 def test_kv_cache_is_sized_from_memory(gpu_model_dir):

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from conftest import hf_model, make_prompts
+from conftest import check_within_top_k_top_p, hf_model, make_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.sampler import Sampler, SamplingMetadata
 
@@ -34,6 +34,13 @@ def test_seed_gives_same_output_whatever_the_batch(llm):
     assert batch[5].outputs[0].token_ids == alone
     other_seed = SamplingParams(temperature=1.0, seed=4321, max_tokens=16, ignore_eos=True)
     assert llm.generate([ids(PROMPTS[5])], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_sampled_tokens_lie_within_top_k_and_top_p(llm):
+    sp = SamplingParams(n=2, temperature=1.0, top_k=5, top_p=0.8, logprobs=5, seed=3, max_tokens=12,
+                        ignore_eos=True)
+    outs = llm.generate([ids(p) for p in PROMPTS], sp, use_tqdm=False)
+    assert check_within_top_k_top_p(outs, top_k=5, top_p=0.8) == len(PROMPTS) * 2 * 12
 
 
 def test_numpy_numbers_are_taken_as_python_numbers(llm):
