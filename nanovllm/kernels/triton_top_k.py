@@ -30,7 +30,7 @@ import triton.language as tl
 
 BLOCK = 4096           # logits per load
 SUB = 128              # logits per sub-block maximum
-MAX_CAP = 4096         # candidates a row may have before it takes the radix fallback (4 x top_k)
+MAX_CAP = 4096         # the most candidates a row keeps (4 x top_k, at least 256); more: radix fallback
 PROGRAMS_WANTED = 528  # ~4 per SM of an H100/H200: a row is split into chunks until there are as many
 # Below this many rows the candidate path's four extra launches cost more than its passes save
 # (H200, top_k 20: 37 against 20 us at 1 row, 45 against 44 at 16, 70 against 112 at 64).
