@@ -193,7 +193,7 @@ class Config:
         check(self.kv_cache_dtype in KV_CACHE_DTYPES,
               f"kv_cache_dtype must be one of {', '.join(repr(k) for k in KV_CACHE_DTYPES)}, "
               f"got {self.kv_cache_dtype!r}.")
-        check(self.max_logprobs >= 0, f"max_logprobs must be non-negative, got {self.max_logprobs}.")
+        check(self.max_logprobs >= -1, f"max_logprobs must be non-negative or -1 (no cap), got {self.max_logprobs}.")
         check(self.scheduling_policy in ("fcfs", "priority"),
               f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
         check(self.tokenizer_mode in ("auto", "slow"),
@@ -230,6 +230,11 @@ class Config:
             if value % n:
                 raise ValueError(f"the model's {name} ({value}) is not divisible by "
                                  f"tensor_parallel_size ({n}).")
+
+    @property
+    def logprobs_cap(self) -> int:
+        """The most logprobs a request may ask for (max_logprobs; -1: the whole vocabulary)."""
+        return self.hf_config.vocab_size if self.max_logprobs == -1 else self.max_logprobs
 
     def _resolve_dtype(self) -> torch.dtype:
         if isinstance(self.dtype, torch.dtype):

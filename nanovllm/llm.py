@@ -143,8 +143,8 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
         engine = self.llm_engine
-        if 2 * params.beam_width > engine.config.max_logprobs:
-            raise ValueError(f"beam_width must be at most max_logprobs / 2 = {engine.config.max_logprobs // 2} "
+        if 2 * params.beam_width > engine.config.logprobs_cap:
+            raise ValueError(f"beam_width must be at most max_logprobs / 2 = {engine.config.logprobs_cap // 2} "
                              f"(each step asks for 2 x beam_width logprobs), got {params.beam_width}.")
         parsed = parse_prompts(prompts, self._encode)
         step = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,

@@ -1,7 +1,7 @@
 """SamplingParams: how to pick each next token and when to stop (vLLM's fields and defaults)."""
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nanovllm.utils.validation import check_field_types
 
@@ -25,8 +25,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True   # passed to the tokenizer's decode (fast tokenizers ignore it)
-    logprobs: int | None = None         # top-N logprobs per output token (0: the sampled token only)
-    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (0: the prompt token only)
+    logprobs: int | None = None         # top-N logprobs per output token (0: the sampled token only; -1: all)
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (0: the prompt token only; -1: all)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -51,6 +51,13 @@ class SamplingParams:
             self.top_k = 0
         if self.is_greedy:
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def with_vocab_size(self, vocab_size: int) -> "SamplingParams":
+        """These params with logprobs / prompt_logprobs of -1 (vLLM's "every token") as vocab_size."""
+        if -1 not in (self.logprobs, self.prompt_logprobs):
+            return self
+        every = lambda n: vocab_size if n == -1 else n
+        return replace(self, logprobs=every(self.logprobs), prompt_logprobs=every(self.prompt_logprobs))
 
     def clone(self) -> "SamplingParams":
         """A deep copy (vLLM's SamplingParams.clone)."""
@@ -92,10 +99,10 @@ class SamplingParams:
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
               f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
               f"got {self.min_tokens}.")
-        check(self.logprobs is None or self.logprobs >= 0,
-              f"logprobs must be non-negative, got {self.logprobs}.")
-        check(self.prompt_logprobs is None or self.prompt_logprobs >= 0,
-              f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
+        check(self.logprobs is None or self.logprobs >= -1,
+              f"logprobs must be non-negative or -1, got {self.logprobs}.")
+        check(self.prompt_logprobs is None or self.prompt_logprobs >= -1,
+              f"prompt_logprobs must be non-negative or -1, got {self.prompt_logprobs}.")
         check(all(isinstance(w, str) and w.strip() for w in self.bad_words or []),
               f"bad_words must be a list of non-empty strings, got {self.bad_words!r:.200}.")
         check(self.logit_bias is None or all(

@@ -100,6 +100,23 @@ def test_logprobs_equal_hf_log_softmax(llm, qwen3_dir):
         assert comp.cumulative_logprob == pytest.approx(total, abs=1e-4)
 
 
+def test_logprobs_minus_one_gives_every_token(qwen3_dir):
+    """vLLM's logprobs=-1 / prompt_logprobs=-1: the whole vocabulary at each position, once
+    max_logprobs=-1 lifts the cap (its default, 20, refuses them: test_api)."""
+    llm = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=64, max_logprobs=-1)
+    vocab_size = llm.llm_engine.config.hf_config.vocab_size
+    sp = SamplingParams(temperature=0.0, max_tokens=3, logprobs=-1, prompt_logprobs=-1, ignore_eos=True)
+    out = llm.generate([ids(PROMPTS[3])], sp, use_tqdm=False)[0]
+    steps = out.outputs[0].logprobs
+    assert [len(step) for step in steps] == [vocab_size] * 3
+    assert out.prompt_logprobs[0] is None
+    assert [len(p) for p in out.prompt_logprobs[1:]] == [vocab_size] * (len(PROMPTS[3]) - 1)
+    for token, step in zip(out.outputs[0].token_ids, steps):
+        assert step[token].rank == 1 and step[token].logprob == max(lp.logprob for lp in step.values())
+        assert math.isclose(sum(math.exp(lp.logprob) for lp in step.values()), 1.0, rel_tol=1e-4)
+    assert sp.logprobs == -1 and sp.prompt_logprobs == -1     # the caller's params are left as given
+
+
 def test_no_logprobs_means_none(llm):
     comp = llm.generate([ids(PROMPTS[3])], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0]
     assert comp.logprobs is None and comp.cumulative_logprob is None

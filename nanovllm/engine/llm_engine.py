@@ -136,23 +136,25 @@ class LLMEngine:
             raise ValueError(f"prompt {index} (length {n}) with max_tokens={params.max_tokens} needs "
                              f"up to {max_len} tokens of KV cache, more than the whole cache holds "
                              f"({capacity} tokens); lower max_tokens or max_model_len.")
-        if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
+        params = params.with_vocab_size(vocab_size)
+        if params.logprobs is not None and params.logprobs > cfg.logprobs_cap:
             raise ValueError(f"Requested sample logprobs of {params.logprobs}, which is greater "
-                             f"than max allowed: {cfg.max_logprobs}.")
+                             f"than max allowed: {cfg.logprobs_cap}.")
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words needs a tokenizer, but the engine has none (skip_tokenizer_init=True).")
         for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
             bad = [t for t in ids or () if t >= vocab_size]
             if bad:
                 raise ValueError(f"{name} has out-of-vocabulary token id {bad[0]} (vocab_size={vocab_size}).")
-        if params.prompt_logprobs is not None and params.prompt_logprobs > cfg.max_logprobs:
+        if params.prompt_logprobs is not None and params.prompt_logprobs > cfg.logprobs_cap:
             raise ValueError(f"Requested prompt logprobs of {params.prompt_logprobs}, which is greater "
-                             f"than max allowed: {cfg.max_logprobs}.")
+                             f"than max allowed: {cfg.logprobs_cap}.")
 
     def add_request(self, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0, cache_salt: str | None = None) -> str:
         """cache_salt: the request's blocks hit in the prefix cache only for requests with the same salt."""
         request_id = str(next(self._request_ids))
+        params = params.with_vocab_size(self.config.hf_config.vocab_size)
         request = Request(request_id, prompt, list(prompt_token_ids), params)
         bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
         for index in range(params.n):

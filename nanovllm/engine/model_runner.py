@@ -177,7 +177,7 @@ class ModelRunner:
             top_k=torch.full((num_seqs,), 5, device=self.device),
             top_p=torch.full((num_seqs,), 0.9, device=self.device),
             min_p=torch.full((num_seqs,), 0.1, device=self.device),
-            row_seeds=[], banned_rows=None, banned_tokens=None, max_num_logprobs=cfg.max_logprobs)
+            row_seeds=[], banned_rows=None, banned_tokens=None, max_num_logprobs=cfg.logprobs_cap)
         if self.sampler is not None:
             self.sampler(logits, md)
         del hidden, logits
