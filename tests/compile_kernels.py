@@ -5,6 +5,10 @@ flight (buffers per operand, from the TTGIR), and the programs that fit on one S
 
     PYTHONPATH=. python3 tests/compile_kernels.py
 
+With the GPU machine's Triton (3.6.0; a newer one accepts code 3.6 refuses, and its bundled
+ptxas may not read its own PTX): `pip install --no-deps --target /tmp/tr36 triton==3.6.0`, then
+PYTHONPATH=/tmp/tr36:. for the command above.
+
 Shapes: Qwen3-0.6B attention (GQA group 2, head_dim 128), block_size 256, bf16 queries, strides
 divisible by 16 (as Triton specialises them at run time).
 """
@@ -116,6 +120,23 @@ def main():
                  "eps": "fp32"}
         constants = dict(NUM_Q_HEADS=16, NUM_KV_HEADS=8, HALF=64, HAS_NORM=True, HEADS=tf.QK_HEADS_PER_PROGRAM, PDL=True)
         print(report(f"{cache} cache", compile_kernel(tf._qk_norm_rope_store_kernel, types, constants, 2, 1, None), 2))
+
+    print("sampler top-k/top-p cut (bf16 logits; top_k 20 with top_p, so K_CAP 32 and CAP 256):")
+    from nanovllm.kernels import triton_top_k as tk
+    types = {"logits_ptr": "*bf16", "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "temps_ptr": "*fp32",
+             "counts_ptr": "*i32", "num_above_ptr": "*i32", "best_ptr": "*fp32", "cut_ptr": "*fp32",
+             "maxima_ptr": "*fp32", "floor_ptr": "*fp32", "candidates_ptr": "*fp32", "num_candidates_ptr": "*i32",
+             "vocab_size": "i32", "chunk_size": "i32", "num_sub": "i32"}
+    kernels = [("sub-block maxima", tk._sub_block_maxima_kernel, dict(NUM_SUB_PAD=2048, BLOCK=tk.BLOCK, SUB=tk.SUB)),
+               ("candidate floor", tk._candidate_floor_kernel, dict(NUM_SUB_PAD=2048)),
+               ("gather candidates", tk._gather_candidates_kernel, dict(CAP=256, BLOCK=tk.BLOCK)),
+               ("cut from candidates (8 warps)", tk._cut_from_candidates_kernel, dict(HAS_TOP_P=True, CAP=256)),
+               ("radix histogram, pass 0", tk._histogram_kernel, dict(PASS=0, CAP=256, BLOCK=tk.BLOCK)),
+               ("radix gather above", tk._gather_above_kernel, dict(NUM_PASSES=2, K_CAP=32, CAP=256, BLOCK=tk.BLOCK)),
+               ("radix cut", tk._radix_cut_kernel, dict(HAS_TOP_P=True, NUM_PASSES=2, K_CAP=32, CAP=256))]
+    for label, kernel, constants in kernels:
+        warps = 8 if kernel is tk._cut_from_candidates_kernel else 4     # as top_k_top_p_cut launches them
+        print(report(label, compile_kernel(kernel, types, constants, warps, 3, None), warps))
 
 
 if __name__ == "__main__":
