@@ -6,8 +6,8 @@ through temperature, top-k, top-p and min-p, and are sampled by the exponential 
 argmax(probs / q), q ~ Exponential(1), which needs no sort and no host sync. On CUDA the race
 runs as Gumbel noise on the logits in one fused Triton pass (kernels/triton_sampler.py), with
 temperature inside it, and top-k/top-p as one cut value per row when every row has a small
-top_k (kernels/triton_top_k.py: from a few candidates, or radix select); otherwise (min-p, top-p without top-k)
-the scaled logits are filtered first.
+top_k (kernels/triton_top_k.py: from a few candidates, or radix select); otherwise (min-p,
+top-p without top-k) the scaled logits are filtered first.
 """
 from dataclasses import dataclass
 
@@ -186,8 +186,8 @@ class Sampler:
         if md.min_p is None and selects_top_k(md.top_k, md.max_top_k):
             # top-k/top-p as one cut value per row (the same values as top_k_top_p_cut),
             # applied inside the kernel: no [B, V] pass of torch
-            from nanovllm.kernels.triton_top_k import top_k_top_p_cut as radix_cut
-            cut = radix_cut(logits, md.top_k, md.top_p, md.max_top_k, temperatures)
+            from nanovllm.kernels import triton_top_k
+            cut = triton_top_k.top_k_top_p_cut(logits, md.top_k, md.top_p, md.max_top_k, temperatures)
         elif md.top_k is not None or md.top_p is not None or md.min_p is not None:
             logits = filter_logits(logits.float() / temperatures[:, None], md)
             temperatures = torch.ones_like(temperatures)      # already applied
