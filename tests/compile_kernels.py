@@ -127,7 +127,8 @@ def main():
              "counts_ptr": "*i32", "num_above_ptr": "*i32", "best_ptr": "*fp32", "cut_ptr": "*fp32",
              "maxima_ptr": "*fp32", "floor_ptr": "*fp32", "candidates_ptr": "*fp32", "num_candidates_ptr": "*i32",
              "vocab_size": "i32", "chunk_size": "i32", "num_sub": "i32"}
-    kernels = [("sub-block maxima", tk._sub_block_maxima_kernel, dict(NUM_SUB_PAD=2048, BLOCK=tk.BLOCK, SUB=tk.SUB)),
+    kernels = [("sub-block maxima", tk._sub_block_maxima_kernel,
+                dict(NUM_SUB_PAD=2048, BLOCK=tk.BLOCK, SUB=tk.SUB)),
                ("candidate floor", tk._candidate_floor_kernel, dict(NUM_SUB_PAD=2048)),
                ("gather candidates", tk._gather_candidates_kernel, dict(CAP=256, BLOCK=tk.BLOCK)),
                ("cut from candidates (8 warps)", tk._cut_from_candidates_kernel, dict(HAS_TOP_P=True, CAP=256)),
