@@ -2,11 +2,20 @@
 import copy
 import math
 from dataclasses import dataclass, field, replace
+from enum import Enum
 
 from nanovllm.utils.validation import check_field_types
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
+
+
+class RequestOutputKind(Enum):
+    """vLLM's: what a streaming server returns for a request as it runs. LLM.generate returns each
+    request once, finished, whatever SamplingParams.output_kind says, as vLLM's LLM does."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -37,6 +46,9 @@ class SamplingParams:
     detokenize: bool = True                        # False: token ids only, text stays ""
     structured_outputs: object | None = None       # vLLM's StructuredOutputsParams: not supported, only None
     extra_args: dict | None = None                 # kept for custom code, as vLLM (no built-in use)
+    # True: the prompt is computed whole, no prefix-cache hits; None: True with prompt_logprobs (vLLM's)
+    skip_reading_prefix_cache: bool | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE   # accepted; generate() returns finals
     # Normalised copies, filled in __post_init__.
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -49,6 +61,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.skip_reading_prefix_cache is None:
+            self.skip_reading_prefix_cache = self.prompt_logprobs is not None
         if self.is_greedy:
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
@@ -103,6 +117,9 @@ class SamplingParams:
               f"logprobs must be non-negative or -1, got {self.logprobs}.")
         check(self.prompt_logprobs is None or self.prompt_logprobs >= -1,
               f"prompt_logprobs must be non-negative or -1, got {self.prompt_logprobs}.")
+        check(not (self.skip_reading_prefix_cache is False and self.prompt_logprobs is not None),
+              "skip_reading_prefix_cache=False cannot be combined with prompt_logprobs: prompt logprobs need "
+              "every prompt token computed.")
         check(all(isinstance(w, str) and w.strip() for w in self.bad_words or []),
               f"bad_words must be a list of non-empty strings, got {self.bad_words!r:.200}.")
         check(self.logit_bias is None or all(

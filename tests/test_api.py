@@ -9,6 +9,7 @@ from conftest import make_prompts
 from nanovllm import LLM, BeamSearchParams, SamplingParams
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import RequestOutputKind
 
 PROMPTS = make_prompts()
 
@@ -216,6 +217,35 @@ def test_cache_salt_isolates_prefix_cache_hits(qwen3_dir):
     beams = llm.beam_search([{"prompt_token_ids": ids, "cache_salt": "tenant-c"}],
                             BeamSearchParams(beam_width=2, max_tokens=2))
     assert len(beams[0].sequences) == 2
+
+
+def test_skip_reading_prefix_cache(qwen3_dir):
+    """vLLM's per-request opt-out of prefix-cache hits; on by default with prompt_logprobs."""
+    llm = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=64)
+    ids = {"prompt_token_ids": PROMPTS[7][:70]}          # 4 full blocks of 16, then 6 tokens
+
+    def cached(**params):
+        sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, **params)
+        return llm.generate([ids], sp, use_tqdm=False)[0].num_cached_tokens
+
+    assert cached() == 0 and cached() == 64
+    assert cached(skip_reading_prefix_cache=True) == 0
+    assert cached(skip_reading_prefix_cache=None) == 64
+    assert cached(prompt_logprobs=0) == 0
+    assert SamplingParams(prompt_logprobs=0).skip_reading_prefix_cache is True
+    assert SamplingParams().skip_reading_prefix_cache is False
+    with pytest.raises(ValueError, match="skip_reading_prefix_cache=False cannot be combined with prompt_logprobs"):
+        SamplingParams(prompt_logprobs=0, skip_reading_prefix_cache=False)
+
+
+def test_output_kind_is_accepted_and_generate_returns_finished_outputs(llm):
+    """As vLLM's LLM, generate() returns each request once, finished, whatever output_kind says."""
+    for kind in RequestOutputKind:
+        sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, output_kind=kind)
+        out = llm.generate([[1, 2, 3]], sp, use_tqdm=False)[0]
+        assert out.finished and len(out.outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match="output_kind must be RequestOutputKind, got 'delta'."):
+        SamplingParams(output_kind="delta")
 
 
 def test_lora_request_is_refused_unless_none(llm):

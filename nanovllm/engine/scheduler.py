@@ -101,7 +101,7 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
             # A request for prompt logprobs computes its whole prompt (as vLLM: no prefix-cache hits).
-            computed_blocks = ([] if seq.sampling_params.prompt_logprobs is not None
+            computed_blocks = ([] if seq.sampling_params.skip_reading_prefix_cache
                                else self.block_manager.get_computed_blocks(seq))
             num_cached = len(computed_blocks) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
