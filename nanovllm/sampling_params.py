@@ -45,6 +45,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None      # keep only the prompt's last k tokens (-1: max_model_len)
     detokenize: bool = True                        # False: token ids only, text stays ""
     structured_outputs: object | None = None       # vLLM's StructuredOutputsParams: not supported, only None
+    logits_processors: list | None = None          # per-request logits processors: only None (as vLLM V1)
     extra_args: dict | None = None                 # kept for custom code, as vLLM (no built-in use)
     # True: the prompt is computed whole, no prefix-cache hits; None: True with prompt_logprobs (vLLM's)
     skip_reading_prefix_cache: bool | None = None
@@ -93,6 +94,8 @@ class SamplingParams:
 
         check(self.structured_outputs is None, f"structured_outputs is not supported (nanovllm has no guided "
                                                f"decoding), got {self.structured_outputs!r:.80}.")
+        check(not self.logits_processors, f"logits_processors is not supported (per-request logits processors; "
+                                          f"vLLM V1 refuses them too), got {self.logits_processors!r:.80}.")
         check_field_types(self)   # the types first: the checks below test values only
 
         check(self.n >= 1, f"n must be at least 1, got {self.n}.")

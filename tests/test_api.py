@@ -246,6 +246,9 @@ def test_output_kind_is_accepted_and_generate_returns_finished_outputs(llm):
         assert out.finished and len(out.outputs[0].token_ids) == 3
     with pytest.raises(ValueError, match="output_kind must be RequestOutputKind, got 'delta'."):
         SamplingParams(output_kind="delta")
+    assert SamplingParams(logits_processors=None).logits_processors is None
+    with pytest.raises(ValueError, match="logits_processors is not supported"):
+        SamplingParams(logits_processors=[lambda ids, logits: logits])
 
 
 def test_lora_request_is_refused_unless_none(llm):
