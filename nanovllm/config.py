@@ -21,6 +21,8 @@ GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "t
                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 # vLLM's kv_cache_dtype values ("auto": the model's dtype). fp8 values are stored unscaled
 # (vLLM's k_scale = v_scale = 1.0 for checkpoints without scales), clamped to the format's range.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 16384
+DEFAULT_BLOCK_SIZE = 256
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
                    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -35,6 +37,7 @@ class Config:
     revision: str | None = None             # of a hub model: branch, tag or commit
     tokenizer_revision: str | None = None   # of a hub tokenizer given by `tokenizer`
     download_dir: str | None = None         # hub cache directory (default: Hugging Face's)
+    hf_token: str | bool | None = None      # for gated or private hub models (True: the saved login)
     hf_overrides: dict | None = None        # attributes set on the model's HF config after loading it
                                             # (a dict attribute is updated with a dict)
     # Where LLM.get_default_sampling_params() (generate without sampling params) takes its
@@ -49,10 +52,10 @@ class Config:
     seed: int | None = 0                    # None: a random seed (vLLM's meaning)
     max_model_len: int | None = None
     max_num_seqs: int = 512
-    max_num_batched_tokens: int = 16384
+    max_num_batched_tokens: int | None = None   # None: 16384
     enable_chunked_prefill: bool = True     # False: a prompt is computed in one step or waits
     scheduling_policy: str = "fcfs"         # "fcfs" | "priority": generate(..., priority=[...]), lower first
-    block_size: int = 256
+    block_size: int | None = None               # None: 256 tokens a KV-cache block
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None   # the KV cache per GPU, instead of sizing it from the above
@@ -70,6 +73,10 @@ class Config:
     enable_lora: bool = False
     speculative_config: dict | None = None
     runner: str = "auto"                             # "auto" or "generate": a generative model
+    model_impl: str = "auto"                         # "auto" or "vllm": the engine's own model code
+    enable_expert_parallel: bool = False             # MoE experts are split like the dense MLP
+    enable_sleep_mode: bool = False
+    logprobs_mode: str = "raw_logprobs"              # logprobs of the model's raw distribution
     # False (vLLM's default): on CUDA, the symmetric-memory all-reduce (custom_all_reduce.py) for
     # tensors up to 16 MB, NCCL for the rest; True: NCCL for every all-reduce.
     disable_custom_all_reduce: bool = False
@@ -106,6 +113,10 @@ class Config:
             self.num_kvcache_blocks = self.num_gpu_blocks_override
         if self.seed is None:
             self.seed = random.randrange(2**31)
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
+        if self.block_size is None:
+            self.block_size = DEFAULT_BLOCK_SIZE
         self._validate_scalars()
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -114,7 +125,8 @@ class Config:
         if self.async_scheduling is None:
             self.async_scheduling = self.device == "cuda"
         self.model_path = resolve_model_path(self.model, need_weights=self.load_format != "dummy",
-                                             revision=self.revision, cache_dir=self.download_dir)
+                                             revision=self.revision, cache_dir=self.download_dir,
+                                             token=self.hf_token)
         self.hf_config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
         for name, value in (self.hf_overrides or {}).items():
             if name == "rope_scaling" and isinstance(getattr(self.hf_config, "rope_parameters", None), dict):
@@ -216,6 +228,14 @@ class Config:
                                            f"got {self.speculative_config!r:.80}.")
         check(self.runner in ("auto", "generate"),
               f"runner must be 'auto' or 'generate' (nanovllm runs generative models), got {self.runner!r}.")
+        check(self.model_impl in ("auto", "vllm"),
+              f"model_impl must be 'auto' or 'vllm' (nanovllm runs its own model code), got {self.model_impl!r}.")
+        check(not self.enable_expert_parallel, "enable_expert_parallel=True is not supported: MoE experts are "
+                                               "split across tensor-parallel ranks like the dense MLP.")
+        check(not self.enable_sleep_mode, "enable_sleep_mode=True is not supported (no sleep/wake_up).")
+        check(self.logprobs_mode == "raw_logprobs",
+              f"logprobs_mode must be 'raw_logprobs' (logprobs of the model's raw distribution, vLLM's "
+              f"default), got {self.logprobs_mode!r}.")
 
     def _validate_tensor_parallel(self):
         n, hf = self.tensor_parallel_size, self.hf_config

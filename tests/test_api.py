@@ -456,6 +456,12 @@ def test_interrupted_generate_aborts_its_requests(llm, monkeypatch):
     (dict(enable_lora=True), "enable_lora=True is not supported: nanovllm runs the base model only."),
     (dict(speculative_config={"method": "ngram"}), "speculative_config is not supported (no speculative decoding)"),
     (dict(runner="pooling"), "runner must be 'auto' or 'generate' (nanovllm runs generative models), got 'pooling'."),
+    (dict(model_impl="transformers"), "model_impl must be 'auto' or 'vllm' (nanovllm runs its own model code), "
+                                      "got 'transformers'."),
+    (dict(enable_expert_parallel=True), "enable_expert_parallel=True is not supported: MoE experts are split"),
+    (dict(enable_sleep_mode=True), "enable_sleep_mode=True is not supported (no sleep/wake_up)."),
+    (dict(logprobs_mode="processed_logprobs"), "logprobs_mode must be 'raw_logprobs' (logprobs of the model's raw "
+                                               "distribution, vLLM's default), got 'processed_logprobs'."),
     (dict(num_gpu_blocks_override=8, num_kvcache_blocks=9), "num_gpu_blocks_override (8) and num_kvcache_blocks (9) "
                                                               "name the same setting; give one."),
     (dict(tokenizer="/no/such/tokenizer"), "tokenizer must be a local directory or a Hugging Face hub id such as "
@@ -505,18 +511,18 @@ def test_unreachable_hub_id_says_how_to_download(monkeypatch):
         LLM("some-org/some-model")
 
 
-def test_hub_id_is_fetched_at_the_revision_into_download_dir(monkeypatch, qwen3_dir, tmp_path):
+def test_hub_id_is_fetched_at_the_revision_into_download_dir_with_the_token(monkeypatch, qwen3_dir, tmp_path):
     import huggingface_hub
     calls = []
 
     def fetch(repo_id, **kwargs):
-        calls.append((repo_id, kwargs["revision"], kwargs["cache_dir"]))
+        calls.append((repo_id, kwargs["revision"], kwargs["cache_dir"], kwargs["token"]))
         return qwen3_dir
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fetch)
     llm = LLM("some-org/some-model", revision="v1.0", download_dir=str(tmp_path), trust_remote_code=True,
-              block_size=16, num_kvcache_blocks=16)
-    assert calls == [("some-org/some-model", "v1.0", str(tmp_path))]
+              hf_token="hf_example", block_size=16, num_kvcache_blocks=16)
+    assert calls == [("some-org/some-model", "v1.0", str(tmp_path), "hf_example")]
     assert llm.generate([[5, 6]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
 
 
@@ -595,9 +601,12 @@ def test_vllm_engine_arguments_that_mean_our_behaviour_are_accepted(qwen3_dir):
     num_gpu_blocks_override (vLLM's name for num_kvcache_blocks) sizes the cache."""
     llm = LLM(qwen3_dir, tokenizer_mode="slow", quantization=None, swap_space=8, cpu_offload_gb=0,
               pipeline_parallel_size=1, distributed_executor_backend="mp", disable_log_stats=True,
-              enable_lora=False, speculative_config=None, runner="generate",
+              enable_lora=False, speculative_config=None, runner="generate", model_impl="vllm",
+              enable_expert_parallel=False, enable_sleep_mode=False, logprobs_mode="raw_logprobs", hf_token=None,
               block_size=16, num_gpu_blocks_override=16)
     assert llm.llm_engine.block_manager.num_blocks == 16
+    defaults = LLM(qwen3_dir, block_size=None, max_num_batched_tokens=None, num_kvcache_blocks=4).llm_engine.config
+    assert (defaults.block_size, defaults.max_num_batched_tokens) == (256, 16384)   # vLLM's None: our defaults
     out = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [3, 3]
 

@@ -54,7 +54,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = (None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(
             config.tokenizer, revision=config.tokenizer_revision, trust_remote_code=config.trust_remote_code,
-            use_fast=config.tokenizer_mode != "slow"))
+            use_fast=config.tokenizer_mode != "slow", token=config.hf_token))
         self.generation_config = self._load_generation_config()
         self.eos_token_ids = self._eos_token_ids()
         self.workers = None

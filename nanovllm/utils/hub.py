@@ -13,7 +13,7 @@ def check_directory_or_hub_id(name: str, field: str):
 
 
 def resolve_model_path(model: str, need_weights: bool = True, revision: str | None = None,
-                       cache_dir: str | None = None) -> str:
+                       cache_dir: str | None = None, token: str | bool | None = None) -> str:
     """Return a local directory holding `model`'s files; a hub id is downloaded (or read from cache)."""
     if os.path.isdir(model):
         return model
@@ -21,7 +21,8 @@ def resolve_model_path(model: str, need_weights: bool = True, revision: str | No
     from huggingface_hub import snapshot_download
     patterns = WEIGHT_PATTERNS if need_weights else CONFIG_PATTERNS
     try:
-        return snapshot_download(model, allow_patterns=patterns, revision=revision, cache_dir=cache_dir)
+        return snapshot_download(model, allow_patterns=patterns, revision=revision, cache_dir=cache_dir,
+                                 token=token)
     except Exception as e:  # offline, unknown repo, gated model, ...
         raise ValueError(
             f"could not fetch model {model!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
