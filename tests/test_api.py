@@ -238,8 +238,9 @@ def test_skip_reading_prefix_cache(qwen3_dir):
         SamplingParams(prompt_logprobs=0, skip_reading_prefix_cache=False)
 
 
-def test_output_kind_is_accepted_and_generate_returns_finished_outputs(llm):
-    """As vLLM's LLM, generate() returns each request once, finished, whatever output_kind says."""
+def test_output_kind_and_logits_processors_as_in_vllm(llm):
+    """As vLLM's LLM, generate() returns each request once, finished, whatever output_kind says;
+    per-request logits processors are refused unless None (as vLLM V1 does)."""
     for kind in RequestOutputKind:
         sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, output_kind=kind)
         out = llm.generate([[1, 2, 3]], sp, use_tqdm=False)[0]
