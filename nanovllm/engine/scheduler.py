@@ -100,7 +100,8 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            # A request for prompt logprobs computes its whole prompt (as vLLM: no prefix-cache hits).
+            # skip_reading_prefix_cache (vLLM's; on by default for prompt logprobs): the whole prompt
+            # is computed, no prefix-cache hits.
             computed_blocks = ([] if seq.sampling_params.skip_reading_prefix_cache
                                else self.block_manager.get_computed_blocks(seq))
             num_cached = len(computed_blocks) * self.block_manager.block_size
