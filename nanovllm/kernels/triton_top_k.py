@@ -250,7 +250,7 @@ def top_k_top_p_cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     else:
         num_candidates.fill_(cap + 1)
     k_cap = triton.next_power_of_2(max_top_k)
-    best = torch.empty(batch, k_cap, dtype=torch.float32, device=device)
+    best = torch.empty(batch, k_cap, dtype=torch.float32, device=device) if has_top_p else cut   # read with top_p
     for p in range(num_passes):
         _histogram_kernel[grid](logits, stride, top_k, num_candidates, counts, vocab_size, chunk_size, PASS=p,
                                 CAP=cap, BLOCK=BLOCK, num_warps=4)
