@@ -1,4 +1,8 @@
-"""The host-side step: flattened rows, slots from block tables, logits rows and pending tokens."""
+"""The host-side step: flattened rows, slots from block tables, logits rows and pending tokens,
+and how its arrays travel to the device in one copy."""
+import numpy as np
+import torch
+
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 from nanovllm.engine.step_inputs import build_step, prompt_spans
@@ -44,3 +48,31 @@ def test_prompt_spans_score_each_prompt_token_once():
     out = SchedulerOutput([a, b], [4, 6])
     batch = build_step(out, [b], None, block_size=4).batch
     assert prompt_spans(out, batch) == [(a, 1, [0, 1, 2, 3]), (b, 5, [8])]
+
+
+def test_packed_arrays_read_back_through_their_views():
+    """One copy carries arrays of every dtype the engine uploads; each view gives its array back."""
+    from nanovllm.engine.upload import ALIGN, packed, packed_offsets, views
+    arrays = [np.arange(3, dtype=np.int64), np.array([[1, 2, 3], [4, 5, 6]], np.int32), np.zeros(0, np.int64),
+              np.array([True, False, True]), np.array([0.5, -1.25], np.float32), np.array([-1], np.int64)]
+    offsets, size = packed_offsets(arrays)
+    assert offsets == [0, 32, 64, 64, 80, 96] and size == 112 and all(o % ALIGN == 0 for o in offsets)
+    for array, view in zip(arrays, views(packed(arrays, pin_memory=False), arrays)):
+        assert view.dtype == torch.from_numpy(array).dtype and view.shape == array.shape
+        assert np.array_equal(view.numpy(), array)
+
+
+def test_a_decode_graph_bucket_reads_the_same_bytes_whatever_the_pending_tokens():
+    """The decode graphs capture views of one staged buffer: a step's upload, with any number of
+    pending tokens, puts each input at the bytes its bucket's graph reads, fits the buffer sized
+    for the largest bucket, and starts with the padding rows' values (slot -1, seq_len 0)."""
+    from nanovllm.engine.cuda_graph import step_arrays
+    from nanovllm.engine.upload import packed_offsets
+    for bucket in (1, 16, 48):
+        captured = packed_offsets(step_arrays(bucket))[0][:4]
+        for num_pending in (1, bucket):
+            offsets, size = packed_offsets(step_arrays(bucket, num_pending))
+            assert offsets[:4] == captured and size <= packed_offsets(step_arrays(48, 48))[1]
+    ids, positions, slots, seq_lens, rows, sources = step_arrays(4, num_pending=2)
+    assert ids.tolist() == positions.tolist() == seq_lens.tolist() == [0] * 4 and slots.tolist() == [-1] * 4
+    assert seq_lens.dtype == np.int32 and rows.shape == sources.shape == (2,)

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from nanovllm.engine.upload import packed_offsets, upload
 from nanovllm.layers.attention import AttentionMetadata
 
 
@@ -26,27 +27,32 @@ class DecodeGraphs:
         """decode_split_for(batch_size) -> the decode kernel's split configuration for that bucket."""
         from nanovllm.kernels import pdl
         self.buckets = graph_buckets(max_batch_size)
+        self.device = device
         n = max_batch_size
         with torch.device(device):
-            self.input_ids = torch.zeros(n, dtype=torch.int64)
-            self.positions = torch.zeros(n, dtype=torch.int64)
-            self.slot_mapping = torch.full((n,), -1, dtype=torch.int64)
-            self.seq_lens = torch.zeros(n, dtype=torch.int32)
+            # Every bucket's per-row inputs are views of one buffer, so that a step uploads them in
+            # one copy (engine/upload.py), the rows of its pending tokens included.
+            self.staged = torch.zeros(packed_offsets(step_arrays(n, n))[1], dtype=torch.uint8)
             self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32)
             self.query_start_loc = torch.arange(n + 1, dtype=torch.int32)
             self.hidden = torch.zeros(n, hidden_size, dtype=dtype)
+        self.uploaded_tables: np.ndarray | None = None   # what block_tables holds (rows, width)
+        self.inputs: dict[int, list[torch.Tensor]] = {}   # bucket -> its views of staged
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None
         for bs in reversed(self.buckets):
+            # the padding rows' values (step_arrays) in every row
+            input_ids, positions, slot_mapping, seq_lens, _, _ = upload(step_arrays(bs), device, out=self.staged)
+            self.inputs[bs] = [input_ids, positions, slot_mapping, seq_lens]
             meta = AttentionMetadata(
-                slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
-                query_start_loc=self.query_start_loc[:bs + 1], seq_lens=self.seq_lens[:bs],
+                slot_mapping=slot_mapping, block_tables=self.block_tables[:bs],
+                query_start_loc=self.query_start_loc[:bs + 1], seq_lens=seq_lens,
                 query_start_loc_cpu=[], seq_lens_cpu=[], max_query_len=1, max_seq_len=0,
                 decode_split=decode_split_for(bs))
-            self.hidden[:bs] = model(self.input_ids[:bs], self.positions[:bs], meta)   # warm-up
+            self.hidden[:bs] = model(input_ids, positions, meta)   # warm-up
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool), pdl.decode_graph(bs):
-                self.hidden[:bs] = model(self.input_ids[:bs], self.positions[:bs], meta)
+                self.hidden[:bs] = model(input_ids, positions, meta)
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
@@ -62,25 +68,37 @@ class DecodeGraphs:
         return self.buckets[-1]
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
-            seq_lens: np.ndarray, block_tables: np.ndarray,
-            patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            seq_lens: np.ndarray, block_tables: np.ndarray, pending: tuple[list[int], list[int]] | None = None,
+            sampled: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step for len(input_ids) sequences -> hidden states [batch_size, hidden_size].
-        patch: (rows, token ids on the device) overriding input_ids (tokens the host has not read)."""
+        pending: (rows, sources): input row rows[i] takes token sampled[sources[i]] (a token the
+        host has not read yet) in place of its input id."""
         bs = len(input_ids)
         bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
-        width = block_tables.shape[1]
-        self.input_ids[:bs].copy_(pinned(input_ids), non_blocking=True)
-        self.positions[:bs].copy_(pinned(positions), non_blocking=True)
-        self.slot_mapping[:bs].copy_(pinned(slot_mapping), non_blocking=True)
-        self.seq_lens[:bs].copy_(pinned(seq_lens), non_blocking=True)
-        self.block_tables[:bs, :width].copy_(pinned(block_tables), non_blocking=True)
-        if patch is not None:
-            self.input_ids[patch[0]] = patch[1]
-        self.slot_mapping[bs:bucket].fill_(-1)
-        self.seq_lens[bs:bucket].fill_(0)
+        rows, sources = pending or ([], [])
+        arrays = step_arrays(bucket, len(rows))
+        for array, values in zip(arrays, (input_ids, positions, slot_mapping, seq_lens, rows, sources)):
+            array[:len(values)] = values
+        *_, rows, sources = upload(arrays, self.device, out=self.staged)
+        if pending:
+            self.inputs[bucket][0].index_put_((rows,), sampled[sources])
+        self._upload_tables(block_tables)
         self.graphs[bucket].replay()
         return self.hidden[:bs]
 
+    def _upload_tables(self, block_tables: np.ndarray):
+        """Copy the rows' block tables unless block_tables already holds them (at small batches
+        they change once in block_size steps)."""
+        if self.uploaded_tables is not None and np.array_equal(block_tables, self.uploaded_tables):
+            return
+        rows, width = block_tables.shape
+        self.block_tables[:rows, :width].copy_(torch.from_numpy(block_tables).pin_memory(), non_blocking=True)
+        self.uploaded_tables = block_tables.copy()
 
-def pinned(array: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(array).pin_memory()
+
+def step_arrays(bucket: int, num_pending: int = 0) -> list[np.ndarray]:
+    """A decode step's host arrays for a bucket, set to its padding rows' values (slot -1, which
+    the KV-store kernel skips; seq_len 0, which attention reads nothing for): input_ids, positions,
+    slot_mapping, seq_lens, then the rows and sources of num_pending pending tokens."""
+    return [np.zeros(bucket, np.int64), np.zeros(bucket, np.int64), np.full(bucket, -1, np.int64),
+            np.zeros(bucket, np.int32), np.zeros(num_pending, np.int64), np.zeros(num_pending, np.int64)]

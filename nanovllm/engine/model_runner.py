@@ -14,6 +14,7 @@ from nanovllm.engine.sampling_inputs import build_sampling_metadata
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import HostBatch, StepInputs, build_step, prompt_spans
+from nanovllm.engine.upload import upload
 from nanovllm.layers.attention import Attention, AttentionMetadata, select_backend
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, token_logprobs
 from nanovllm.logger import init_logger
@@ -96,6 +97,10 @@ class ModelRunner:
                 hf.hidden_size, config.torch_dtype, self.device,
                 self.decode_split)
             self.timings["cuda_graphs_s"] = time.perf_counter() - start
+        if self.sampler is not None and self.device.type == "cuda":
+            start = time.perf_counter()
+            self.sampler.warm_up(self.vocab_size, config.torch_dtype, config.max_num_seqs)
+            self.timings["sampler_warm_up_s"] = time.perf_counter() - start
         if tp.rank == 0:
             self._log_startup()
 
@@ -108,6 +113,8 @@ class ModelRunner:
         if self.graphs is not None:
             message += (f"; CUDA graphs for {len(self.graphs.buckets)} batch sizes captured in "
                         f"{t['cuda_graphs_s']:.1f}s")
+        if "sampler_warm_up_s" in t:
+            message += f"; sampler kernels warmed up in {t['sampler_warm_up_s']:.1f}s"
         logger.info(message)
 
     @property
@@ -170,11 +177,10 @@ class ModelRunner:
                           query_start_loc=np.concatenate([[0], np.cumsum(lens)]).tolist(), seq_lens=lens)
         hidden = self.model(*self._device_inputs(batch))
         logits = self.model.compute_logits(hidden[torch.tensor(batch.query_start_loc[1:]) - 1])
-        md = SamplingMetadata(
+        md = SamplingMetadata(   # top-p without top-k sorts every row: the sampler's largest path
             temperatures=torch.ones(num_seqs, device=self.device),
             is_greedy=torch.zeros(num_seqs, dtype=torch.bool, device=self.device), all_greedy=False,
-            any_greedy=False,
-            top_k=torch.full((num_seqs,), 5, device=self.device),
+            any_greedy=False, top_k=None,
             top_p=torch.full((num_seqs,), 0.9, device=self.device),
             min_p=torch.full((num_seqs,), 0.1, device=self.device),
             row_seeds=[], banned_rows=None, banned_tokens=None, max_num_logprobs=cfg.logprobs_cap)
@@ -196,30 +202,31 @@ class ModelRunner:
         return decode_split_config(num_seqs, self.attention_layers[0].num_kv_heads, self.num_sms,
                                    self.config.max_model_len)
 
-    def _to_device(self, data, dtype=None) -> torch.Tensor:
-        tensor = torch.from_numpy(data) if isinstance(data, np.ndarray) else torch.tensor(data, dtype=dtype)
-        if self.device.type == "cpu":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
-
-    def _device_inputs(self, batch: HostBatch):
+    def _device_inputs(self, batch: HostBatch, pending: tuple[list[int], list[int]] | None = None):
+        """-> input_ids, positions, AttentionMetadata on the device, uploaded in one copy.
+        pending: (rows, sources), as DecodeGraphs.run takes them."""
         max_query_len = max(b - a for a, b in zip(batch.query_start_loc, batch.query_start_loc[1:]))
-        max_seq_len = max(batch.seq_lens)
+        rows, sources = pending or ([], [])
+        arrays = [batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
+                  np.asarray(batch.query_start_loc, np.int32), np.asarray(batch.seq_lens, np.int32),
+                  np.asarray(rows, np.int64), np.asarray(sources, np.int64)]
+        if self.backend.needs_cu_seqlens_k:
+            arrays.append(np.concatenate([[0], np.cumsum(batch.seq_lens)]).astype(np.int32))
+        input_ids, positions, slot_mapping, block_tables, query_start_loc, seq_lens, rows, sources, *cu_seqlens_k = (
+            upload(arrays, self.device))
+        if pending:
+            input_ids[rows] = self.last_sampled[sources]
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(batch.slot_mapping),
-            block_tables=self._to_device(batch.block_tables),
-            query_start_loc=self._to_device(batch.query_start_loc, torch.int32),
-            seq_lens=self._to_device(batch.seq_lens, torch.int32),
-            query_start_loc_cpu=batch.query_start_loc, seq_lens_cpu=batch.seq_lens,
-            max_query_len=max_query_len, max_seq_len=max_seq_len)
+            slot_mapping=slot_mapping, block_tables=block_tables, query_start_loc=query_start_loc,
+            seq_lens=seq_lens, query_start_loc_cpu=batch.query_start_loc, seq_lens_cpu=batch.seq_lens,
+            max_query_len=max_query_len, max_seq_len=max(batch.seq_lens),
+            cu_seqlens_k=cu_seqlens_k[0] if cu_seqlens_k else None)
         if max_query_len == 1 and self.device.type == "cuda":
             meta.decode_split = self.decode_split(len(batch.seq_lens))
-        if self.backend.needs_cu_seqlens_k:
-            meta.cu_seqlens_k = self._to_device([0] + np.cumsum(batch.seq_lens).tolist(), torch.int32)
-        return self._to_device(batch.input_ids), self._to_device(batch.positions), meta
+        return input_ids, positions, meta
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
-        return build_sampling_metadata(seqs, self.vocab_size, self.eos_token_ids, self._to_device)
+        return build_sampling_metadata(seqs, self.vocab_size, self.eos_token_ids, self.device)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, sampling_seqs: list[Sequence], pending: dict[int, int] | None = None
@@ -286,22 +293,16 @@ class ModelRunner:
         if no row samples, and those of the prompt rows, PROMPT_LOGITS_ROWS rows at a time."""
         batch = step.batch
         num_seqs = len(batch.seq_lens)
-        patch = None
-        if step.pending_rows:
-            patch = (self._to_device(step.pending_rows, torch.int64),
-                     self.last_sampled[self._to_device(step.pending_sources, torch.int64)])
+        pending = (step.pending_rows, step.pending_sources) if step.pending_rows else None
         if (self.graphs is not None and len(batch.input_ids) == num_seqs
                 and num_seqs <= self.graphs.max_batch_size):
-            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping,
-                                     np.asarray(batch.seq_lens, np.int32), batch.block_tables, patch)
+            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
+                                     batch.block_tables, pending, self.last_sampled)
         else:
-            input_ids, positions, meta = self._device_inputs(batch)
-            if patch is not None:
-                input_ids[patch[0]] = patch[1]
-            hidden = self.model(input_ids, positions, meta)
+            hidden = self.model(*self._device_inputs(batch, pending))
 
         def logits_of(rows: list[int] | None) -> torch.Tensor | None:
-            return self.model.compute_logits(hidden if rows is None else hidden[self._to_device(rows, torch.int64)])
+            return self.model.compute_logits(hidden if rows is None else hidden[upload([np.asarray(rows, np.int64)], self.device)[0]])
 
         logits = logits_of(step.logits_rows) if step.num_sampling else None
         prompt_rows = step.prompt_rows

@@ -1,42 +1,54 @@
 """Per-step sampling inputs: the batch's SamplingParams turned into the sampler's tensors."""
-from collections.abc import Callable
+from dataclasses import fields
 
 import numpy as np
 import torch
 
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.upload import upload
 from nanovllm.layers.sampler import SamplingMetadata
 from nanovllm.utils.arrays import padded
 
 
 def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int],
-                            to_device: Callable) -> SamplingMetadata:
-    """One row per sequence. Optional parts stay None when no row uses them; to_device(data,
-    dtype) moves host data to the sampler's device without a sync."""
+                            device: torch.device) -> SamplingMetadata:
+    """One row per sequence. Optional parts stay None when no row uses them. The parts are built
+    as host arrays and moved to the sampler's device in one copy, without a sync."""
+    md = host_sampling_metadata(seqs, vocab_size, eos_token_ids)
+    names = [f.name for f in fields(md) if isinstance(getattr(md, f.name), np.ndarray)]
+    for name, tensor in zip(names, upload([getattr(md, name) for name in names], device)):
+        setattr(md, name, tensor)
+    return md
+
+
+def host_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int]) -> SamplingMetadata:
+    """SamplingMetadata with numpy arrays where the sampler takes tensors."""
     params = [seq.sampling_params for seq in seqs]
     vocab = vocab_size
-    md = SamplingMetadata(
-        temperatures=to_device([1.0 if p.is_greedy else p.temperature for p in params], torch.float32),
-        is_greedy=to_device([p.is_greedy for p in params], torch.bool),
-        all_greedy=all(p.is_greedy for p in params),
+    all_greedy = all(p.is_greedy for p in params)
+    md = SamplingMetadata(   # an all-greedy batch takes the argmax: no temperatures
+        temperatures=None if all_greedy else np.asarray([1.0 if p.is_greedy else p.temperature for p in params],
+                                                        np.float32),
+        is_greedy=None if all_greedy else np.asarray([p.is_greedy for p in params], np.bool_),
+        all_greedy=all_greedy,
         any_greedy=any(p.is_greedy for p in params),
         top_k=None, max_top_k=None, top_p=None, min_p=None, row_seeds=[], banned_rows=None, banned_tokens=None,
     )
     if any(p.top_k > 0 for p in params):
         top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
-        md.top_k = to_device(top_k, torch.int64)
+        md.top_k = np.asarray(top_k, np.int64)
         if all(p.top_k > 0 for p in params):
             md.max_top_k = max(top_k)
     if any(p.top_p < 1.0 for p in params):
-        md.top_p = to_device([p.top_p for p in params], torch.float32)
+        md.top_p = np.asarray([p.top_p for p in params], np.float32)
     if any(p.min_p > 0.0 for p in params):
-        md.min_p = to_device([p.min_p for p in params], torch.float32)
+        md.min_p = np.asarray([p.min_p for p in params], np.float32)
     # Seeded rows: the noise of output token t depends only on (seed, t).
     md.row_seeds = [(i, (p.seed * 1_000_003 + seq.num_output_tokens) % (1 << 63))
                     for i, (seq, p) in enumerate(zip(seqs, params)) if p.seed is not None]
     if md.row_seeds:
         rows, seeds = zip(*md.row_seeds)
-        md.seeded_rows, md.seed_values = to_device(rows, torch.int64), to_device(seeds, torch.int64)
+        md.seeded_rows, md.seed_values = np.asarray(rows, np.int64), np.asarray(seeds, np.int64)
     banned = [(i, t) for i, (seq, p) in enumerate(zip(seqs, params))
               if seq.num_output_tokens < p.min_tokens
               for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))]
@@ -46,26 +58,26 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids
     banned += [(i, t) for i in edited for t in bad_word_endings(seqs[i])]
     if banned:
         rows, tokens = zip(*banned)
-        md.banned_rows = to_device(rows, torch.int64)
-        md.banned_tokens = to_device(tokens, torch.int64)
+        md.banned_rows = np.asarray(rows, np.int64)
+        md.banned_tokens = np.asarray(tokens, np.int64)
     allowed = [(i, params[i].allowed_token_ids) for i in edited if params[i].allowed_token_ids is not None]
     if allowed:
         rows, lists = zip(*allowed)
-        md.allowed_rows = to_device(rows, torch.int64)
-        md.allowed_token_ids = to_device(padded_ids(list(lists), vocab))
+        md.allowed_rows = np.asarray(rows, np.int64)
+        md.allowed_token_ids = padded_ids(list(lists), vocab)
     bias = [(i, t, b) for i in edited for t, b in (params[i].logit_bias or {}).items()]
     if bias:
         rows, tokens, values = zip(*bias)
-        md.bias_rows, md.bias_tokens = to_device(rows, torch.int64), to_device(tokens, torch.int64)
-        md.bias_values = to_device(values, torch.float32)
+        md.bias_rows, md.bias_tokens = np.asarray(rows, np.int64), np.asarray(tokens, np.int64)
+        md.bias_values = np.asarray(values, np.float32)
     if any(p.has_penalties for p in params):
         # Token ids, not [B, V] counts: the sampler counts them on the device. Pad: vocab (one past
         # the last id); a row's pending tokens (not read yet: never a row with penalties) count as pad.
-        md.output_token_ids = to_device(padded_ids([seq.output_token_ids for seq in seqs], vocab))
-        md.prompt_token_ids = to_device(padded_ids([seq.token_ids[:seq.num_prompt_tokens] for seq in seqs], vocab))
-        md.presence_penalties = to_device([p.presence_penalty for p in params], torch.float32)
-        md.frequency_penalties = to_device([p.frequency_penalty for p in params], torch.float32)
-        md.repetition_penalties = to_device([p.repetition_penalty for p in params], torch.float32)
+        md.output_token_ids = padded_ids([seq.output_token_ids for seq in seqs], vocab)
+        md.prompt_token_ids = padded_ids([seq.token_ids[:seq.num_prompt_tokens] for seq in seqs], vocab)
+        md.presence_penalties = np.asarray([p.presence_penalty for p in params], np.float32)
+        md.frequency_penalties = np.asarray([p.frequency_penalty for p in params], np.float32)
+        md.repetition_penalties = np.asarray([p.repetition_penalty for p in params], np.float32)
     num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
     md.max_num_logprobs = max(num_logprobs) if num_logprobs else None
     return md

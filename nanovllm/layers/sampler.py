@@ -18,8 +18,8 @@ import torch
 class SamplingMetadata:
     """Per-row sampling settings as tensors on the logits' device; optional parts are None
     when no row of the batch uses them, so the common case does no work for them."""
-    temperatures: torch.Tensor            # [B] float32; 1.0 for greedy rows
-    is_greedy: torch.Tensor               # [B] bool
+    temperatures: torch.Tensor | None     # [B] float32; 1.0 for greedy rows; None if all_greedy
+    is_greedy: torch.Tensor | None        # [B] bool; None if all_greedy
     all_greedy: bool
     any_greedy: bool
     top_k: torch.Tensor | None            # [B] int64; vocab_size where disabled
@@ -161,6 +161,22 @@ class Sampler:
         # On CUDA every batch samples through the fused Triton kernel, so a seeded request draws
         # the same noise whatever else is in its batch; the torch race is the CPU path.
         self.fused = generator.device.type == "cuda"
+
+    def warm_up(self, vocab_size: int, dtype: torch.dtype, max_rows: int):
+        """Sample random logits with Qwen3's own defaults (top_k=20, top_p=0.95) at 1 and max_rows
+        rows (radix select alone, then the candidate path), so that their kernels are compiled at
+        start-up, not inside the first request that uses them. The noise generator is left as it was."""
+        if not self.fused:
+            return
+        device, state = self.generator.device, self.generator.get_state()
+        values = torch.Generator(device=device).manual_seed(0)
+        for rows in sorted({1, max_rows}):
+            full = lambda value, dtype=None: torch.full((rows,), value, dtype=dtype, device=device)
+            md = SamplingMetadata(temperatures=full(0.6), is_greedy=full(False), all_greedy=False, any_greedy=False,
+                                  top_k=full(20, torch.int64), max_top_k=20, top_p=full(0.95), min_p=None,
+                                  row_seeds=[], banned_rows=None, banned_tokens=None)
+            self(torch.randn(rows, vocab_size, generator=values, device=device).to(dtype), md)
+        self.generator.set_state(state)
 
     def _exponential_noise(self, probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         q = torch.empty_like(probs).exponential_(generator=self.generator)
