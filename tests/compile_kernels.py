@@ -139,6 +139,15 @@ def main():
         warps = 8 if kernel is tk._cut_from_candidates_kernel else 4     # as top_k_top_p_cut launches them
         print(report(label, compile_kernel(kernel, types, constants, warps, 3, None), warps))
 
+    print("sampler: Gumbel argmax over bf16 logits, without and with a top-k/top-p cut:")
+    from nanovllm.kernels import triton_sampler as tsm
+    types = {"logits_ptr": "*bf16", "temps_ptr": "*fp32", "greedy_ptr": "*i1", "seeds_ptr": "*i64", "cut_ptr": "*fp32",
+             "best_val_ptr": "*fp32", "best_idx_ptr": "*i32", "stride": "i32", "vocab_size": "i32", "num_chunks": "i32"}
+    for has_cut in (False, True):
+        constants = dict(HAS_CUT=has_cut, CHUNK=tsm.CHUNK, QUARTER=256)
+        compiled = compile_kernel(tsm._gumbel_argmax_kernel, types, constants, 4, 3, None)
+        print(report(f"cut {has_cut}", compiled, 4))
+
 
 if __name__ == "__main__":
     main()

@@ -7,6 +7,7 @@
 3. With --tp > 1: the spread of rank 0's all-reduce times.
 
     PYTHONPATH=. python3 tests/profile_run.py [--model qwen3-0.6b] [--workload default] [--tp 2] [--profile-steps 200]
+        [--top-k 20 --top-p 0.95]
 """
 import argparse
 import collections
@@ -24,11 +25,13 @@ from nanovllm import LLM, SamplingParams
 DECODE_BUCKETS = (1, 8, 32, 64, 128, 192, 256, 512)
 
 
-def run_steps(llm, prompts, settings, on_step=None) -> list[tuple[str, float]]:
-    """Run the workload step by step -> (kind, seconds) per step; on_step() after each."""
+def run_steps(llm, prompts, settings, on_step=None, **params) -> list[tuple[str, float]]:
+    """Run the workload step by step -> (kind, seconds) per step; on_step() after each. params:
+    more SamplingParams fields of every request (top_k, top_p)."""
     engine = llm.llm_engine
     for ids, (max_tokens, temperature) in zip(prompts, settings):
-        engine.add_request(None, ids, SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True))
+        engine.add_request(None, ids, SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
+                                                     **params))
     steps = []
     while engine.has_unfinished_requests():
         start = time.perf_counter()
@@ -54,7 +57,10 @@ def main():
     p.add_argument("--profile-steps", type=int, default=0,
                    help="profile only this many engine steps, from the 10th on (0: the whole run). Gathering "
                         "the events of a whole Qwen3-8B TP=2 run took longer than 4 minutes")
+    p.add_argument("--top-k", type=int, default=0, help="as bench.py's")
+    p.add_argument("--top-p", type=float, default=1.0, help="as bench.py's")
     args = p.parse_args()
+    params = dict(top_k=args.top_k, top_p=args.top_p)
     args.seed, args.num_seqs = 0, 256
     args.min_input_len, args.max_input_len, args.min_output_len, args.max_output_len = 100, 1024, 100, 1024
     llm = LLM(preset_dir(args.model), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
@@ -63,7 +69,7 @@ def main():
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)
 
     start = time.perf_counter()
-    steps = run_steps(llm, prompts, settings)
+    steps = run_steps(llm, prompts, settings, **params)
     wall = time.perf_counter() - start
     by_kind = collections.defaultdict(lambda: [0, 0.0])
     for kind, seconds in steps:
@@ -78,7 +84,7 @@ def main():
               if args.profile_steps else None)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], schedule=window) as prof:
         start = time.perf_counter()
-        steps = run_steps(llm, prompts, settings, prof.step if window else None)
+        steps = run_steps(llm, prompts, settings, prof.step if window else None, **params)
         wall = time.perf_counter() - start
     if window:   # wall time of the profiled steps only
         wall = sum(seconds for _, seconds in steps[10:10 + args.profile_steps])

@@ -17,11 +17,23 @@ CHUNK = 8192    # vocab entries per program: ~19 programs per row for a 152k voc
 
 
 @triton.jit
-def _noisy(logits_ptr, offs, vocab_size, inv_temp, u, cut, SAMPLE: tl.constexpr):
-    x = tl.load(logits_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
-    if SAMPLE:
-        x = tl.where(x >= cut, x * inv_temp - tl.log(-tl.log(tl.maximum(u, 1e-20))), float("-inf"))
-    return x
+def _load(logits_ptr, offs, vocab_size):
+    return tl.load(logits_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
+
+
+@triton.jit
+def _group_reaches(logits_ptr, offs, vocab_size, cut, QUARTER: tl.constexpr):
+    """Whether any of the 4 * QUARTER logits from offs[0] on reaches the cut."""
+    x = tl.maximum(tl.maximum(_load(logits_ptr, offs, vocab_size), _load(logits_ptr, offs + QUARTER, vocab_size)),
+                   tl.maximum(_load(logits_ptr, offs + 2 * QUARTER, vocab_size),
+                              _load(logits_ptr, offs + 3 * QUARTER, vocab_size)))
+    return tl.max(x, 0) >= cut
+
+
+@triton.jit
+def _noisy(x, inv_temp, u, cut):
+    """x / T plus Gumbel noise where x reaches the cut, else -inf (never drawn)."""
+    return tl.where(x >= cut, x * inv_temp - tl.log(-tl.log(tl.maximum(u, 1e-20))), float("-inf"))
 
 
 @triton.jit
@@ -44,21 +56,24 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temps_ptr, greedy_ptr, seeds_ptr, 
     if tl.load(greedy_ptr + row) != 0:
         for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, QUARTER):
             offs = start + tl.arange(0, QUARTER)
-            x = _noisy(row_ptr, offs, vocab_size, inv_temp, 0.0, cut, SAMPLE=False)
-            best_val, best_idx = _keep_best(best_val, best_idx, x, offs)
+            best_val, best_idx = _keep_best(best_val, best_idx, _load(row_ptr, offs, vocab_size), offs)
     else:
         # One philox call gives four uniforms: tokens start + i + {0, 1, 2, 3} * QUARTER.
         for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, 4 * QUARTER):
             offs = start + tl.arange(0, QUARTER)
-            u0, u1, u2, u3 = tl.rand4x(seed, offs)
-            best_val, best_idx = _keep_best(best_val, best_idx,
-                                            _noisy(row_ptr, offs, vocab_size, inv_temp, u0, cut, SAMPLE=True), offs)
-            best_val, best_idx = _keep_best(best_val, best_idx, _noisy(
-                row_ptr, offs + QUARTER, vocab_size, inv_temp, u1, cut, SAMPLE=True), offs + QUARTER)
-            best_val, best_idx = _keep_best(best_val, best_idx, _noisy(
-                row_ptr, offs + 2 * QUARTER, vocab_size, inv_temp, u2, cut, SAMPLE=True), offs + 2 * QUARTER)
-            best_val, best_idx = _keep_best(best_val, best_idx, _noisy(
-                row_ptr, offs + 3 * QUARTER, vocab_size, inv_temp, u3, cut, SAMPLE=True), offs + 3 * QUARTER)
+            # With a cut (top-k/top-p) nearly every group of 4 * QUARTER logits lies below it and has
+            # no token to draw: no noise for those. Noise depends on (seed, token id) alone, so the
+            # groups left out change no draw.
+            if not HAS_CUT or _group_reaches(row_ptr, offs, vocab_size, cut, QUARTER):
+                u0, u1, u2, u3 = tl.rand4x(seed, offs)
+                best_val, best_idx = _keep_best(best_val, best_idx, _noisy(
+                    _load(row_ptr, offs, vocab_size), inv_temp, u0, cut), offs)
+                best_val, best_idx = _keep_best(best_val, best_idx, _noisy(
+                    _load(row_ptr, offs + QUARTER, vocab_size), inv_temp, u1, cut), offs + QUARTER)
+                best_val, best_idx = _keep_best(best_val, best_idx, _noisy(
+                    _load(row_ptr, offs + 2 * QUARTER, vocab_size), inv_temp, u2, cut), offs + 2 * QUARTER)
+                best_val, best_idx = _keep_best(best_val, best_idx, _noisy(
+                    _load(row_ptr, offs + 3 * QUARTER, vocab_size), inv_temp, u3, cut), offs + 3 * QUARTER)
     top = tl.max(best_val, 0)
     top_idx = tl.min(tl.where(best_val == top, best_idx, vocab_size), 0)
     tl.store(best_val_ptr + row * num_chunks + chunk, top)
