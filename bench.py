@@ -109,18 +109,26 @@ def main():
     start = time.perf_counter()
     llm = LLM(model, **kwargs)
     startup = time.perf_counter() - start
-    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    # Untimed warm-up, sampling as the workloads do, at one sequence and at a batch (the top-k/top-p
+    # kernels differ by batch size), so that no kernel compiles inside a timed run.
+    warm_up = SamplingParams(max_tokens=4, **sampling_filters(args))
+    for num_prompts in (1, 32):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}] * num_prompts, warm_up, use_tqdm=False)
     for name in workloads:
         args.workload = name
         llm.reset_prefix_cache()   # (each workload's prompts start with the same seeded random ids)
         run_workload(llm, SamplingParams, args, on_cpu, startup)
 
 
+def sampling_filters(args) -> dict:
+    """The top-k/top-p fields of the sampled requests' SamplingParams (none when both are off)."""
+    return dict(top_k=args.top_k, top_p=args.top_p) if args.top_k or args.top_p < 1 else {}
+
+
 def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float):
     import torch
     prompts, settings = make_workload(args, on_cpu)
-    sampled = any(t > 0 for _, t in settings)
-    filters = dict(top_k=args.top_k, top_p=args.top_p) if sampled and (args.top_k or args.top_p < 1) else {}
+    filters = sampling_filters(args) if any(t > 0 for _, t in settings) else {}
     params = [SamplingParams(temperature=t, ignore_eos=True, max_tokens=m, **(filters if t > 0 else {}))
               for m, t in settings]
     inputs = [{"prompt_token_ids": ids} for ids in prompts]

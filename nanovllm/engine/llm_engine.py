@@ -63,7 +63,7 @@ class LLMEngine:
         try:
             self.model_runner = ModelRunner(config, self.eos_token_ids,
                                             tp=self.workers.group if self.workers else SINGLE,
-                                            workers=self.workers)
+                                            workers=self.workers, sampling_defaults=self.default_sampling_params())
         except BaseException:
             if self.workers is not None:
                 try:

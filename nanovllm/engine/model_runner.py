@@ -20,6 +20,7 @@ from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, to
 from nanovllm.logger import init_logger
 from nanovllm.model.loader import init_dummy_weights, load_model
 from nanovllm.model.qwen3 import QwenForCausalLM
+from nanovllm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
 
@@ -46,9 +47,12 @@ def runner_device(config: Config, rank: int) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, config: Config, eos_token_ids: set[int], tp: TPGroup = SINGLE, workers=None):
+    def __init__(self, config: Config, eos_token_ids: set[int], tp: TPGroup = SINGLE, workers=None,
+                 sampling_defaults: SamplingParams | None = None):
         """tp: this rank's tensor-parallel group. workers: on rank 0 with tensor parallelism,
-        the TPWorkers that mirror every step."""
+        the TPWorkers that mirror every step. sampling_defaults: the requests' default
+        SamplingParams (the model's generation config); with a top_k, the sampler's top-k
+        kernels are compiled at start-up (Qwen3's own defaults are top_k 20, top_p 0.95)."""
         self.config = config
         self.tp, self.workers = tp, workers
         self.table_sender = BlockTableSender() if workers is not None else None
@@ -97,10 +101,11 @@ class ModelRunner:
                 hf.hidden_size, config.torch_dtype, self.device,
                 self.decode_split)
             self.timings["cuda_graphs_s"] = time.perf_counter() - start
-        if self.sampler is not None and self.device.type == "cuda":
+        if self.sampler is not None and sampling_defaults is not None and sampling_defaults.top_k > 0:
             start = time.perf_counter()
-            self.sampler.warm_up(self.vocab_size, config.torch_dtype, config.max_num_seqs)
-            self.timings["sampler_warm_up_s"] = time.perf_counter() - start
+            if self.sampler.warm_up(self.vocab_size, config.torch_dtype, config.max_num_seqs,
+                                    sampling_defaults.top_k, sampling_defaults.top_p):
+                self.timings["sampler_warm_up_s"] = time.perf_counter() - start
         if tp.rank == 0:
             self._log_startup()
 

@@ -162,21 +162,25 @@ class Sampler:
         # the same noise whatever else is in its batch; the torch race is the CPU path.
         self.fused = generator.device.type == "cuda"
 
-    def warm_up(self, vocab_size: int, dtype: torch.dtype, max_rows: int):
-        """Sample random logits with Qwen3's own defaults (top_k=20, top_p=0.95) at 1 and max_rows
-        rows (radix select alone, then the candidate path), so that their kernels are compiled at
-        start-up, not inside the first request that uses them. The noise generator is left as it was."""
+    def warm_up(self, vocab_size: int, dtype: torch.dtype, max_rows: int, top_k: int, top_p: float) -> bool:
+        """Sample random logits with these top_k and top_p at 1 and max_rows rows (radix select
+        alone, then the candidate path), so that their kernels are compiled now, not inside the
+        first request that uses them (~12 s on a fresh H200 machine, ~0.05 s once Triton's cache
+        holds them). The noise generator is left as it was. -> False if there is nothing to compile
+        (the CPU path)."""
         if not self.fused:
-            return
+            return False
         device, state = self.generator.device, self.generator.get_state()
         values = torch.Generator(device=device).manual_seed(0)
         for rows in sorted({1, max_rows}):
             full = lambda value, dtype=None: torch.full((rows,), value, dtype=dtype, device=device)
             md = SamplingMetadata(temperatures=full(0.6), is_greedy=full(False), all_greedy=False, any_greedy=False,
-                                  top_k=full(20, torch.int64), max_top_k=20, top_p=full(0.95), min_p=None,
+                                  top_k=full(top_k, torch.int64), max_top_k=top_k,
+                                  top_p=full(top_p) if top_p < 1.0 else None, min_p=None,
                                   row_seeds=[], banned_rows=None, banned_tokens=None)
             self(torch.randn(rows, vocab_size, generator=values, device=device).to(dtype), md)
         self.generator.set_state(state)
+        return True
 
     def _exponential_noise(self, probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         q = torch.empty_like(probs).exponential_(generator=self.generator)
