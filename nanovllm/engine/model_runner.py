@@ -307,7 +307,9 @@ class ModelRunner:
             hidden = self.model(*self._device_inputs(batch, pending))
 
         def logits_of(rows: list[int] | None) -> torch.Tensor | None:
-            return self.model.compute_logits(hidden if rows is None else hidden[upload([np.asarray(rows, np.int64)], self.device)[0]])
+            if rows is None:
+                return self.model.compute_logits(hidden)
+            return self.model.compute_logits(hidden[upload([np.asarray(rows, np.int64)], self.device)[0]])
 
         logits = logits_of(step.logits_rows) if step.num_sampling else None
         prompt_rows = step.prompt_rows
