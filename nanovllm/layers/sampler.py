@@ -178,7 +178,7 @@ class Sampler:
                                   top_k=full(top_k, torch.int64), max_top_k=top_k,
                                   top_p=full(top_p) if top_p < 1.0 else None, min_p=None,
                                   row_seeds=[], banned_rows=None, banned_tokens=None)
-            self(torch.randn(rows, vocab_size, generator=values, device=device).to(dtype), md)
+            self(torch.randn(rows, vocab_size, generator=values, device=device, dtype=dtype), md)
         self.generator.set_state(state)
         return True
 
