@@ -19,10 +19,11 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # SamplingParams names.
 GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-# vLLM's kv_cache_dtype values ("auto": the model's dtype). fp8 values are stored unscaled
-# (vLLM's k_scale = v_scale = 1.0 for checkpoints without scales), clamped to the format's range.
+# What block_size=None and max_num_batched_tokens=None (vLLM's "the engine's default") mean here.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 16384
 DEFAULT_BLOCK_SIZE = 256
+# vLLM's kv_cache_dtype values ("auto": the model's dtype). fp8 values are stored unscaled
+# (vLLM's k_scale = v_scale = 1.0 for checkpoints without scales), clamped to the format's range.
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
                    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 

@@ -173,7 +173,7 @@ class Sampler:
         device, state = self.generator.device, self.generator.get_state()
         values = torch.Generator(device=device).manual_seed(0)
         for rows in sorted({1, max_rows}):
-            full = lambda value, dtype=None: torch.full((rows,), value, dtype=dtype, device=device)
+            full = lambda value, kind=None: torch.full((rows,), value, dtype=kind, device=device)
             md = SamplingMetadata(temperatures=full(0.6), is_greedy=full(False), all_greedy=False, any_greedy=False,
                                   top_k=full(top_k, torch.int64), max_top_k=top_k,
                                   top_p=full(top_p) if top_p < 1.0 else None, min_p=None,
