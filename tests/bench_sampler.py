@@ -1,6 +1,8 @@
 """Sampler kernel timings on the GPU at decode batch sizes (a developer tool, not a test):
 the top-k/top-p cut by torch.topk (layers/sampler.py's reference) against ours
-(kernels/triton_top_k.py), and the fused Gumbel kernel with and without a cut.
+(kernels/triton_top_k.py), and the fused Gumbel kernel with and without a cut; then top-p
+without top-k: the sort of every row (what the sampler did before kernels/triton_top_p.py)
+against our cut, in a few configurations.
 Qwen3's vocabulary (151,936), bf16 logits, several logits buffers in turn (each is larger than
 the L2 at 256 rows, so reads come from HBM); calls inside a CUDA graph, as in the engine.
 
@@ -11,7 +13,8 @@ import torch
 from gpu_timing import us_per_call_in_graph
 from nanovllm.kernels import triton_top_k
 from nanovllm.kernels.triton_sampler import gumbel_argmax
-from nanovllm.layers.sampler import top_k_top_p_cut
+from nanovllm.kernels.triton_top_p import top_p_cut
+from nanovllm.layers.sampler import apply_top_k_top_p, top_k_top_p_cut
 
 VOCAB = 151936
 
@@ -37,6 +40,22 @@ def main():
             times = [us_per_call_in_graph([lambda b=b, call=call: call(b) for b in buffers]) for call in calls]
             print(f"{rows:5d} {max_top_k:5d} {str(top_p):>5}  " + " ".join(f"{t:10.1f}" for t in times[:3])
                   + f" {times[3]:8.1f} {times[4]:10.1f}  {equal}", flush=True)
+
+    print("top-p 0.95 without top-k, us per call: the sort path (filtered float32 logits) against our cut "
+          "(block, warps, prefetch); 'differ': tokens our cut keeps or drops unlike the sort (ties at the cut)")
+    configs = [(512, 8, True), (1024, 8, False), (512, 4, True), (1024, 8, True), (256, 4, True)]
+    print(f"{'rows':>5}  {'sort':>8} " + " ".join(f"{str(c):>18}" for c in configs) + "  differ")
+    for rows in (1, 16, 64, 128, 256):
+        buffers = [torch.randn(rows, VOCAB, device="cuda").mul_(4).bfloat16() for _ in range(4)]
+        p = torch.full((rows,), 0.95, device="cuda")
+        temps = torch.full((rows,), 0.6, device="cuda")
+        kept = buffers[0] >= top_p_cut(buffers[0], p, temps)[:, None]
+        differ = (kept != apply_top_k_top_p(buffers[0].float() / temps[:, None], None, p).isfinite()).sum().item()
+        calls = [lambda b: apply_top_k_top_p(b.float() / temps[:, None], None, p)]
+        calls += [lambda b, c=c: top_p_cut(b, p, temps, *c) for c in configs]
+        times = [us_per_call_in_graph([lambda b=b, call=call: call(b) for b in buffers]) for call in calls]
+        print(f"{rows:5d}  {times[0]:8.1f} " + " ".join(f"{t:18.1f}" for t in times[1:]) + f"  {differ}",
+              flush=True)
 
 
 if __name__ == "__main__":

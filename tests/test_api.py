@@ -301,17 +301,18 @@ def test_generation_config_and_its_overrides(qwen3_dir, tmp_path):
             LLM(qwen3_dir, **kwargs)
 
 
-def test_sampler_kernels_warm_up_for_the_models_own_top_k(qwen3_dir, monkeypatch):
+def test_sampler_kernels_warm_up_for_the_models_own_top_k_or_top_p(qwen3_dir, monkeypatch):
     """The top-k/top-p kernels are compiled at start-up with the defaults' top_k and top_p when
-    the generation config (or its override) sets a top_k, and not otherwise."""
+    the generation config (or its override) sets a top_k or a top_p, and not otherwise."""
     from nanovllm.layers.sampler import Sampler
     calls = []
     monkeypatch.setattr(Sampler, "warm_up", lambda self, *args: calls.append(args) or False)
     sizes = dict(dtype=torch.float32, block_size=16, num_kvcache_blocks=32, max_model_len=256, max_num_seqs=8)
     LLM(qwen3_dir, generation_config="vllm", override_generation_config={"top_k": 20, "top_p": 0.95}, **sizes)
-    assert [args[2:] for args in calls] == [(8, 20, 0.95)]
+    LLM(qwen3_dir, generation_config="vllm", override_generation_config={"top_p": 0.9}, **sizes)
+    assert [args[2:] for args in calls] == [(8, 20, 0.95), (8, 0, 0.9)]
     LLM(qwen3_dir, generation_config="vllm", override_generation_config={"temperature": 0.7}, **sizes)
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -341,6 +341,78 @@ def test_radix_top_k_top_p_cut_equals_the_topk_reference(dtype, vocab, max_top_k
         assert ours.tolist() == reference(logits, top_k, top_p, max_top_k, temps).squeeze(-1).tolist()
 
 
+def top_p_reference(logits, top_p, temps, slack=0.0):
+    """float64: each row's smallest logit that top-p (at top_p + slack) keeps, -inf where top_p is 1:
+    the descending order's shortest prefix whose more likely tokens hold less than top_p."""
+    best = logits.double().sort(-1, descending=True).values
+    probs = (best / temps.double()[:, None]).softmax(-1)
+    kept = ((probs.cumsum(-1) - probs) < (top_p.double() + slack)[:, None]).sum(-1, keepdim=True)
+    cut = best.gather(-1, kept.clamp(min=1) - 1).squeeze(-1).float()
+    return torch.where(top_p >= 1.0, float("-inf"), cut)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab", [1_000, 8_193, 20_011] + ([] if INTERPRET else [151_936]))
+def test_top_p_cut_equals_the_sort_reference(dtype, vocab):
+    """The top-p cut without top-k (radix select on probability mass) against a float64 sort, on
+    fresh random logits: ties (a row of one value; bf16 rows are full of them), an all-negative
+    row, -inf entries, a row with one dominant logit, top_p tiny, near 1 and off. Equal wherever
+    the reference's cut stays the same for top_p +- 1e-5; where a token's mass-ahead lies that
+    close to top_p, float32 sums may put it on either side, and the cut lies between the two."""
+    from nanovllm.kernels.triton_top_p import top_p_cut
+    gen = torch.Generator().manual_seed(vocab)
+    batch = 8
+    logits = (torch.randn(batch, vocab, generator=gen) * 3).to(dtype)
+    logits[1] = 1.5
+    logits[2] = -logits[2].abs()
+    logits[3, ::3] = float("-inf")
+    logits[4, 7] = 40.0
+    top_p = torch.tensor([0.95, 0.5, 0.9, 0.7, 0.9, 0.01, 0.9999, 1.0])
+    temps = torch.tensor([0.6, 1.0, 1.3, 0.8, 1.0, 0.5, 1.0, 0.7])
+    ours = top_p_cut(logits.to(DEVICE), top_p.to(DEVICE), temps.to(DEVICE)).cpu()
+    exact = top_p_reference(logits, top_p, temps)
+    more, fewer = top_p_reference(logits, top_p, temps, 1e-5), top_p_reference(logits, top_p, temps, -1e-5)
+    clear = more == fewer
+    assert clear.sum() >= batch - 2
+    assert ours[clear].tolist() == exact[clear].tolist()
+    assert ((ours >= more) & (ours <= fewer)).all(), (ours, more, fewer)
+    assert ours[1] == 1.5 and ours[4] == 40.0 and ours[5] == logits[5].float().max() and ours[7] == float("-inf")
+
+
+def test_fused_sampler_with_top_p_and_min_p_draws_what_the_masked_logits_draw(monkeypatch):
+    """The sampler's fused path (kernels and routing) for top-p without top-k, min-p, and both:
+    the same tokens as the Gumbel kernel on logits masked beforehand at the reference cuts, with
+    the same seeds; greedy rows take the argmax."""
+    from nanovllm.layers.sampler import Sampler, SamplingMetadata
+    gen = torch.Generator().manual_seed(11)
+    batch, vocab = 6, 5_000
+    logits = (torch.randn(batch, vocab, generator=gen) * 2).to(DTYPE)
+    temps = torch.tensor([1.0, 0.5, 1.0, 0.5, 2.0, 1.0])
+    greedy = torch.tensor([False, False, False, False, False, True])
+    sampler = Sampler(torch.Generator(device=DEVICE))
+    sampler.fused = True        # the Triton path, also under the interpreter on the CPU
+    for top_p, min_p in ((torch.tensor([0.9, 0.5, 1.0, 0.3, 0.99, 0.8]), None),
+                         (None, torch.tensor([0.1, 0.0, 0.3, 0.05, 0.2, 0.1])),
+                         (torch.tensor([0.9, 0.5, 1.0, 0.3, 0.99, 0.8]), torch.tensor([0.1, 0.0, 0.3, 0.05, 0.2, 0.1]))):
+        cut = torch.full((batch,), float("-inf"))
+        if top_p is not None:
+            cut = torch.maximum(cut, top_p_reference(logits, top_p, temps))
+        if min_p is not None:
+            cut = torch.maximum(cut, logits.float().amax(-1) + temps * min_p.log())
+        masked = logits.float().masked_fill(logits.float() < cut[:, None], float("-inf"))
+        md = SamplingMetadata(temperatures=temps.to(DEVICE), is_greedy=greedy.to(DEVICE), all_greedy=False,
+                              any_greedy=True, top_k=None, max_top_k=None,
+                              top_p=None if top_p is None else top_p.to(DEVICE),
+                              min_p=None if min_p is None else min_p.to(DEVICE),
+                              row_seeds=[], banned_rows=None, banned_tokens=None)
+        for draw in range(4):
+            seeds = torch.randint(0, 1 << 62, (batch,), generator=gen)
+            monkeypatch.setattr(sampler, "_row_seeds", lambda *args: seeds.to(DEVICE))
+            ours = sampler(logits.to(DEVICE), md).token_ids.cpu()
+            assert ours.tolist() == sample_fused(masked, temps, greedy, seeds).tolist()
+            assert ours[5] == logits[5].float().argmax()
+
+
 @pytest.mark.parametrize("batch, vocab", [(1, 151_936), (7, 8_193), (5, 1_000)])
 def test_gumbel_argmax_greedy_rows_are_argmax(batch, vocab):
     gen = torch.Generator().manual_seed(vocab)

@@ -101,7 +101,8 @@ class ModelRunner:
                 hf.hidden_size, config.torch_dtype, self.device,
                 self.decode_split)
             self.timings["cuda_graphs_s"] = time.perf_counter() - start
-        if self.sampler is not None and sampling_defaults is not None and sampling_defaults.top_k > 0:
+        if self.sampler is not None and sampling_defaults is not None and (
+                sampling_defaults.top_k > 0 or sampling_defaults.top_p < 1.0):
             start = time.perf_counter()
             if self.sampler.warm_up(self.vocab_size, config.torch_dtype, config.max_num_seqs,
                                     sampling_defaults.top_k, sampling_defaults.top_p):
@@ -182,10 +183,11 @@ class ModelRunner:
                           query_start_loc=np.concatenate([[0], np.cumsum(lens)]).tolist(), seq_lens=lens)
         hidden = self.model(*self._device_inputs(batch))
         logits = self.model.compute_logits(hidden[torch.tensor(batch.query_start_loc[1:]) - 1])
-        md = SamplingMetadata(   # top-p without top-k sorts every row: the sampler's largest path
+        # top_k without max_top_k (rows with and without a top_k) sorts every row: the sampler's largest path
+        md = SamplingMetadata(
             temperatures=torch.ones(num_seqs, device=self.device),
             is_greedy=torch.zeros(num_seqs, dtype=torch.bool, device=self.device), all_greedy=False,
-            any_greedy=False, top_k=None,
+            any_greedy=False, top_k=torch.full((num_seqs,), self.vocab_size, device=self.device), max_top_k=None,
             top_p=torch.full((num_seqs,), 0.9, device=self.device),
             min_p=torch.full((num_seqs,), 0.1, device=self.device),
             row_seeds=[], banned_rows=None, banned_tokens=None, max_num_logprobs=cfg.logprobs_cap)

@@ -5,9 +5,11 @@ then min_tokens masking and penalties; greedy rows take the argmax of that; the 
 through temperature, top-k, top-p and min-p, and are sampled by the exponential race
 argmax(probs / q), q ~ Exponential(1), which needs no sort and no host sync. On CUDA the race
 runs as Gumbel noise on the logits in one fused Triton pass (kernels/triton_sampler.py), with
-temperature inside it, and top-k/top-p as one cut value per row when every row has a small
-top_k (kernels/triton_top_k.py: from a few candidates, or radix select); otherwise (min-p,
-top-p without top-k) the scaled logits are filtered first.
+temperature inside it, and top-k, top-p and min-p as one cut value per row below which nothing
+is drawn: top-k/top-p from a few candidates or radix select when every row has a small top_k
+(kernels/triton_top_k.py), top-p without top-k by a radix select on probability mass
+(kernels/triton_top_p.py), min-p from the row's maximum. Only a batch that mixes rows with and
+without a top_k, or has a top_k above SELECT_TOP_K_MAX, sorts its scaled logits first.
 """
 from dataclasses import dataclass
 
@@ -144,6 +146,13 @@ def top_k_top_p_cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     return cut
 
 
+def min_p_cut(logits: torch.Tensor, min_p: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """[B]: the smallest unscaled logit min-p keeps, p >= min_p * p_max at the row's temperature:
+    logit >= max logit + T * log(min_p) (-inf where min_p is 0). Top-k and top-p keep the most
+    likely token, so min-p after them is this same cut."""
+    return logits.amax(-1).float() + temperatures * min_p.log()
+
+
 def filter_logits(scaled: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """Top-k, top-p, then min-p on temperature-scaled float32 logits [B, V]: dropped tokens get -inf.
     min-p keeps p >= min_p * p_max, i.e. logit >= max logit + log(min_p)."""
@@ -163,11 +172,11 @@ class Sampler:
         self.fused = generator.device.type == "cuda"
 
     def warm_up(self, vocab_size: int, dtype: torch.dtype, max_rows: int, top_k: int, top_p: float) -> bool:
-        """Sample random logits with these top_k and top_p at 1 and max_rows rows (radix select
-        alone, then the candidate path), so that their kernels are compiled now, not inside the
-        first request that uses them (~12 s on a fresh H200 machine, ~0.05 s once Triton's cache
-        holds them). The noise generator is left as it was. -> False if there is nothing to compile
-        (the CPU path)."""
+        """Sample random logits with these top_k (0: none) and top_p at 1 and max_rows rows (with
+        a top_k: radix select alone, then the candidate path), so that their kernels are compiled
+        now, not inside the first request that uses them (top-k's took ~12 s on a fresh H200
+        machine, ~0.05 s once Triton's cache holds them). The noise generator is left as it was.
+        -> False if there is nothing to compile (the CPU path)."""
         if not self.fused:
             return False
         device, state = self.generator.device, self.generator.get_state()
@@ -175,7 +184,8 @@ class Sampler:
         for rows in sorted({1, max_rows}):
             full = lambda value, kind=None: torch.full((rows,), value, dtype=kind, device=device)
             md = SamplingMetadata(temperatures=full(0.6), is_greedy=full(False), all_greedy=False, any_greedy=False,
-                                  top_k=full(top_k, torch.int64), max_top_k=top_k,
+                                  top_k=full(top_k, torch.int64) if top_k > 0 else None,
+                                  max_top_k=top_k if top_k > 0 else None,
                                   top_p=full(top_p) if top_p < 1.0 else None, min_p=None,
                                   row_seeds=[], banned_rows=None, banned_tokens=None)
             self(torch.randn(rows, vocab_size, generator=values, device=device, dtype=dtype), md)
@@ -202,17 +212,24 @@ class Sampler:
             # One argmax kernel instead of four (noise seeds, the fused kernel, its reduction over
             # chunks, the gather); the fused kernel's greedy rows are exactly this argmax.
             return logits.argmax(-1)
-        temperatures, cut = md.temperatures, None
-        if md.min_p is None and selects_top_k(md.top_k, md.max_top_k):
-            # top-k/top-p as one cut value per row (the same values as top_k_top_p_cut),
-            # applied inside the kernel: no [B, V] pass of torch
+        seeds = self._row_seeds(md, logits.shape[0], logits.device)
+        if md.top_k is not None and not selects_top_k(md.top_k, md.max_top_k):
+            # a row without a top_k beside rows with one, or a top_k above SELECT_TOP_K_MAX: sorted
+            logits = filter_logits(logits.float() / md.temperatures[:, None], md)
+            return gumbel_argmax(logits, torch.ones_like(md.temperatures), md.is_greedy, seeds)  # T, min-p applied
+        # The filters as one cut value per row (top_k_top_p_cut's and min_p_cut's values), applied
+        # inside the kernel: no [B, V] pass of torch
+        cut = None
+        if md.top_k is not None:
             from nanovllm.kernels import triton_top_k
-            cut = triton_top_k.top_k_top_p_cut(logits, md.top_k, md.top_p, md.max_top_k, temperatures)
-        elif md.top_k is not None or md.top_p is not None or md.min_p is not None:
-            logits = filter_logits(logits.float() / temperatures[:, None], md)
-            temperatures = torch.ones_like(temperatures)      # already applied
-        return gumbel_argmax(logits, temperatures, md.is_greedy, self._row_seeds(md, logits.shape[0], logits.device),
-                             cut)
+            cut = triton_top_k.top_k_top_p_cut(logits, md.top_k, md.top_p, md.max_top_k, md.temperatures)
+        elif md.top_p is not None:
+            from nanovllm.kernels import triton_top_p
+            cut = triton_top_p.top_p_cut(logits, md.top_p, md.temperatures)
+        if md.min_p is not None:
+            floor = min_p_cut(logits, md.min_p, md.temperatures)
+            cut = floor if cut is None else torch.maximum(cut, floor)
+        return gumbel_argmax(logits, md.temperatures, md.is_greedy, seeds, cut)
 
     def _sample_torch(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """logits: [B, V] float32 -> token ids [B]."""

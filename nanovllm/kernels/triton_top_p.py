@@ -1,0 +1,155 @@
+"""Each row's top-p cut in Triton for rows without a top_k: a radix select on probability mass,
+so that top-p alone (vLLM's own example: temperature 0.8, top_p 0.95) sorts no vocabulary.
+
+The cut is the row's largest logit c whose tokens at or above it hold at least top_p of the
+row's probability (softmax at the row's temperature). Those are exactly the tokens that top-p
+keeps when it walks the tokens from the most likely on and stops once the tokens before it hold
+top_p (ties with the last kept token included), as layers/sampler.py's `top_k_top_p_cut`, the
+plain-torch reference, does with a full sort.
+
+Keys as in triton_top_k.py: a float's bits, reordered so that they compare as unsigned integers
+the way the floats do. Pass p adds up the unnormalised probabilities, exp2((x - max) * log2(e) /
+T), of the logits whose keys match the digits chosen so far, per value of their next 4-bit
+digit; the digit chosen is the highest whose mass, with the mass of every key above it, reaches
+top_p of the total. Four passes choose a 16-bit logit's key, eight a float32 one's; a pass
+before them finds the row's maximum. (Taking pass 0's masses relative to each tile's running
+maximum instead, as online softmax does, saved that read but kept two accumulators live: 210
+registers a thread, one program per SM.)
+
+Each pass splits a row into chunks (about PROGRAMS_WANTED programs in all) that write their
+masses apart; each program of the next pass adds them up again in the same order, so the cut
+is deterministic (atomic float sums would not be). With 16 digit values a logit costs ~40
+instructions a pass, so the passes are bound by arithmetic more than by their reads.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.triton_top_k import _from_sort_key, _load_chunk, _sort_key
+
+BLOCK = 512            # logits per load: a [BLOCK, 16] float32 accumulator, 32 values a thread
+PROGRAMS_WANTED = 528  # ~4 per SM of an H100/H200
+DIGIT_BITS = tl.constexpr(4)
+NUM_BINS = tl.constexpr(16)
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _row_max(maxima_ptr, row, num_chunks, CHUNKS_PAD: tl.constexpr):
+    chunks = tl.arange(0, CHUNKS_PAD)
+    return tl.max(tl.load(maxima_ptr + row * CHUNKS_PAD + chunks, mask=chunks < num_chunks, other=float("-inf")), 0)
+
+
+@triton.jit
+def _chosen_digits(masses_ptr, row, num_rows, num_chunks, top_p, PASSES: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """The key prefix chosen by passes 0..PASSES-1, from their masses [pass, row, chunk, digit]
+    (each pass's chunks added up in order)."""
+    chunks = tl.arange(0, CHUNKS_PAD)
+    bins = tl.arange(0, NUM_BINS)
+    prefix = tl.zeros((), tl.int32)
+    above = tl.zeros((), tl.float32)      # mass of the keys above those matching the prefix
+    target = tl.zeros((), tl.float32)
+    for p in tl.static_range(PASSES):
+        offs = ((p * num_rows + row) * CHUNKS_PAD + chunks)[:, None] * NUM_BINS + bins[None, :]
+        masses = tl.sum(tl.load(masses_ptr + offs, mask=(chunks < num_chunks)[:, None], other=0.0), 0)
+        if p == 0:
+            target = top_p * tl.sum(masses, 0)
+        at_or_above = above + tl.sum(masses, 0) - tl.cumsum(masses, 0) + masses    # keys with digit >= d
+        # the highest digit that reaches the target; none (a rounding shortfall): the lowest, so
+        # that everything matching the prefix is kept
+        digit = tl.maximum(tl.sum((at_or_above >= target).to(tl.int32), 0) - 1, 0)
+        above += tl.sum(tl.where(bins > digit, masses, 0.0), 0)
+        prefix |= digit << (32 - DIGIT_BITS * (p + 1))
+    return prefix
+
+
+@triton.jit
+def _max_kernel(logits_ptr, stride, top_p_ptr, maxima_ptr, vocab_size, chunk_size, CHUNKS_PAD: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """Each chunk's largest logit, into maxima[row, chunk]."""
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    if tl.load(top_p_ptr + row) < 1.0:
+        first = chunk * chunk_size
+        end = tl.minimum(first + chunk_size, vocab_size)
+        best = tl.full((BLOCK,), float("-inf"), tl.float32)
+        for start in range(first, end, BLOCK):
+            best = tl.maximum(best, _load_chunk(logits_ptr + row * stride, start, end, BLOCK)[1])
+        tl.store(maxima_ptr + row * CHUNKS_PAD + chunk, tl.max(best, 0))
+
+
+@triton.jit
+def _mass_kernel(logits_ptr, stride, top_p_ptr, temps_ptr, maxima_ptr, masses_ptr, vocab_size, chunk_size,
+                 PASS: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
+    """Pass PASS over one chunk of a row: the mass of its logits whose keys match the digits
+    chosen so far, by their next digit, into masses[PASS, row, chunk]."""
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    num_rows, num_chunks = tl.num_programs(0), tl.num_programs(1)
+    top_p = tl.load(top_p_ptr + row)
+    if top_p < 1.0:       # else the row keeps every token
+        scale = LOG2E / tl.load(temps_ptr + row)
+        row_max = _row_max(maxima_ptr, row, num_chunks, CHUNKS_PAD)
+        prefix = _chosen_digits(masses_ptr, row, num_rows, num_chunks, top_p, PASS, CHUNKS_PAD)
+        shift = 32 - DIGIT_BITS * (PASS + 1)
+        bins = tl.arange(0, NUM_BINS)
+        acc = tl.zeros((BLOCK, NUM_BINS), tl.float32)
+        first = chunk * chunk_size
+        end = tl.minimum(first + chunk_size, vocab_size)
+        row_ptr = logits_ptr + row * stride
+        x_next = _load_chunk(row_ptr, first, end, BLOCK)[1]
+        for start in range(first, end, BLOCK):
+            # the next tile's load in flight while this one is counted (Triton keeps no buffers for
+            # loads that feed no dot)
+            if PREFETCH:
+                x = x_next
+                x_next = _load_chunk(row_ptr, start + BLOCK, end, BLOCK)[1]
+            else:
+                x = _load_chunk(row_ptr, start, end, BLOCK)[1]
+            key = _sort_key(x)
+            match = x > float("-inf")      # (-inf - -inf would be NaN)
+            if PASS > 0:
+                match &= (key >> (shift + DIGIT_BITS)) == (prefix >> (shift + DIGIT_BITS))
+            w = tl.where(match, tl.exp2((x - row_max) * scale), 0.0)
+            digit = (key >> shift) & (NUM_BINS - 1)
+            acc += tl.where(digit[:, None] == bins[None, :], w[:, None], 0.0)
+        tl.store(masses_ptr + ((PASS * num_rows + row) * CHUNKS_PAD + chunk) * NUM_BINS + bins, tl.sum(acc, 0))
+
+
+@triton.jit
+def _cut_kernel(top_p_ptr, masses_ptr, cut_ptr, num_chunks, NUM_PASSES: tl.constexpr,
+                CHUNKS_PAD: tl.constexpr):
+    row = tl.program_id(0)
+    top_p = tl.load(top_p_ptr + row)
+    cut = tl.full((), float("-inf"), tl.float32)
+    if top_p < 1.0:
+        prefix = _chosen_digits(masses_ptr, row, tl.num_programs(0), num_chunks, top_p, NUM_PASSES, CHUNKS_PAD)
+        if DIGIT_BITS * NUM_PASSES == 16:
+            # a 16-bit float's key ends in 16 bits no pass chose: 0, or all ones if negative
+            prefix |= tl.where(prefix >= 0, 0xFFFF, 0)
+        cut = _from_sort_key(prefix)
+        cut = tl.where(cut == cut, cut, float("-inf"))     # a row of NaN or -inf only: keep all
+    tl.store(cut_ptr + row, cut)
+
+
+def top_p_cut(logits: torch.Tensor, top_p: torch.Tensor, temperatures: torch.Tensor, block: int = BLOCK,
+              num_warps: int = 8, prefetch: bool = True) -> torch.Tensor:
+    """logits: [B, V] (16-bit or float32, rows contiguous); top_p: [B] float32 (1.0: off);
+    temperatures: [B] float32 -> [B] float32 cuts (-inf where top_p is off), as layers/sampler.py's
+    top_k_top_p_cut with top_k = V."""
+    batch, vocab_size = logits.shape
+    assert logits.stride(1) == 1
+    chunk_size = triton.cdiv(triton.cdiv(vocab_size, triton.cdiv(PROGRAMS_WANTED, batch)), block) * block
+    num_chunks = triton.cdiv(vocab_size, chunk_size)
+    chunks_pad = triton.next_power_of_2(num_chunks)
+    num_passes = (16 if logits.element_size() == 2 else 32) // DIGIT_BITS.value
+    maxima = torch.empty(batch, chunks_pad, dtype=torch.float32, device=logits.device)
+    masses = torch.empty(num_passes, batch, chunks_pad, NUM_BINS.value, dtype=torch.float32, device=logits.device)
+    grid = (batch, num_chunks)
+    _max_kernel[grid](logits, logits.stride(0), top_p, maxima, vocab_size, chunk_size, CHUNKS_PAD=chunks_pad,
+                      BLOCK=4096, num_warps=4)
+    for p in range(num_passes):
+        _mass_kernel[grid](logits, logits.stride(0), top_p, temperatures, maxima, masses, vocab_size, chunk_size,
+                           PASS=p, CHUNKS_PAD=chunks_pad, BLOCK=block, PREFETCH=prefetch, num_warps=num_warps)
+    cut = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    _cut_kernel[(batch,)](top_p, masses, cut, num_chunks, NUM_PASSES=num_passes,
+                          CHUNKS_PAD=chunks_pad, num_warps=4)
+    return cut
