@@ -139,17 +139,16 @@ def main():
         warps = 8 if kernel is tk._cut_from_candidates_kernel else 4     # as top_k_top_p_cut launches them
         print(report(label, compile_kernel(kernel, types, constants, warps, 3, None), warps))
 
-    print("sampler top-p cut without top-k (bf16 logits, 3 chunks a row as at 256 rows):")
+    print("sampler top-p cut without top-k (bf16 logits):")
     from nanovllm.kernels import triton_top_p as tp
     types = {"logits_ptr": "*bf16", "top_p_ptr": "*fp32", "temps_ptr": "*fp32", "maxima_ptr": "*fp32",
              "masses_ptr": "*fp32", "cut_ptr": "*fp32", "stride": "i32", "vocab_size": "i32", "chunk_size": "i32",
              "num_chunks": "i32"}
-    print(report("chunk maxima", compile_kernel(tp._max_kernel, types, dict(CHUNKS_PAD=4, BLOCK=4096), 4, 3, None), 4))
-    for block, warps, prefetch in ((1024, 8, True), (1024, 8, False), (512, 8, True), (512, 4, True), (2048, 8, False)):
-        constants = dict(PASS=1, CHUNKS_PAD=4, BLOCK=block, PREFETCH=prefetch)
-        compiled = compile_kernel(tp._mass_kernel, types, constants, warps, 3, None)
-        print(report(f"mass pass 1 (block {block}, {warps} warps, prefetch {prefetch})", compiled, warps))
-    print(report("cut", compile_kernel(tp._cut_kernel, types, dict(NUM_PASSES=4, CHUNKS_PAD=4), 4, 3, None), 4))
+    print(report("chunk maxima", compile_kernel(tp._max_kernel, types, dict(BLOCK=4096), 4, 3, None), 4))
+    for block, warps in ((512, 8), (256, 4), (1024, 8)):
+        compiled = compile_kernel(tp._mass_kernel, types, dict(PASS=1, BLOCK=block), warps, 3, None)
+        print(report(f"mass pass 1 (block {block}, {warps} warps)", compiled, warps))
+    print(report("cut", compile_kernel(tp._cut_kernel, types, dict(NUM_PASSES=4), 4, 3, None), 4))
 
     print("sampler: Gumbel argmax over bf16 logits, without and with a top-k/top-p cut:")
     from nanovllm.kernels import triton_sampler as tsm

@@ -379,6 +379,22 @@ def test_top_p_cut_equals_the_sort_reference(dtype, vocab):
     assert ours[1] == 1.5 and ours[4] == 40.0 and ours[5] == logits[5].float().max() and ours[7] == float("-inf")
 
 
+@pytest.mark.skipif(INTERPRET, reason="the interpreter compiles nothing")
+def test_top_p_cut_compiles_nothing_for_a_new_batch_size():
+    """A decode batch of a size not seen before must not compile kernels inside a timed step
+    (an earlier version specialised on the number of chunks: ~10 s of compiling in a first run)."""
+    from nanovllm.kernels import triton_top_p as tp
+    kernels = (tp._max_kernel, tp._mass_kernel, tp._cut_kernel)
+    variants = lambda: sum(len(cache[0]) for kernel in kernels for cache in kernel.device_caches.values())
+    logits = torch.randn(256, 151_936, device=DEVICE).bfloat16()
+    top_p, temps = torch.full((256,), 0.9, device=DEVICE), torch.ones(256, device=DEVICE)
+    tp.top_p_cut(logits[:1], top_p[:1], temps[:1])
+    compiled = variants()
+    for batch in (3, 16, 37, 64, 100, 256):
+        tp.top_p_cut(logits[:batch], top_p[:batch], temps[:batch])
+    assert variants() == compiled
+
+
 def test_fused_sampler_with_top_p_and_min_p_draws_what_the_masked_logits_draw(monkeypatch):
     """The sampler's fused path (kernels and routing) for top-p without top-k, min-p, and both:
     the same tokens as the Gumbel kernel on logits masked beforehand at the reference cuts, with

@@ -27,31 +27,40 @@ import triton.language as tl
 
 from nanovllm.kernels.triton_top_k import _from_sort_key, _load_chunk, _sort_key
 
-BLOCK = 512            # logits per load: a [BLOCK, 16] float32 accumulator, 32 values a thread
+BLOCK = 512            # logits per load: a [16, BLOCK] float32 accumulator, 32 values a thread
 PROGRAMS_WANTED = 528  # ~4 per SM of an H100/H200
+CHUNK_TILE = tl.constexpr(64)   # chunks' partial results added up per step
 DIGIT_BITS = tl.constexpr(4)
 NUM_BINS = tl.constexpr(16)
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _row_max(maxima_ptr, row, num_chunks, CHUNKS_PAD: tl.constexpr):
-    chunks = tl.arange(0, CHUNKS_PAD)
-    return tl.max(tl.load(maxima_ptr + row * CHUNKS_PAD + chunks, mask=chunks < num_chunks, other=float("-inf")), 0)
+def _row_max(maxima_ptr, row, num_chunks):
+    """The row's largest logit, from its chunks' maxima [row, chunk]."""
+    best = tl.full((CHUNK_TILE,), float("-inf"), tl.float32)
+    for first in range(0, num_chunks, CHUNK_TILE):
+        chunks = first + tl.arange(0, CHUNK_TILE)
+        best = tl.maximum(best, tl.load(maxima_ptr + row * num_chunks + chunks, mask=chunks < num_chunks,
+                                        other=float("-inf")))
+    return tl.max(best, 0)
 
 
 @triton.jit
-def _chosen_digits(masses_ptr, row, num_rows, num_chunks, top_p, PASSES: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+def _chosen_digits(masses_ptr, row, num_rows, num_chunks, top_p, PASSES: tl.constexpr):
     """The key prefix chosen by passes 0..PASSES-1, from their masses [pass, row, chunk, digit]
-    (each pass's chunks added up in order)."""
-    chunks = tl.arange(0, CHUNKS_PAD)
+    (each pass's chunks added up in the same order by every program)."""
     bins = tl.arange(0, NUM_BINS)
     prefix = tl.zeros((), tl.int32)
     above = tl.zeros((), tl.float32)      # mass of the keys above those matching the prefix
     target = tl.zeros((), tl.float32)
     for p in tl.static_range(PASSES):
-        offs = ((p * num_rows + row) * CHUNKS_PAD + chunks)[:, None] * NUM_BINS + bins[None, :]
-        masses = tl.sum(tl.load(masses_ptr + offs, mask=(chunks < num_chunks)[:, None], other=0.0), 0)
+        sums = tl.zeros((CHUNK_TILE, NUM_BINS), tl.float32)
+        for first in range(0, num_chunks, CHUNK_TILE):
+            chunks = first + tl.arange(0, CHUNK_TILE)
+            offs = ((p * num_rows + row) * num_chunks + chunks)[:, None] * NUM_BINS + bins[None, :]
+            sums += tl.load(masses_ptr + offs, mask=(chunks < num_chunks)[:, None], other=0.0)
+        masses = tl.sum(sums, 0)
         if p == 0:
             target = top_p * tl.sum(masses, 0)
         at_or_above = above + tl.sum(masses, 0) - tl.cumsum(masses, 0) + masses    # keys with digit >= d
@@ -64,8 +73,7 @@ def _chosen_digits(masses_ptr, row, num_rows, num_chunks, top_p, PASSES: tl.cons
 
 
 @triton.jit
-def _max_kernel(logits_ptr, stride, top_p_ptr, maxima_ptr, vocab_size, chunk_size, CHUNKS_PAD: tl.constexpr,
-                BLOCK: tl.constexpr):
+def _max_kernel(logits_ptr, stride, top_p_ptr, maxima_ptr, vocab_size, chunk_size, BLOCK: tl.constexpr):
     """Each chunk's largest logit, into maxima[row, chunk]."""
     row, chunk = tl.program_id(0), tl.program_id(1)
     if tl.load(top_p_ptr + row) < 1.0:
@@ -74,12 +82,12 @@ def _max_kernel(logits_ptr, stride, top_p_ptr, maxima_ptr, vocab_size, chunk_siz
         best = tl.full((BLOCK,), float("-inf"), tl.float32)
         for start in range(first, end, BLOCK):
             best = tl.maximum(best, _load_chunk(logits_ptr + row * stride, start, end, BLOCK)[1])
-        tl.store(maxima_ptr + row * CHUNKS_PAD + chunk, tl.max(best, 0))
+        tl.store(maxima_ptr + row * tl.num_programs(1) + chunk, tl.max(best, 0))
 
 
 @triton.jit
 def _mass_kernel(logits_ptr, stride, top_p_ptr, temps_ptr, maxima_ptr, masses_ptr, vocab_size, chunk_size,
-                 PASS: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
+                 PASS: tl.constexpr, BLOCK: tl.constexpr):
     """Pass PASS over one chunk of a row: the mass of its logits whose keys match the digits
     chosen so far, by their next digit, into masses[PASS, row, chunk]."""
     row, chunk = tl.program_id(0), tl.program_id(1)
@@ -87,41 +95,40 @@ def _mass_kernel(logits_ptr, stride, top_p_ptr, temps_ptr, maxima_ptr, masses_pt
     top_p = tl.load(top_p_ptr + row)
     if top_p < 1.0:       # else the row keeps every token
         scale = LOG2E / tl.load(temps_ptr + row)
-        row_max = _row_max(maxima_ptr, row, num_chunks, CHUNKS_PAD)
-        prefix = _chosen_digits(masses_ptr, row, num_rows, num_chunks, top_p, PASS, CHUNKS_PAD)
+        row_max = _row_max(maxima_ptr, row, num_chunks)
+        prefix = _chosen_digits(masses_ptr, row, num_rows, num_chunks, top_p, PASS)
         shift = 32 - DIGIT_BITS * (PASS + 1)
         bins = tl.arange(0, NUM_BINS)
-        acc = tl.zeros((BLOCK, NUM_BINS), tl.float32)
+        # [digit, logit]: a thread's logits with all 16 digit values in the thread (as [logit,
+        # digit], Triton spread the digits over 16 threads and moved every logit's weight there
+        # through shared memory)
+        acc = tl.zeros((NUM_BINS, BLOCK), tl.float32)
         first = chunk * chunk_size
         end = tl.minimum(first + chunk_size, vocab_size)
         row_ptr = logits_ptr + row * stride
         x_next = _load_chunk(row_ptr, first, end, BLOCK)[1]
         for start in range(first, end, BLOCK):
             # the next tile's load in flight while this one is counted (Triton keeps no buffers for
-            # loads that feed no dot)
-            if PREFETCH:
-                x = x_next
-                x_next = _load_chunk(row_ptr, start + BLOCK, end, BLOCK)[1]
-            else:
-                x = _load_chunk(row_ptr, start, end, BLOCK)[1]
+            # loads that feed no dot): twice as fast on an H200
+            x = x_next
+            x_next = _load_chunk(row_ptr, start + BLOCK, end, BLOCK)[1]
             key = _sort_key(x)
             match = x > float("-inf")      # (-inf - -inf would be NaN)
             if PASS > 0:
                 match &= (key >> (shift + DIGIT_BITS)) == (prefix >> (shift + DIGIT_BITS))
             w = tl.where(match, tl.exp2((x - row_max) * scale), 0.0)
             digit = (key >> shift) & (NUM_BINS - 1)
-            acc += tl.where(digit[:, None] == bins[None, :], w[:, None], 0.0)
-        tl.store(masses_ptr + ((PASS * num_rows + row) * CHUNKS_PAD + chunk) * NUM_BINS + bins, tl.sum(acc, 0))
+            acc += tl.where(bins[:, None] == digit[None, :], w[None, :], 0.0)
+        tl.store(masses_ptr + ((PASS * num_rows + row) * num_chunks + chunk) * NUM_BINS + bins, tl.sum(acc, 1))
 
 
-@triton.jit
-def _cut_kernel(top_p_ptr, masses_ptr, cut_ptr, num_chunks, NUM_PASSES: tl.constexpr,
-                CHUNKS_PAD: tl.constexpr):
+@triton.jit(do_not_specialize=["num_chunks"])
+def _cut_kernel(top_p_ptr, masses_ptr, cut_ptr, num_chunks, NUM_PASSES: tl.constexpr):
     row = tl.program_id(0)
     top_p = tl.load(top_p_ptr + row)
     cut = tl.full((), float("-inf"), tl.float32)
     if top_p < 1.0:
-        prefix = _chosen_digits(masses_ptr, row, tl.num_programs(0), num_chunks, top_p, NUM_PASSES, CHUNKS_PAD)
+        prefix = _chosen_digits(masses_ptr, row, tl.num_programs(0), num_chunks, top_p, NUM_PASSES)
         if DIGIT_BITS * NUM_PASSES == 16:
             # a 16-bit float's key ends in 16 bits no pass chose: 0, or all ones if negative
             prefix |= tl.where(prefix >= 0, 0xFFFF, 0)
@@ -131,25 +138,23 @@ def _cut_kernel(top_p_ptr, masses_ptr, cut_ptr, num_chunks, NUM_PASSES: tl.const
 
 
 def top_p_cut(logits: torch.Tensor, top_p: torch.Tensor, temperatures: torch.Tensor, block: int = BLOCK,
-              num_warps: int = 8, prefetch: bool = True) -> torch.Tensor:
+              num_warps: int = 8) -> torch.Tensor:
     """logits: [B, V] (16-bit or float32, rows contiguous); top_p: [B] float32 (1.0: off);
     temperatures: [B] float32 -> [B] float32 cuts (-inf where top_p is off), as layers/sampler.py's
-    top_k_top_p_cut with top_k = V."""
+    top_k_top_p_cut with top_k = V. The kernels specialise on no batch-dependent value: a batch
+    of a new size compiles nothing."""
     batch, vocab_size = logits.shape
     assert logits.stride(1) == 1
     chunk_size = triton.cdiv(triton.cdiv(vocab_size, triton.cdiv(PROGRAMS_WANTED, batch)), block) * block
     num_chunks = triton.cdiv(vocab_size, chunk_size)
-    chunks_pad = triton.next_power_of_2(num_chunks)
     num_passes = (16 if logits.element_size() == 2 else 32) // DIGIT_BITS.value
-    maxima = torch.empty(batch, chunks_pad, dtype=torch.float32, device=logits.device)
-    masses = torch.empty(num_passes, batch, chunks_pad, NUM_BINS.value, dtype=torch.float32, device=logits.device)
+    maxima = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
+    masses = torch.empty(num_passes, batch, num_chunks, NUM_BINS.value, dtype=torch.float32, device=logits.device)
     grid = (batch, num_chunks)
-    _max_kernel[grid](logits, logits.stride(0), top_p, maxima, vocab_size, chunk_size, CHUNKS_PAD=chunks_pad,
-                      BLOCK=4096, num_warps=4)
+    _max_kernel[grid](logits, logits.stride(0), top_p, maxima, vocab_size, chunk_size, BLOCK=4096, num_warps=4)
     for p in range(num_passes):
         _mass_kernel[grid](logits, logits.stride(0), top_p, temperatures, maxima, masses, vocab_size, chunk_size,
-                           PASS=p, CHUNKS_PAD=chunks_pad, BLOCK=block, PREFETCH=prefetch, num_warps=num_warps)
+                           PASS=p, BLOCK=block, num_warps=num_warps)
     cut = torch.empty(batch, dtype=torch.float32, device=logits.device)
-    _cut_kernel[(batch,)](top_p, masses, cut, num_chunks, NUM_PASSES=num_passes,
-                          CHUNKS_PAD=chunks_pad, num_warps=4)
+    _cut_kernel[(batch,)](top_p, masses, cut, num_chunks, NUM_PASSES=num_passes, num_warps=4)
     return cut
