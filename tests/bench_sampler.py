@@ -54,9 +54,10 @@ def top_p_table():
     print("top-p 0.95 without top-k, us per call: the sort path (filtered float32 logits) against our cut "
           "(block, warps); 'differ': tokens our cut keeps or drops unlike the sort (ties at the cut)")
     configs = [(512, 8), (256, 4), (1024, 8), (512, 4), (256, 8)]
-    print(f"{'rows':>5}  {'sort':>8} " + " ".join(f"{str(c):>10}" for c in configs) + "  differ")
-    for rows in (1, 16, 64, 128, 256):
-        buffers = [torch.randn(rows, VOCAB, device="cuda").mul_(4).bfloat16() for _ in range(4)]
+    print(f"{'rows':>5} {'spread':>6}  {'sort':>8} " + " ".join(f"{str(c):>10}" for c in configs) + "  differ")
+    # logits * 4 at temperature 0.6, and a flat row (logits * 0.1: nearly every token a candidate)
+    for rows, spread in ((1, 4), (16, 4), (64, 4), (128, 4), (256, 4), (256, 0.1)):
+        buffers = [torch.randn(rows, VOCAB, device="cuda").mul_(spread).bfloat16() for _ in range(4)]
         p = torch.full((rows,), 0.95, device="cuda")
         temps = torch.full((rows,), 0.6, device="cuda")
         kept = buffers[0] >= top_p_cut(buffers[0], p, temps)[:, None]
@@ -64,7 +65,7 @@ def top_p_table():
         calls = [lambda b: apply_top_k_top_p(b.float() / temps[:, None], None, p)]
         calls += [lambda b, c=c: top_p_cut(b, p, temps, *c) for c in configs]
         times = [us_per_call_in_graph([lambda b=b, call=call: call(b) for b in buffers]) for call in calls]
-        print(f"{rows:5d}  {times[0]:8.1f} " + " ".join(f"{t:10.1f}" for t in times[1:]) + f"  {differ}",
+        print(f"{rows:5d} {spread:6} {times[0]:8.1f} " + " ".join(f"{t:10.1f}" for t in times[1:]) + f"  {differ}",
               flush=True)
 
 

@@ -141,11 +141,12 @@ def main():
 
     print("sampler top-p cut without top-k (bf16 logits):")
     from nanovllm.kernels import triton_top_p as tp
-    types = {"logits_ptr": "*bf16", "top_p_ptr": "*fp32", "temps_ptr": "*fp32", "maxima_ptr": "*fp32",
-             "masses_ptr": "*fp32", "cut_ptr": "*fp32", "stride": "i32", "vocab_size": "i32", "chunk_size": "i32",
-             "num_chunks": "i32"}
-    print(report("chunk maxima", compile_kernel(tp._max_kernel, types, dict(BLOCK=4096), 4, 3, None), 4))
-    for block, warps in ((512, 8), (256, 4), (1024, 8)):
+    types = {"logits_ptr": "*bf16", "cand_ptr": "*bf16", "count_ptr": "*i32", "top_p_ptr": "*fp32",
+             "temps_ptr": "*fp32", "stats_ptr": "*fp32", "masses_ptr": "*fp32", "cut_ptr": "*fp32", "stride": "i32",
+             "vocab_size": "i32", "chunk_size": "i32", "num_chunks": "i32"}
+    print(report("chunk stats", compile_kernel(tp._stats_kernel, types, dict(BLOCK=2048), 4, 3, None), 4))
+    print(report("gather candidates", compile_kernel(tp._gather_kernel, types, dict(BLOCK=2048), 4, 3, None), 4))
+    for block, warps in ((512, 4), (512, 8), (256, 4)):
         compiled = compile_kernel(tp._mass_kernel, types, dict(PASS=1, BLOCK=block), warps, 3, None)
         print(report(f"mass pass 1 (block {block}, {warps} warps)", compiled, warps))
     print(report("cut", compile_kernel(tp._cut_kernel, types, dict(NUM_PASSES=4), 4, 3, None), 4))

@@ -384,7 +384,7 @@ def test_top_p_cut_compiles_nothing_for_a_new_batch_size():
     """A decode batch of a size not seen before must not compile kernels inside a timed step
     (an earlier version specialised on the number of chunks: ~10 s of compiling in a first run)."""
     from nanovllm.kernels import triton_top_p as tp
-    kernels = (tp._max_kernel, tp._mass_kernel, tp._cut_kernel)
+    kernels = (tp._stats_kernel, tp._gather_kernel, tp._mass_kernel, tp._cut_kernel)
     variants = lambda: sum(len(cache[0]) for kernel in kernels for cache in kernel.device_caches.values())
     logits = torch.randn(256, 151_936, device=DEVICE).bfloat16()
     top_p, temps = torch.full((256,), 0.9, device=DEVICE), torch.ones(256, device=DEVICE)
