@@ -7,7 +7,7 @@
 3. With --tp > 1: the spread of rank 0's all-reduce times.
 
     PYTHONPATH=. python3 tests/profile_run.py [--model qwen3-0.6b] [--workload default] [--tp 2] [--profile-steps 200]
-        [--top-k 20 --top-p 0.95]
+        [--top-k 20 --top-p 0.95] [--runs 2] [--no-profile]
 """
 import argparse
 import collections
@@ -59,6 +59,9 @@ def main():
                         "the events of a whole Qwen3-8B TP=2 run took longer than 4 minutes")
     p.add_argument("--top-k", type=int, default=0, help="as bench.py's")
     p.add_argument("--top-p", type=float, default=1.0, help="as bench.py's")
+    p.add_argument("--runs", type=int, default=1, help="host-view runs before the profiled one, each with its "
+                                                       "slowest steps")
+    p.add_argument("--no-profile", action="store_true", help="the host-view runs only")
     args = p.parse_args()
     params = dict(top_k=args.top_k, top_p=args.top_p)
     args.seed, args.num_seqs = 0, 256
@@ -66,20 +69,26 @@ def main():
     llm = LLM(preset_dir(args.model), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
               tensor_parallel_size=args.tp)
     prompts, settings = make_workload(args, on_cpu=False)
-    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    for rows in (1, 32):     # as bench.py's warm-up: sampling as the run does, at one sequence and at a batch
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}] * rows, SamplingParams(max_tokens=4, **params),
+                     use_tqdm=False)
 
-    start = time.perf_counter()
-    steps = run_steps(llm, prompts, settings, **params)
-    wall = time.perf_counter() - start
-    by_kind = collections.defaultdict(lambda: [0, 0.0])
-    for kind, seconds in steps:
-        by_kind[kind][0] += 1
-        by_kind[kind][1] += seconds
-    print(f"host view: {len(steps)} steps in {wall:.2f} s")
-    for kind, (n, seconds) in sorted(by_kind.items()):
-        print(f"  {kind:22} {n:5} steps {seconds:7.3f} s  {seconds / n * 1000:7.3f} ms/step")
-
-    llm.reset_prefix_cache()          # the same prompts again: without this they would all be cache hits
+    for _ in range(args.runs):
+        start = time.perf_counter()
+        steps = run_steps(llm, prompts, settings, **params)
+        wall = time.perf_counter() - start
+        by_kind = collections.defaultdict(lambda: [0, 0.0])
+        for kind, seconds in steps:
+            by_kind[kind][0] += 1
+            by_kind[kind][1] += seconds
+        print(f"host view: {len(steps)} steps in {wall:.2f} s")
+        for kind, (n, seconds) in sorted(by_kind.items()):
+            print(f"  {kind:22} {n:5} steps {seconds:7.3f} s  {seconds / n * 1000:7.3f} ms/step")
+        slowest = sorted(range(len(steps)), key=lambda i: -steps[i][1])[:6]
+        print("  slowest steps: " + ", ".join(f"#{i} {steps[i][0]} {steps[i][1] * 1000:.1f} ms" for i in slowest))
+        llm.reset_prefix_cache()      # the same prompts again: without this they would all be cache hits
+    if args.no_profile:
+        return llm.close()
     window = (torch.profiler.schedule(wait=9, warmup=1, active=args.profile_steps, repeat=1)
               if args.profile_steps else None)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], schedule=window) as prof:

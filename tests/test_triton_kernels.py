@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+import triton
 
 from nanovllm.kernels import torch_attention
 
@@ -380,18 +381,28 @@ def test_top_p_cut_equals_the_sort_reference(dtype, vocab):
 
 
 @pytest.mark.skipif(INTERPRET, reason="the interpreter compiles nothing")
-def test_top_p_cut_compiles_nothing_for_a_new_batch_size():
-    """A decode batch of a size not seen before must not compile kernels inside a timed step
-    (an earlier version specialised on the number of chunks: ~10 s of compiling in a first run)."""
-    from nanovllm.kernels import triton_top_p as tp
-    kernels = (tp._stats_kernel, tp._gather_kernel, tp._mass_kernel, tp._cut_kernel)
+@pytest.mark.parametrize("path", ["top_p", "top_k"])
+def test_cut_kernels_compile_nothing_for_a_new_batch_size(path):
+    """A decode batch of a size not seen before must not compile kernels inside a timed step. Two
+    versions did, ~1-10 s in a machine's first run: the top-p kernels specialised on the number of
+    chunks (a power of two that follows the batch size), and the top-k kernels' counters lay at
+    batch offsets in one buffer, so their pointers' 16-byte alignment (which Triton specialises
+    on) changed with the batch size. Warmed up at 1 and 32 rows, as bench.py and the engine do."""
+    from nanovllm.kernels import triton_top_k as tk, triton_top_p as tp
+    module = tp if path == "top_p" else tk
+    kernels = [k for k in vars(module).values()
+               if isinstance(k, triton.runtime.JITFunction) and k.fn.__name__.endswith("_kernel")]
     variants = lambda: sum(len(cache[0]) for kernel in kernels for cache in kernel.device_caches.values())
     logits = torch.randn(256, 151_936, device=DEVICE).bfloat16()
     top_p, temps = torch.full((256,), 0.9, device=DEVICE), torch.ones(256, device=DEVICE)
-    tp.top_p_cut(logits[:1], top_p[:1], temps[:1])
+    top_k = torch.full((256,), 20, device=DEVICE)
+    cut = (lambda b: tp.top_p_cut(logits[:b], top_p[:b], temps[:b])) if path == "top_p" else \
+        (lambda b: tk.top_k_top_p_cut(logits[:b], top_k[:b], top_p[:b], 20, temps[:b]))
+    cut(1)
+    cut(32)
     compiled = variants()
-    for batch in (3, 16, 37, 64, 100, 256):
-        tp.top_p_cut(logits[:batch], top_p[:batch], temps[:batch])
+    for batch in (3, 16, 17, 37, 58, 64, 101, 256):
+        cut(batch)
     assert variants() == compiled
 
 
@@ -407,9 +418,8 @@ def test_fused_sampler_with_top_p_and_min_p_draws_what_the_masked_logits_draw(mo
     greedy = torch.tensor([False, False, False, False, False, True])
     sampler = Sampler(torch.Generator(device=DEVICE))
     sampler.fused = True        # the Triton path, also under the interpreter on the CPU
-    for top_p, min_p in ((torch.tensor([0.9, 0.5, 1.0, 0.3, 0.99, 0.8]), None),
-                         (None, torch.tensor([0.1, 0.0, 0.3, 0.05, 0.2, 0.1])),
-                         (torch.tensor([0.9, 0.5, 1.0, 0.3, 0.99, 0.8]), torch.tensor([0.1, 0.0, 0.3, 0.05, 0.2, 0.1]))):
+    some_top_p, some_min_p = torch.tensor([0.9, 0.5, 1.0, 0.3, 0.99, 0.8]), torch.tensor([0.1, 0.0, 0.3, 0.05, 0.2, 0.1])
+    for top_p, min_p in ((some_top_p, None), (None, some_min_p), (some_top_p, some_min_p)):
         cut = torch.full((batch,), float("-inf"))
         if top_p is not None:
             cut = torch.maximum(cut, top_p_reference(logits, top_p, temps))
