@@ -253,6 +253,20 @@ def test_min_p_drops_unlikely_tokens():
     assert draw(probs.log(), metadata(1, min_p=torch.tensor([0.5]))) == {(0,), (1,)}
 
 
+def test_min_p_cut_keeps_what_the_min_p_filter_keeps():
+    """The fused sampler's min-p cut (unscaled logits, the row's temperature inside it) keeps
+    exactly the tokens that filter_logits' min-p keeps on the scaled logits, temperature and
+    min_p 0 (off) included."""
+    from nanovllm.layers.sampler import filter_logits, min_p_cut
+    logits = torch.tensor([[4.0, 3.0, 1.0, -2.0], [0.5, 0.5, 0.25, 0.0], [1.0, 2.0, 3.0, 4.0]])
+    min_p, temps = torch.tensor([0.3, 0.9, 0.0]), torch.tensor([1.0, 0.5, 2.0])
+    cut = min_p_cut(logits, min_p, temps)
+    assert cut.tolist() == pytest.approx([4.0 + math.log(0.3), 0.5 + 0.5 * math.log(0.9), float("-inf")], rel=1e-6)
+    filtered = filter_logits(logits / temps[:, None], metadata(3, min_p=min_p))
+    assert (logits >= cut[:, None]).tolist() == filtered.isfinite().tolist() == [
+        [True, True, False, False], [True, True, False, False], [True, True, True, True]]
+
+
 def test_penalties_exact_values():
     from nanovllm.layers.sampler import apply_penalties
     logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]])
