@@ -76,3 +76,19 @@ def test_a_decode_graph_bucket_reads_the_same_bytes_whatever_the_pending_tokens(
     ids, positions, slots, seq_lens, rows, sources = step_arrays(4, num_pending=2)
     assert ids.tolist() == positions.tolist() == seq_lens.tolist() == [0] * 4 and slots.tolist() == [-1] * 4
     assert seq_lens.dtype == np.int32 and rows.shape == sources.shape == (2,)
+
+
+def test_sampling_metadata_top_k_fields_for_a_batch_with_and_without_top_k():
+    """top_k per row (the vocabulary size where a row has none; a top_k at or above it is none);
+    max_top_k only when every row has one, max_set_top_k (the largest of those that do) whenever
+    one has."""
+    from nanovllm.engine.sampling_inputs import host_sampling_metadata
+    seqs = [Sequence(str(i), i, [1, 2, 3], SamplingParams(top_k=k, top_p=0.9))
+            for i, k in enumerate([20, 0, 5_000, -1, 7])]
+    md = host_sampling_metadata(seqs, vocab_size=1_000, eos_token_ids=[0])
+    assert md.top_k.tolist() == [20, 1_000, 1_000, 1_000, 7]
+    assert (md.max_top_k, md.max_set_top_k) == (None, 20)
+    md = host_sampling_metadata(seqs[:1] + seqs[4:], vocab_size=1_000, eos_token_ids=[0])
+    assert (md.max_top_k, md.max_set_top_k) == (20, 20)
+    md = host_sampling_metadata(seqs[1:4], vocab_size=1_000, eos_token_ids=[0])
+    assert (md.top_k, md.max_top_k, md.max_set_top_k) == (None, None, None)

@@ -406,37 +406,46 @@ def test_cut_kernels_compile_nothing_for_a_new_batch_size(path):
     assert variants() == compiled
 
 
-def test_fused_sampler_with_top_p_and_min_p_draws_what_the_masked_logits_draw(monkeypatch):
-    """The sampler's fused path (kernels and routing) for top-p without top-k, min-p, and both:
-    the same tokens as the Gumbel kernel on logits masked beforehand at the reference cuts, with
-    the same seeds; greedy rows take the argmax."""
-    from nanovllm.layers.sampler import Sampler, SamplingMetadata
+@pytest.mark.parametrize("case", ["top_p", "min_p", "top_p and min_p", "top_k in some rows", "top_k in some, min_p"])
+def test_fused_sampler_cuts_draw_what_the_masked_logits_draw(case, monkeypatch):
+    """The sampler's fused path (kernels and routing) for top-p without top-k, min-p, both, and a
+    batch with and without top_k (each row's cut from the kernel that serves it): the same tokens
+    as the Gumbel kernel on logits masked beforehand at the reference cuts, with the same seeds;
+    greedy rows take the argmax."""
+    from nanovllm.layers.sampler import Sampler, SamplingMetadata, top_k_top_p_cut
     gen = torch.Generator().manual_seed(11)
     batch, vocab = 6, 5_000
     logits = (torch.randn(batch, vocab, generator=gen) * 2).to(DTYPE)
     temps = torch.tensor([1.0, 0.5, 1.0, 0.5, 2.0, 1.0])
     greedy = torch.tensor([False, False, False, False, False, True])
+    top_p = torch.tensor([0.9, 0.5, 1.0, 0.3, 0.99, 0.8]) if "top_p" in case or "top_k" in case else None
+    min_p = torch.tensor([0.1, 0.0, 0.3, 0.05, 0.2, 0.1]) if "min_p" in case else None
+    top_k = torch.tensor([5, vocab, 40, vocab, 1, vocab]) if "top_k" in case else None
+    cut = torch.full((batch,), float("-inf"))
+    if top_p is not None:
+        cut = top_p_reference(logits, top_p, temps)
+    if top_k is not None:
+        has_k = top_k < vocab
+        with_k = top_k_top_p_cut(logits.float(), torch.where(has_k, top_k, 1), top_p, 40, temps).squeeze(-1)
+        cut = torch.where(has_k, with_k, cut)
+    if min_p is not None:
+        cut = torch.maximum(cut, logits.float().amax(-1) + temps * min_p.log())
+    masked = logits.float().masked_fill(logits.float() < cut[:, None], float("-inf"))
+    on_device = lambda t: None if t is None else t.to(DEVICE)
+    md = SamplingMetadata(temperatures=temps.to(DEVICE), is_greedy=greedy.to(DEVICE), all_greedy=False,
+                          any_greedy=True, top_k=on_device(top_k), max_top_k=None,
+                          max_set_top_k=None if top_k is None else 40, top_p=on_device(top_p),
+                          min_p=on_device(min_p), row_seeds=[], banned_rows=None, banned_tokens=None)
     sampler = Sampler(torch.Generator(device=DEVICE))
     sampler.fused = True        # the Triton path, also under the interpreter on the CPU
-    some_top_p, some_min_p = torch.tensor([0.9, 0.5, 1.0, 0.3, 0.99, 0.8]), torch.tensor([0.1, 0.0, 0.3, 0.05, 0.2, 0.1])
-    for top_p, min_p in ((some_top_p, None), (None, some_min_p), (some_top_p, some_min_p)):
-        cut = torch.full((batch,), float("-inf"))
-        if top_p is not None:
-            cut = torch.maximum(cut, top_p_reference(logits, top_p, temps))
-        if min_p is not None:
-            cut = torch.maximum(cut, logits.float().amax(-1) + temps * min_p.log())
-        masked = logits.float().masked_fill(logits.float() < cut[:, None], float("-inf"))
-        md = SamplingMetadata(temperatures=temps.to(DEVICE), is_greedy=greedy.to(DEVICE), all_greedy=False,
-                              any_greedy=True, top_k=None, max_top_k=None,
-                              top_p=None if top_p is None else top_p.to(DEVICE),
-                              min_p=None if min_p is None else min_p.to(DEVICE),
-                              row_seeds=[], banned_rows=None, banned_tokens=None)
-        for draw in range(4):
-            seeds = torch.randint(0, 1 << 62, (batch,), generator=gen)
-            monkeypatch.setattr(sampler, "_row_seeds", lambda *args: seeds.to(DEVICE))
-            ours = sampler(logits.to(DEVICE), md).token_ids.cpu()
-            assert ours.tolist() == sample_fused(masked, temps, greedy, seeds).tolist()
-            assert ours[5] == logits[5].float().argmax()
+    for draw in range(4):
+        seeds = torch.randint(0, 1 << 62, (batch,), generator=gen)
+        monkeypatch.setattr(sampler, "_row_seeds", lambda *args: seeds.to(DEVICE))
+        ours = sampler(logits.to(DEVICE), md).token_ids.cpu()
+        assert ours.tolist() == sample_fused(masked, temps, greedy, seeds).tolist()
+        assert ours[5] == logits[5].float().argmax()
+    if top_k is not None:
+        assert ours[4] == logits[4].float().argmax()      # top_k 1
 
 
 @pytest.mark.parametrize("batch, vocab", [(1, 151_936), (7, 8_193), (5, 1_000)])

@@ -183,7 +183,7 @@ class ModelRunner:
                           query_start_loc=np.concatenate([[0], np.cumsum(lens)]).tolist(), seq_lens=lens)
         hidden = self.model(*self._device_inputs(batch))
         logits = self.model.compute_logits(hidden[torch.tensor(batch.query_start_loc[1:]) - 1])
-        # top_k without max_top_k (rows with and without a top_k) sorts every row: the sampler's largest path
+        # top_k without max_top_k or max_set_top_k sorts every row: the sampler's largest path
         md = SamplingMetadata(
             temperatures=torch.ones(num_seqs, device=self.device),
             is_greedy=torch.zeros(num_seqs, dtype=torch.bool, device=self.device), all_greedy=False,

@@ -34,11 +34,12 @@ def host_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids:
         any_greedy=any(p.is_greedy for p in params),
         top_k=None, max_top_k=None, top_p=None, min_p=None, row_seeds=[], banned_rows=None, banned_tokens=None,
     )
-    if any(p.top_k > 0 for p in params):
-        top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
-        md.top_k = np.asarray(top_k, np.int64)
-        if all(p.top_k > 0 for p in params):
-            md.max_top_k = max(top_k)
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]   # a top_k >= vocab keeps every token: none
+    if any(top_k):
+        md.top_k = np.asarray([k or vocab for k in top_k], np.int64)
+        md.max_set_top_k = max(top_k)
+        if all(top_k):
+            md.max_top_k = md.max_set_top_k
     if any(p.top_p < 1.0 for p in params):
         md.top_p = np.asarray([p.top_p for p in params], np.float32)
     if any(p.min_p > 0.0 for p in params):

@@ -6,10 +6,10 @@ through temperature, top-k, top-p and min-p, and are sampled by the exponential 
 argmax(probs / q), q ~ Exponential(1), which needs no sort and no host sync. On CUDA the race
 runs as Gumbel noise on the logits in one fused Triton pass (kernels/triton_sampler.py), with
 temperature inside it, and top-k, top-p and min-p as one cut value per row below which nothing
-is drawn: top-k/top-p from a few candidates or radix select when every row has a small top_k
+is drawn: top-k/top-p from a few candidates or radix select for rows with a top_k
 (kernels/triton_top_k.py), top-p without top-k by a radix select on probability mass
-(kernels/triton_top_p.py), min-p from the row's maximum. Only a batch that mixes rows with and
-without a top_k, or has a top_k above SELECT_TOP_K_MAX, sorts its scaled logits first.
+(kernels/triton_top_p.py), min-p from the row's maximum. Only a batch with a top_k above
+SELECT_TOP_K_MAX sorts its scaled logits first.
 """
 from dataclasses import dataclass
 
@@ -33,6 +33,7 @@ class SamplingMetadata:
     banned_rows: torch.Tensor | None
     banned_tokens: torch.Tensor | None
     max_top_k: int | None = None          # the largest top_k when every row has one (host int), else None
+    max_set_top_k: int | None = None      # the largest top_k of the rows that have one (host int)
     # Penalties: [B] each, and the tokens they look at; None when no row has any.
     presence_penalties: torch.Tensor | None = None
     frequency_penalties: torch.Tensor | None = None
@@ -213,18 +214,26 @@ class Sampler:
             # chunks, the gather); the fused kernel's greedy rows are exactly this argmax.
             return logits.argmax(-1)
         seeds = self._row_seeds(md, logits.shape[0], logits.device)
-        if md.top_k is not None and not selects_top_k(md.top_k, md.max_top_k):
-            # a row without a top_k beside rows with one, or a top_k above SELECT_TOP_K_MAX: sorted
+        if md.top_k is not None and not selects_top_k(md.top_k, md.max_top_k or md.max_set_top_k):
+            # a top_k above SELECT_TOP_K_MAX: sorted
             logits = filter_logits(logits.float() / md.temperatures[:, None], md)
             return gumbel_argmax(logits, torch.ones_like(md.temperatures), md.is_greedy, seeds)  # T, min-p applied
         # The filters as one cut value per row (top_k_top_p_cut's and min_p_cut's values), applied
         # inside the kernel: no [B, V] pass of torch
+        from nanovllm.kernels import triton_top_k, triton_top_p
         cut = None
-        if md.top_k is not None:
-            from nanovllm.kernels import triton_top_k
+        if md.top_k is not None and md.max_top_k is None:
+            # rows with and without a top_k: each row's cut from the kernel that serves it (the
+            # other's result for it, with top_k 1 or top_p 1, is dropped)
+            has_k = md.top_k < logits.shape[1]
+            cut = triton_top_k.top_k_top_p_cut(logits, torch.where(has_k, md.top_k, 1), md.top_p, md.max_set_top_k,
+                                               md.temperatures)
+            rest = (torch.full_like(cut, float("-inf")) if md.top_p is None else
+                    triton_top_p.top_p_cut(logits, torch.where(has_k, 1.0, md.top_p), md.temperatures))
+            cut = torch.where(has_k, cut, rest)
+        elif md.top_k is not None:
             cut = triton_top_k.top_k_top_p_cut(logits, md.top_k, md.top_p, md.max_top_k, md.temperatures)
         elif md.top_p is not None:
-            from nanovllm.kernels import triton_top_p
             cut = triton_top_p.top_p_cut(logits, md.top_p, md.temperatures)
         if md.min_p is not None:
             floor = min_p_cut(logits, md.min_p, md.temperatures)
