@@ -109,15 +109,19 @@ def main():
     start = time.perf_counter()
     llm = LLM(model, **kwargs)
     startup = time.perf_counter() - start
-    # Untimed warm-up, sampling as the workloads do, at one sequence and at a batch (the top-k/top-p
-    # kernels differ by batch size), so that no kernel compiles inside a timed run.
-    warm_up = SamplingParams(max_tokens=4, **sampling_filters(args))
-    for num_prompts in (1, 32):
-        llm.generate([{"prompt_token_ids": [1, 2, 3]}] * num_prompts, warm_up, use_tqdm=False)
+    warm_up(llm, SamplingParams, args)
     for name in workloads:
         args.workload = name
         llm.reset_prefix_cache()   # (each workload's prompts start with the same seeded random ids)
         run_workload(llm, SamplingParams, args, on_cpu, startup)
+
+
+def warm_up(llm, SamplingParams, args):
+    """Untimed, sampling as the workloads do, at one sequence and at a batch (the top-k/top-p
+    kernels differ by batch size), so that no kernel compiles inside a timed run."""
+    params = SamplingParams(max_tokens=4, **sampling_filters(args))
+    for num_prompts in (1, 32):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}] * num_prompts, params, use_tqdm=False)
 
 
 def sampling_filters(args) -> dict:

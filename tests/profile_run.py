@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import make_workload, preset_dir
+from bench import make_workload, preset_dir, warm_up
 from nanovllm import LLM, SamplingParams
 
 DECODE_BUCKETS = (1, 8, 32, 64, 128, 192, 256, 512)
@@ -69,9 +69,7 @@ def main():
     llm = LLM(preset_dir(args.model), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
               tensor_parallel_size=args.tp)
     prompts, settings = make_workload(args, on_cpu=False)
-    for rows in (1, 32):     # as bench.py's warm-up: sampling as the run does, at one sequence and at a batch
-        llm.generate([{"prompt_token_ids": [1, 2, 3]}] * rows, SamplingParams(max_tokens=4, **params),
-                     use_tqdm=False)
+    warm_up(llm, SamplingParams, args)
 
     for _ in range(args.runs):
         start = time.perf_counter()

@@ -156,9 +156,14 @@ def _chosen_bits(counts_ptr, row, k, num_rows, PASSES: tl.constexpr):
 
 @triton.jit
 def _kth_largest(counts_ptr, row, k, num_rows, NUM_PASSES: tl.constexpr):
-    prefix = _chosen_bits(counts_ptr, row, k, num_rows, NUM_PASSES)
-    if DIGIT_BITS * NUM_PASSES == 16:
-        # a 16-bit float's key ends in 16 bits its passes never chose: 0, or all ones if negative
+    return _from_key_prefix(_chosen_bits(counts_ptr, row, k, num_rows, NUM_PASSES), DIGIT_BITS * NUM_PASSES)
+
+
+@triton.jit
+def _from_key_prefix(prefix, CHOSEN_BITS: tl.constexpr):
+    """The float whose key starts with prefix's first CHOSEN_BITS bits (16: a 16-bit float's, whose
+    key ends in 16 bits no pass chose: 0, or all ones if negative)."""
+    if CHOSEN_BITS == 16:
         prefix |= tl.where(prefix >= 0, 0xFFFF, 0)
     return _from_sort_key(prefix)
 

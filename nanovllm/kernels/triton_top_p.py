@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.triton_top_k import _from_sort_key, _load_chunk, _sort_key
+from nanovllm.kernels.triton_top_k import _from_key_prefix, _load_chunk, _sort_key
 
 BLOCK = 512            # candidates per load: a [16, BLOCK] float32 accumulator, 64 values a thread at 4 warps
 PROGRAMS_WANTED = 528  # ~4 per SM of an H100/H200
@@ -171,10 +171,7 @@ def _cut_kernel(top_p_ptr, temps_ptr, stats_ptr, masses_ptr, cut_ptr, num_chunks
     if top_p < 1.0:
         _, total = _row_stats(stats_ptr, row, num_chunks, LOG2E / tl.load(temps_ptr + row))
         prefix = _chosen_digits(masses_ptr, row, tl.num_programs(0), num_chunks, top_p * total, NUM_PASSES)
-        if DIGIT_BITS * NUM_PASSES == 16:
-            # a 16-bit float's key ends in 16 bits no pass chose: 0, or all ones if negative
-            prefix |= tl.where(prefix >= 0, 0xFFFF, 0)
-        cut = _from_sort_key(prefix)
+        cut = _from_key_prefix(prefix, DIGIT_BITS * NUM_PASSES)
         cut = tl.where(cut == cut, cut, float("-inf"))     # a row of NaN or -inf only: keep all
     tl.store(cut_ptr + row, cut)
 
