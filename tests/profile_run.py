@@ -7,11 +7,14 @@
 3. With --tp > 1: the spread of rank 0's all-reduce times.
 
     PYTHONPATH=. python3 tests/profile_run.py [--model qwen3-0.6b] [--workload default] [--tp 2] [--profile-steps 200]
-        [--top-k 20 --top-p 0.95] [--runs 2] [--no-profile]
+        [--top-k 20 --top-p 0.95] [--runs 2] [--no-profile] [--pause 5] [--cprofile]
 """
 import argparse
 import collections
+import cProfile
+import gc
 import os
+import pstats
 import sys
 import time
 
@@ -62,6 +65,10 @@ def main():
     p.add_argument("--runs", type=int, default=1, help="host-view runs before the profiled one, each with its "
                                                        "slowest steps")
     p.add_argument("--no-profile", action="store_true", help="the host-view runs only")
+    p.add_argument("--cprofile", action="store_true", help="each host-view run under cProfile: its top functions "
+                                                           "by own time (where a first run's host time goes)")
+    p.add_argument("--pause", type=float, default=0.0, help="seconds the GPU sits idle before each host-view run "
+                                                            "after the first (as before a process's first run)")
     args = p.parse_args()
     params = dict(top_k=args.top_k, top_p=args.top_p)
     args.seed, args.num_seqs = 0, 256
@@ -71,19 +78,33 @@ def main():
     prompts, settings = make_workload(args, on_cpu=False)
     warm_up(llm, SamplingParams, args)
 
-    for _ in range(args.runs):
+    for run in range(args.runs):
+        if run and args.pause:
+            time.sleep(args.pause)
+        mallocs = torch.cuda.memory_stats().get("num_device_alloc", 0)
+        collections_before = [g["collections"] for g in gc.get_stats()]
+        host_profile = cProfile.Profile() if args.cprofile else None
         start = time.perf_counter()
+        if host_profile:
+            host_profile.enable()
         steps = run_steps(llm, prompts, settings, **params)
+        if host_profile:
+            host_profile.disable()
         wall = time.perf_counter() - start
+        mallocs = torch.cuda.memory_stats().get("num_device_alloc", 0) - mallocs
         by_kind = collections.defaultdict(lambda: [0, 0.0])
         for kind, seconds in steps:
             by_kind[kind][0] += 1
             by_kind[kind][1] += seconds
-        print(f"host view: {len(steps)} steps in {wall:.2f} s")
+        gcs = [g["collections"] - n for g, n in zip(gc.get_stats(), collections_before)]
+        print(f"host view: {len(steps)} steps in {wall:.2f} s, {mallocs} cudaMalloc calls by torch's allocator, "
+              f"garbage collections by generation {gcs}")
         for kind, (n, seconds) in sorted(by_kind.items()):
             print(f"  {kind:22} {n:5} steps {seconds:7.3f} s  {seconds / n * 1000:7.3f} ms/step")
         slowest = sorted(range(len(steps)), key=lambda i: -steps[i][1])[:6]
         print("  slowest steps: " + ", ".join(f"#{i} {steps[i][0]} {steps[i][1] * 1000:.1f} ms" for i in slowest))
+        if host_profile:
+            pstats.Stats(host_profile).sort_stats("tottime").print_stats(18)
         llm.reset_prefix_cache()      # the same prompts again: without this they would all be cache hits
     if args.no_profile:
         return llm.close()
@@ -102,9 +123,41 @@ def main():
     kernels.sort(key=lambda e: -e.self_device_time_total)
     for e in kernels[:25]:
         print(f"  {e.self_device_time_total / 1e6:7.3f} s {e.count:8} calls  {e.key[:90]}")
+    print_gaps(prof)
     if args.tp > 1:
         print_all_reduce_spread(prof)
     llm.close()
+
+
+def print_gaps(prof):
+    """Where the GPU sat idle: the gaps between one device activity (kernel, copy, memset) and the
+    next on the timeline, by length, and the activities that followed the longest ones and the
+    most idle time in all (the kernels of a CUDA graph have launch gaps of their own)."""
+    device = torch.autograd.DeviceType.CUDA
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == device and e.time_range.end > e.time_range.start)
+    buckets = [(2, "< 2 us"), (5, "2-5 us"), (20, "5-20 us"), (100, "20-100 us"), (1000, "0.1-1 ms"),
+               (float("inf"), ">= 1 ms")]
+    by_bucket = collections.defaultdict(lambda: [0, 0.0])
+    before = collections.defaultdict(float)
+    longest = []
+    end, last = spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
+        gap = start - end
+        if gap > 0:
+            label = next(label for limit, label in buckets if gap < limit)
+            by_bucket[label][0] += 1
+            by_bucket[label][1] += gap / 1e6
+            before[name[:60]] += gap / 1e6
+            longest.append((gap, last[:40], name[:40]))
+        if stop > end:
+            end, last = stop, name
+    print("GPU idle gaps by length: " + ", ".join(f"{label} {by_bucket[label][0]} ({by_bucket[label][1]:.3f} s)"
+                                                   for _, label in buckets))
+    print("  idle before: " + "; ".join(f"{name} {seconds:.3f} s"
+                                        for name, seconds in sorted(before.items(), key=lambda kv: -kv[1])[:8]))
+    longest.sort(reverse=True)
+    print("  longest: " + "; ".join(f"{gap / 1000:.2f} ms {a} -> {b}" for gap, a, b in longest[:6]))
 
 
 def print_all_reduce_spread(prof):
