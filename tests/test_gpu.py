@@ -138,6 +138,22 @@ def test_kv_cache_is_sized_from_memory(gpu_model_dir):
     assert set(runner.timings) >= {"load_s", "kv_cache_s", "cuda_graphs_s"}
 
 
+def test_lm_head_sees_only_the_warmed_row_counts(gpu_model_dir):
+    """The LM head runs at the graph buckets' row counts (warmed at start-up), whatever the number
+    of rows that sample: prompt steps, shrinking decode batches, eager and graphed steps."""
+    llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=512, max_num_seqs=40, max_num_batched_tokens=96)
+    runner = llm.llm_engine.model_runner
+    assert runner.logits_buckets == [1, 2, 4, 8, 16, 32, 40]
+    assert [runner.logits_bucket(n) for n in (1, 3, 17, 33, 40, 41)] == [1, 4, 32, 40, 40, 41]
+    seen = []
+    compute_logits = runner.model.compute_logits
+    runner.model.compute_logits = lambda h: seen.append(len(h)) or compute_logits(h)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:13]],
+                        [SamplingParams(max_tokens=3 + i, ignore_eos=True) for i in range(13)], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3 + i for i in range(13)]
+    assert set(seen) <= set(runner.logits_buckets) and len(seen) > 15
+
+
 @torch.no_grad()
 def test_prompt_logprobs_close_to_hf(gpu_model_dir):
     """Prompt logprobs (scored chunk by chunk, in bf16) against HF's bf16 log_softmax."""

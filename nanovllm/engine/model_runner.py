@@ -1,5 +1,6 @@
 """ModelRunner: owns the model, its KV cache, the attention backend, the decode CUDA graphs and
 the sampler; turns a SchedulerOutput into sampled tokens."""
+import bisect
 import time
 from dataclasses import dataclass, replace
 
@@ -9,7 +10,7 @@ import torch
 from nanovllm.config import Config
 from nanovllm.distributed import SINGLE, TPGroup
 from nanovllm.engine.block_table_sync import BlockTableReceiver, BlockTableSender
-from nanovllm.engine.cuda_graph import DecodeGraphs
+from nanovllm.engine.cuda_graph import DecodeGraphs, graph_buckets
 from nanovllm.engine.sampling_inputs import build_sampling_metadata
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
@@ -101,6 +102,12 @@ class ModelRunner:
                 hf.hidden_size, config.torch_dtype, self.device,
                 self.decode_split)
             self.timings["cuda_graphs_s"] = time.perf_counter() - start
+        # the LM head computes the logits of n rows for logits_bucket(n) rows (see there)
+        self.logits_buckets = graph_buckets(config.max_num_seqs) if self.device.type == "cuda" else []
+        if self.logits_buckets:
+            start = time.perf_counter()
+            self._warm_up_logits(hf.hidden_size, config.torch_dtype)
+            self.timings["logits_warm_up_s"] = time.perf_counter() - start
         if self.sampler is not None and sampling_defaults is not None and (
                 sampling_defaults.top_k > 0 or sampling_defaults.top_p < 1.0):
             start = time.perf_counter()
@@ -119,9 +126,29 @@ class ModelRunner:
         if self.graphs is not None:
             message += (f"; CUDA graphs for {len(self.graphs.buckets)} batch sizes captured in "
                         f"{t['cuda_graphs_s']:.1f}s")
+        if self.logits_buckets:
+            message += f"; LM head warmed up for {len(self.logits_buckets)} row counts in {t['logits_warm_up_s']:.1f}s"
         if "sampler_warm_up_s" in t:
             message += f"; sampler kernels warmed up in {t['sampler_warm_up_s']:.1f}s"
         logger.info(message)
+
+    # ---- LM head -----------------------------------------------------------------------------
+    # cuBLAS chooses a kernel for each GEMM shape it meets and loads it on first use: ~1 ms of host
+    # time, during which the GPU waits. A run meets every row count up to max_num_seqs (decode
+    # batches shrink one by one), so a process's first run paid ~0.25 s for the LM head alone
+    # (docs/perf_notes.md row 41). Padded to the graph buckets' sizes, which are warmed at start-up,
+    # it meets none; the padding rows cost little, the product being bound by the weight's bytes.
+    def logits_bucket(self, num_rows: int) -> int:
+        """The row count the LM head computes num_rows rows' logits for (num_rows itself above the
+        largest bucket and on the CPU)."""
+        i = bisect.bisect_left(self.logits_buckets, num_rows)
+        return self.logits_buckets[i] if i < len(self.logits_buckets) else num_rows
+
+    @torch.inference_mode()
+    def _warm_up_logits(self, hidden_size: int, dtype: torch.dtype):
+        """The LM head once at every logits bucket (on every rank: with TP it gathers)."""
+        for rows in self.logits_buckets:
+            self.model.compute_logits(torch.zeros(rows, hidden_size, dtype=dtype, device=self.device))
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -301,17 +328,28 @@ class ModelRunner:
         batch = step.batch
         num_seqs = len(batch.seq_lens)
         pending = (step.pending_rows, step.pending_sources) if step.pending_rows else None
-        if (self.graphs is not None and len(batch.input_ids) == num_seqs
-                and num_seqs <= self.graphs.max_batch_size):
+        from_graph = (self.graphs is not None and len(batch.input_ids) == num_seqs
+                      and num_seqs <= self.graphs.max_batch_size)
+        if from_graph:
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
                                      batch.block_tables, pending, self.last_sampled)
         else:
             hidden = self.model(*self._device_inputs(batch, pending))
 
         def logits_of(rows: list[int] | None) -> torch.Tensor | None:
-            if rows is None:
-                return self.model.compute_logits(hidden)
-            return self.model.compute_logits(hidden[upload([np.asarray(rows, np.int64)], self.device)[0]])
+            """The logits of hidden's rows (None: every row), computed for their number padded to
+            a logits bucket and cut back."""
+            n = len(hidden) if rows is None else len(rows)
+            padded = self.logits_bucket(n)
+            if rows is None and from_graph:
+                h = self.graphs.hidden[:padded]      # the graph bucket's padding rows follow
+            elif rows is None and padded == n:
+                h = hidden
+            else:
+                index = np.arange(n) if rows is None else np.asarray(rows, np.int64)
+                h = hidden[upload([np.pad(index, (0, padded - n), mode="edge")], self.device)[0]]
+            logits = self.model.compute_logits(h)
+            return None if logits is None else logits[:n]
 
         logits = logits_of(step.logits_rows) if step.num_sampling else None
         prompt_rows = step.prompt_rows
