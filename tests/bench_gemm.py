@@ -1,0 +1,103 @@
+"""Would a plain Triton GEMM beat cuBLAS for the decode projections at 32-256 rows? (A developer
+tool, not a test.) The decode steps' cuBLAS GEMMs take ~0.85 s of the default workload against
+~0.35 s for their bytes and FLOPs (docs/perf_notes.md, "Next" item 3), and Inductor's autotuning,
+in its own harness, ranked its Triton templates above cuBLAS at 128 rows. This times, in a CUDA
+graph with the weights read from HBM (as the decode graphs see them), a tiled GEMM with each
+configuration of a small grid against `F.linear`, for the Qwen3-0.6B projection shapes.
+
+    PYTHONPATH=. python3 tests/bench_gemm.py [--rows 32 64 128 192 256] [--quick]
+
+The kernel: one program per (BLOCK_M rows, BLOCK_N output features) tile, the programs of one
+weight tile next to each other (so that its M tiles read it from HBM once, then from L2), the
+K loop pipelined by Triton.
+"""
+import argparse
+import itertools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+SHAPES = {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)}   # (K, N)
+L2_FLUSH_BYTES = 160 << 20
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[M, N] = x[M, K] @ w[N, K]^T; K a multiple of BLOCK_K."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m, pid_n = pid % num_m, pid // num_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x = x_ptr + offs_m[:, None] * stride_x + offs_k[None, :]
+    w = w_ptr + offs_n[:, None] * stride_w + offs_k[None, :]
+    m_ok, n_ok = offs_m < M, offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for _ in range(0, K, BLOCK_K):
+        a = tl.load(x, mask=m_ok[:, None], other=0.0)
+        b = tl.load(w, mask=n_ok[:, None], other=0.0)
+        acc += tl.dot(a, tl.trans(b))
+        x += BLOCK_K
+        w += BLOCK_K
+    tl.store(out_ptr + offs_m[:, None] * stride_o + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, block_m: int, block_n: int, block_k: int, num_stages: int,
+         num_warps: int) -> torch.Tensor:
+    m, k = x.shape
+    n = w.shape[0]
+    assert k % block_k == 0
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _gemm_kernel[grid](x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=block_m,
+                       BLOCK_N=block_n, BLOCK_K=block_k, num_stages=num_stages, num_warps=num_warps)
+    return out
+
+
+def main():
+    from gpu_timing import us_per_call_in_graph
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", type=int, nargs="+", default=[32, 64, 128, 192, 256])
+    p.add_argument("--quick", action="store_true", help="a 24-configuration grid instead of 108")
+    args = p.parse_args()
+    if args.quick:
+        grid = list(itertools.product((32, 64), (64, 128), (128,), (4, 5), (4, 8)))[:24]
+    else:
+        grid = list(itertools.product((32, 64, 128), (32, 64, 128), (64, 128), (3, 4, 5), (4, 8)))
+    print("us per call in a CUDA graph (weights from HBM): cuBLAS, the best Triton configurations "
+          "(block_m, block_n, block_k, stages, warps)")
+    total = {"cuBLAS": 0.0, "best": 0.0}
+    for name, (k, n) in SHAPES.items():
+        w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        weights = [w0] + [w0.clone() for _ in range(max(1, L2_FLUSH_BYTES // w0.nbytes))]
+        for m in args.rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            reference = F.linear(x, w0).float()
+            theirs = us_per_call_in_graph([lambda w=w: F.linear(x, w) for w in weights])
+            results = []
+            for config in grid:
+                try:
+                    diff = (gemm(x, w0, *config).float() - reference).abs().max().item()
+                    us = us_per_call_in_graph([lambda w=w: gemm(x, w, *config) for w in weights])
+                except Exception as e:   # e.g. out of shared memory
+                    print(f"  {config} failed: {type(e).__name__}")
+                    continue
+                results.append((us, config, diff))
+            results.sort()
+            best = results[0]
+            total["cuBLAS"] += theirs
+            total["best"] += best[0]
+            print(f"{name:8} {m:4} rows  cuBLAS {theirs:6.2f}  best {best[0]:6.2f} {best[1]} (max |diff| "
+                  f"{best[2]:.3g}); next: " + ", ".join(f"{us:.2f} {c}" for us, c, _ in results[1:3]), flush=True)
+        del weights, w0
+        torch.cuda.empty_cache()
+    print(f"sum over shapes and rows: cuBLAS {total['cuBLAS']:.1f} us, best Triton {total['best']:.1f} us")
+
+
+if __name__ == "__main__":
+    main()
