@@ -162,10 +162,14 @@ def test_bad_tensor_parallel_size(qwen3_dir):
 
 
 SCRIPT = """
+import signal
 import sys
 from nanovllm import LLM, SamplingParams
 
 if __name__ == "__main__":            # worker processes are spawned: the script re-imports
+    # Ctrl-C raises KeyboardInterrupt, as in a terminal, even where the test runs with SIGINT
+    # ignored (a job started with & by a non-interactive shell), which Python would keep
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     llm = LLM(sys.argv[1], tensor_parallel_size=2, dtype="float32", block_size=16, num_kvcache_blocks=128)
     print("PIDS", *[p.pid for p in llm.llm_engine.workers.procs], flush=True)
     if sys.argv[2] == "exit":
