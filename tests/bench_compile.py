@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from gpu_timing import us_per_call_in_graph
 from nanovllm.kernels.triton_fused import qk_norm_rope_store, rms_norm, silu_and_mul
+from nanovllm.layers.rotary import RotaryEmbedding
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, PAGE, EPS = 1024, 16, 8, 128, 3072, 256, 1e-6
 
@@ -65,11 +66,6 @@ def _norm(x, weight):
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype) * weight
 
 
-def _rope(x, cos, sin):
-    x1, x2 = x.float().chunk(2, -1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
-
-
 def plain(w, cos_sin, k_cache, v_cache, attn, residual, positions, slots, store=True):
     """ours in plain torch (the layers' CPU paths), for torch.compile. The caches come as [slots,
     KV heads, dim]: with the paged shape, the store through a view made Inductor copy whole caches."""
@@ -81,7 +77,7 @@ def plain(w, cos_sin, k_cache, v_cache, attn, residual, positions, slots, store=
     q = _norm(q.view(-1, HEADS, HEAD_DIM), w["q_norm"])
     k = _norm(k.view(-1, KV_HEADS, HEAD_DIM), w["k_norm"])
     cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, -1)
-    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    q, k = RotaryEmbedding._rotate(q, cos, sin), RotaryEmbedding._rotate(k, cos, sin)
     if store:
         k_cache[slots] = k
         v_cache[slots] = v.view(-1, KV_HEADS, HEAD_DIM)
