@@ -5,13 +5,18 @@ in its own harness, ranked its Triton templates above cuBLAS at 128 rows. This t
 graph with the weights read from HBM (as the decode graphs see them), a tiled GEMM with each
 configuration of a small grid against `F.linear`, for the Qwen3-0.6B projection shapes.
 
-    PYTHONPATH=. python3 tests/bench_gemm.py [--rows 32 64 128 192 256] [--quick]
+    PYTHONPATH=. python3 tests/bench_gemm.py [--rows 32 64 128 192 256] [--quick | --libraries]
+
+--libraries: instead of the Triton sweep, F.linear through torch's cuBLAS and cuBLASLt paths
+(`torch.backends.cuda.preferred_blas_library`) and with TunableOp's choice (`torch.cuda.tunable`,
+tuned outside the graph first).
 
 The kernel: one program per (BLOCK_M rows, BLOCK_N output features) tile, the programs of one
 weight tile next to each other (so that its M tiles read it from HBM once, then from L2), the
 K loop pipelined by Triton.
 """
 import argparse
+import collections
 import itertools
 
 import torch
@@ -59,12 +64,51 @@ def gemm(x: torch.Tensor, w: torch.Tensor, block_m: int, block_n: int, block_k: 
     return out
 
 
+def libraries(rows):
+    """F.linear's time per library choice, in a graph, weights from HBM."""
+    from gpu_timing import us_per_call_in_graph
+    import torch.cuda.tunable as tunable
+    print("us per call in a CUDA graph (weights from HBM): F.linear through cuBLAS, cuBLASLt, TunableOp's choice")
+    total = collections.defaultdict(float)
+    for name, (k, n) in SHAPES.items():
+        w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        weights = [w0] + [w0.clone() for _ in range(max(1, L2_FLUSH_BYTES // w0.nbytes))]
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            reference = F.linear(x, w0).float()
+            times = {}
+            for library in ("cublas", "cublaslt"):
+                torch.backends.cuda.preferred_blas_library(library)
+                times[library] = us_per_call_in_graph([lambda w=w: F.linear(x, w) for w in weights])
+            torch.backends.cuda.preferred_blas_library("cublas")
+            tunable.enable(True)
+            tunable.tuning_enable(True)
+            diff = (F.linear(x, w0).float() - reference).abs().max().item()    # tunes this shape
+            tunable.tuning_enable(False)
+            try:
+                times["tunable"] = us_per_call_in_graph([lambda w=w: F.linear(x, w) for w in weights])
+            except RuntimeError as e:
+                print(f"  TunableOp in a graph: {e}"[:200])
+            tunable.enable(False)
+            for library, us in times.items():
+                total[library] += us
+            print(f"{name:8} {m:4} rows  " + "  ".join(f"{lib} {us:6.2f}" for lib, us in times.items())
+                  + f"  (TunableOp max |diff| {diff:.3g})", flush=True)
+        del weights, w0
+    print("sum: " + ", ".join(f"{lib} {us:.1f} us" for lib, us in total.items()))
+    print("TunableOp's choices:", *(f"{op} {params} -> {solution}" for op, params, solution, *_ in
+                                    tunable.get_results()), sep="\n  ")
+
+
 def main():
     from gpu_timing import us_per_call_in_graph
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[32, 64, 128, 192, 256])
     p.add_argument("--quick", action="store_true", help="a 24-configuration grid instead of 108")
+    p.add_argument("--libraries", action="store_true", help="cuBLAS, cuBLASLt and TunableOp instead of Triton")
     args = p.parse_args()
+    if args.libraries:
+        return libraries(args.rows)
     if args.quick:
         grid = list(itertools.product((32, 64), (64, 128), (128,), (4, 5), (4, 8)))[:24]
     else:

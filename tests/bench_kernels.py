@@ -3,17 +3,22 @@ Qwen3-0.6B attention shape: 16 query heads, 8 KV heads, head_dim 128, bf16 queri
 fp8 cache, block_size 256, pages scattered at random over a large cache (so reads come from HBM,
 not L2).
 
-    PYTHONPATH=. python3 tests/bench_kernels.py [--layout | --splits]
+    PYTHONPATH=. python3 tests/bench_kernels.py [--layout | --splits | --order]
 
 --layout: only the table of cache layouts ([block, token, KV head, dim], the engine's, against
 [block, KV head, token, dim], whose pages hold each head's tokens back to back; the kernels read
 either through the cache's strides). --splits: only the table of decode splits at mid-size
-batches of mixed lengths, where the engine's choice (decode_split_config) changes.
+batches of mixed lengths, where the engine's choice (decode_split_config) changes. --order: what
+memory reads can reach (a contiguous read and the decode kernel's own paged reads without the
+attention arithmetic), and the decode kernel on large mixed batches with the sequences in the
+order given, longest first and shortest first (programs start in sequence order).
 """
 import argparse
 import random
 
 import torch
+import triton
+import triton.language as tl
 from triton.testing import do_bench
 
 from gpu_timing import us_per_call_in_graph
@@ -65,6 +70,82 @@ def layouts(mixed):
             print(f"  prefill {str(cache_dtype)[6:]:13} 16 x 1024  {layout}: {us:8.1f} us")
 
 
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, per_program, BLOCK: tl.constexpr):
+    """Sums per_program contiguous values: a pure read of x at the rate the memory allows."""
+    base = tl.program_id(0).to(tl.int64) * per_program
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in range(0, per_program, BLOCK):
+        acc += tl.load(x_ptr + base + i + tl.arange(0, BLOCK)).to(tl.float32)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc))
+
+
+@triton.jit(do_not_specialize=["stride_bt"])
+def _paged_read_kernel(k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, stride_bt, stride_cb, stride_cr,
+                       stride_ch, SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """The decode kernel's reads (one program per sequence, KV head and split of SPLIT tokens, the
+    next tile's page looked up one iteration ahead) without its arithmetic: K + V summed."""
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * SPLIT
+    if start >= seq_len:
+        return
+    end = tl.minimum(start + SPLIT, seq_len)
+    offs_d = tl.arange(0, HEAD_DIM)
+    table = tables_ptr + seq * stride_bt
+    acc = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    page = tl.load(table + start // PAGE)
+    for n_start in range(start, end, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        rows = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cr + kv_head * stride_ch
+        acc += tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(tl.float32)
+        acc += tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(tl.float32)
+        page = ta._next_page(table, n_start, end, PAGE, BLOCK_N)
+    tl.store(out_ptr + (seq * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split, tl.sum(tl.sum(acc, 1), 0))
+
+
+def read_ceilings_and_order():
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print("reads: GB/s (median of do_bench)")
+    x = torch.randn(4 << 30 >> 1, device="cuda", dtype=torch.bfloat16)     # 4 GiB
+    y = torch.empty_like(x[: x.numel() // 2])
+    ms = do_bench(lambda: y.copy_(x[: y.numel()]), return_mode="median")
+    print(f"  copy 2 GiB -> 2 GiB (read + write):            {2 * y.nbytes / ms / 1e6:7.0f} GB/s")
+    for programs, block, warps, stages in ((num_sms * 4, 4096, 8, 3), (num_sms * 8, 2048, 4, 3),
+                                           (num_sms * 16, 2048, 4, 2), (num_sms * 32, 1024, 4, 3)):
+        out = torch.empty(programs, device="cuda")
+        per = x.numel() // programs // block * block
+        call = lambda: _read_kernel[(programs,)](x, out, per, BLOCK=block, num_warps=warps, num_stages=stages)
+        ms = do_bench(call, return_mode="median")
+        print(f"  contiguous read, {programs} programs x {block} x {warps} warps x {stages} stages: "
+              f"{programs * per * 2 / ms / 1e6:7.0f} GB/s")
+    del x, y
+    random.seed(1)
+    for batch in (256, 192, 128):
+        lens = [random.randint(100, 2048) for _ in range(batch)]
+        kv_bytes = 2 * sum(lens) * KV * D * 2
+        chosen = ta.decode_split_config(batch, KV, num_sms, 4096)
+        for order in ("given", "longest first", "shortest first"):
+            ordered = {"given": lens, "longest first": sorted(lens, reverse=True), "shortest first": sorted(lens)}[order]
+            k, v, tables, seq_lens = paged(ordered)
+            q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
+            for splits in (chosen, (8, 512)):
+                us = us_per_call_in_graph([lambda: ta.decode_attention(q, k, v, tables, seq_lens, D ** -0.5,
+                                                                       *splits)] * 20)
+                print(f"  decode {batch} mixed, {order:14} {str(splits):10}: {us:7.1f} us {kv_bytes / us / 1e3:6.0f} GB/s")
+            for split, block_n, warps in ((1024, 64, 4), (1024, 128, 8), (512, 64, 4)):
+                out = torch.empty(batch * KV * (4096 // split), device="cuda")
+                call = lambda: _paged_read_kernel[(batch, KV, 4096 // split)](
+                    k, v, tables, seq_lens, out, tables.stride(0), k.stride(0), k.stride(1), k.stride(2),
+                    SPLIT=split, HEAD_DIM=D, PAGE=PAGE, BLOCK_N=block_n, num_warps=warps, num_stages=2)
+                us = us_per_call_in_graph([call] * 20)
+                print(f"  paged read only {batch} mixed, {order:14} split {split} tile {block_n} "
+                      f"{warps} warps: {us:7.1f} us {kv_bytes / us / 1e3:6.0f} GB/s")
+            del k, v
+
+
 def splits_at_mid_batches():
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     print("decode splits at mid-size batches, contexts of 100-2,048 tokens (bf16 cache): us per call in a "
@@ -83,6 +164,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--layout", action="store_true", help="only the cache-layout table")
     p.add_argument("--splits", action="store_true", help="only the table of decode splits at mid-size batches")
+    p.add_argument("--order", action="store_true", help="only the read ceilings and the sequence-order table")
     args = p.parse_args()
     random.seed(0)
     mixed = [random.randint(100, 2048) for _ in range(256)]     # the default workload's spread
@@ -90,12 +172,15 @@ def main():
         return layouts(mixed)
     if args.splits:
         return splits_at_mid_batches()
+    if args.order:
+        return read_ceilings_and_order()
     print("decode: cache dtype, batch, config (splits, min_split, block_n, stages, warps, max registers)"
           " -> us, GB/s of K/V; stages None: the kernel's per-dtype default")
     configs = [(4, 1024, 64, None, 4, None), (4, 1024, 64, 2, 4, None), (4, 1024, 64, 3, 4, 128),
                (1, 64, 64, None, 4, None), (16, 256, 64, None, 4, None), (16, 64, 64, None, 4, None),
                (4, 1024, 128, 3, 8, None), (4, 1024, 128, 3, 8, 80), (4, 1024, 32, 4, 2, None),
-               (4, 1024, 64, 3, 4, 96)]
+               (4, 1024, 64, 3, 4, 96), (4, 1024, 64, 2, 8, None), (4, 1024, 64, 2, 2, None),
+               (4, 1024, 32, 2, 2, None), (4, 1024, 32, 3, 4, None), (4, 1024, 128, 2, 8, None)]
     for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
         for name, lens in (("256 x 1024", [1024] * 256), ("256 mixed", mixed), ("64 x 2048", [2048] * 64),
                            ("1 x 1024", [1024])):

@@ -123,10 +123,27 @@ def main():
     kernels.sort(key=lambda e: -e.self_device_time_total)
     for e in kernels[:25]:
         print(f"  {e.self_device_time_total / 1e6:7.3f} s {e.count:8} calls  {e.key[:90]}")
+    print_classes(kernels)
     print_gaps(prof)
     if args.tp > 1:
         print_all_reduce_spread(prof)
     llm.close()
+
+
+KERNEL_CLASSES = (("decode attention", ("_decode_split", "_decode_merge")), ("prefill attention", ("_prefill",)),
+                  ("cuBLAS GEMMs", ("gemm", "nvjet", "xmma", "cutlass", "splitK")),
+                  ("small-batch projections", ("_skinny",)), ("sampler", ("gumbel", "top_k", "top_p", "argmax")))
+
+
+def print_classes(kernels):
+    """GPU time by kind of kernel (names matched by substring, first class wins)."""
+    seconds = collections.defaultdict(float)
+    for e in kernels:
+        name = e.key.lower()
+        kind = next((kind for kind, keys in KERNEL_CLASSES if any(key.lower() in name for key in keys)), "other")
+        seconds[kind] += e.self_device_time_total / 1e6
+    print("GPU time by kind: " + ", ".join(f"{kind} {s:.3f} s" for kind, s in sorted(seconds.items(),
+                                                                                     key=lambda kv: -kv[1])))
 
 
 def print_gaps(prof):
