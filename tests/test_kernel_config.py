@@ -8,8 +8,9 @@ def test_decode_splits_follow_the_batch_and_the_longest_context():
     # (num_seqs, num_kv_heads, num_sms, max_model_len) -> (most splits, fewest tokens per split)
     assert decode_split_config(1, 8, 132, 4096) == (16, 64)        # one sequence: fine splits
     assert decode_split_config(16, 8, 132, 4096) == (16, 64)       # 128 programs < 132 SMs
-    assert decode_split_config(17, 8, 132, 4096) == (16, 256)
-    assert decode_split_config(66, 8, 132, 4096) == (4, 1024)      # >= 4 programs per SM
+    assert decode_split_config(17, 8, 132, 4096) == (8, 512)
+    assert decode_split_config(197, 8, 132, 4096) == (8, 512)
+    assert decode_split_config(198, 8, 132, 4096) == (4, 1024)     # >= 12 programs per SM
     assert decode_split_config(256, 8, 132, 4096) == (4, 1024)
     assert decode_split_config(256, 8, 132, 40960) == (16, 1024)   # capped at 16
     assert decode_split_config(256, 8, 132, 512) == (1, 1024)      # never more than one needed

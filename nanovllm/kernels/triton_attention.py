@@ -222,11 +222,13 @@ def _decode_merge_kernel(o_part_ptr, lse_part_ptr, seq_lens_ptr, out_ptr, stride
 
 def decode_split_config(num_seqs: int, num_kv_heads: int, num_sms: int, max_model_len: int) -> tuple[int, int]:
     """-> (most splits, fewest tokens per split). Few sequences: split finely to fill the GPU.
-    Enough for a few programs per SM: splits of at least 1,024 tokens, so most contexts take one
-    program that writes the output itself (no merge), and a long one still spreads over several.
+    Many: splits of at least 1,024 tokens, so most contexts take one program that writes the
+    output itself (no merge), and a long one still spreads over several. In between, 512: on
+    the H200 (docs/perf_notes.md row 42) 1-5% faster than 256 or 1,024 at 32-192 sequences of
+    mixed lengths, and 1,024 faster from ~12 programs per SM on.
     No more splits than the longest context needs: an unused split is still a program to launch."""
     programs = num_seqs * num_kv_heads
-    min_split = 64 if programs < num_sms else 256 if programs < 4 * num_sms else 1024
+    min_split = 64 if programs < num_sms else 512 if programs < 12 * num_sms else 1024
     return max(1, min(16, -(-max_model_len // min_split))), min_split
 
 
