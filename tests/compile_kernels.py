@@ -69,21 +69,17 @@ def main():
     for cache in ("bf16", "fp8e4nv"):
         types = {"q_ptr": "*bf16", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}",
                  "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16",
-                 "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "count_ptr": "*i32", "scale": "fp32",
-                 "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_sin_ptr": "*fp32", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
-                 "eps": "fp32"}
+                 "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "count_ptr": "*i32", "scale": "fp32"}
         for block_n, stages, warps, maxnreg in ((64, 2, 4, None), (64, 3, 4, None), (64, 3, 4, 128),
                                                 (128, 3, 8, None), (32, 4, 2, None)):
             constants = dict(NUM_SPLITS=4, MIN_SPLIT=1024, GROUP=2, BLOCK_G=16, HEAD_DIM=128, PAGE=256,
-                             BLOCK_N=block_n, FUSE_MERGE=False, FROM_QKV=False, HAS_NORM=False, PDL=False)
+                             BLOCK_N=block_n, FUSE_MERGE=False, PDL=False)
             compiled = compile_kernel(ta._decode_split_kernel, types, constants, warps, stages, maxnreg)
             print(report(f"{cache} {(block_n, stages, warps, maxnreg)}", compiled, warps))
         for stages, maxnreg in ((2, None), (3, 128)):   # the defaults per cache dtype, merge fused
-            for from_qkv in (False, True):              # ... and from the qkv output, as the engine's decode steps
-                compiled = compile_kernel(ta._decode_split_kernel, types, constants | dict(
-                    BLOCK_N=64, FUSE_MERGE=True, FROM_QKV=from_qkv, HAS_NORM=from_qkv), 4, stages, maxnreg)
-                label = f"{cache} (64, {stages}, 4, {maxnreg}) fused merge" + (", from qkv" if from_qkv else "")
-                print(report(label, compiled, 4))
+            compiled = compile_kernel(ta._decode_split_kernel, types, constants | dict(BLOCK_N=64, FUSE_MERGE=True),
+                                      4, stages, maxnreg)
+            print(report(f"{cache} (64, {stages}, 4, {maxnreg}) fused merge", compiled, 4))
         constants |= dict(BLOCK_N=64, PDL=True)   # programmatic dependent launch (kernels/pdl.py)
         compiled = compile_kernel(ta._decode_split_kernel, types, constants, 4, 2, None)
         ptx = compiled.asm["ptx"]

@@ -7,10 +7,7 @@ lives in page block_table[t // block_size] at row t % block_size.
   The cache may be fp8 (kv_cache_dtype): values are stored unscaled, clamped to the format's
   range, and the attention kernels convert each tile back to the queries' dtype after loading it.
 - decode_attention: one new query per sequence. Each program owns one (sequence, KV head,
-  context split) and loads every K/V row once for all query heads of its group (GQA). Given
-  NewTokens, it starts from the qkv projection's output instead: each program norms and rotates
-  its query heads itself, and the last split of each (sequence, KV head) stores the new token's
-  k and v into the cache before it reads its context (one kernel less per layer). The splits
+  context split) and loads every K/V row once for all query heads of its group (GQA); the splits
   are merged (flash-decoding), so a few long sequences still fill the GPU: by a second small kernel
   at small batches, above FUSED_MERGE_ABOVE sequences by the split program of each (sequence, KV
   head) that finishes last. A context that fits in one split is written out by its program, and
@@ -19,7 +16,6 @@ lives in page block_table[t // block_size] at row t % block_size.
   serves prefill, chunked prefill and prefix-cache hits alike.
 """
 import math
-from typing import NamedTuple
 
 import torch
 import triton
@@ -115,37 +111,13 @@ def tile_size(block_n: int, page: int) -> int:
 # ---- decode -----------------------------------------------------------------------------------
 # stride_bt, the block-table width, changes from step to step: not specialised on (Triton would
 # otherwise compile a kernel for width 1 and for multiples of 16, in the middle of a run).
-@triton.jit
-def _normed_rotated(rows, offs_d, mask, w_ptr, cos_sin_ptr, pos, eps, HAS_NORM: tl.constexpr,
-                    HEAD_DIM: tl.constexpr):
-    """Heads at rows ([rows, 1] pointers to their first value): RMSNorm with weight w_ptr (if
-    HAS_NORM), then RoPE at position pos, in their dtype; as qk_norm_rope_store computes them
-    (kernels/triton_fused.py). Each value is rotated with its partner half a head away."""
-    partner = (offs_d + HEAD_DIM // 2) % HEAD_DIM
-    x = tl.load(rows + offs_d[None, :], mask=mask, other=0.0)
-    xp = tl.load(rows + partner[None, :], mask=mask, other=0.0)
-    dtype = x.dtype
-    if HAS_NORM:
-        fx = x.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(fx * fx, 1) / HEAD_DIM + eps)[:, None]
-        x = (fx * rstd).to(dtype) * tl.load(w_ptr + offs_d)[None, :]
-        xp = (xp.to(tl.float32) * rstd).to(dtype) * tl.load(w_ptr + partner)[None, :]
-    half = offs_d % (HEAD_DIM // 2)
-    cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + half)
-    sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HEAD_DIM // 2 + half)
-    sin = tl.where(offs_d < HEAD_DIM // 2, -sin, sin)      # x1 cos - x2 sin | x2 cos + x1 sin
-    return (x.to(tl.float32) * cos[None, :] + xp.to(tl.float32) * sin[None, :]).to(dtype)
-
-
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
                          out_ptr, o_part_ptr, lse_part_ptr, count_ptr, scale,
-                         pos_ptr, slot_ptr, cos_sin_ptr, qw_ptr, kw_ptr, eps,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cr, stride_ch,
                          NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, GROUP: tl.constexpr,
                          BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         FUSE_MERGE: tl.constexpr, FROM_QKV: tl.constexpr, HAS_NORM: tl.constexpr,
-                         PDL: tl.constexpr):
+                         FUSE_MERGE: tl.constexpr, PDL: tl.constexpr):
     pdl.begin(PDL)
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
@@ -162,24 +134,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
     # q: [BLOCK_G, HEAD_DIM], this KV head's query heads (padded to BLOCK_G rows)
-    token = q_ptr + seq * stride_qt
-    if FROM_QKV:        # q_ptr: the qkv projection's output, q | k | v heads of HEAD_DIM each
-        pos = tl.load(pos_ptr + seq)
-        q = _normed_rotated(token + heads[:, None] * HEAD_DIM, offs_d, g_mask[:, None], qw_ptr, cos_sin_ptr, pos,
-                            eps, HAS_NORM, HEAD_DIM)
-        slot = tl.load(slot_ptr + seq)
-        if (split == num_used - 1) & (slot >= 0):    # the split that ends with the new token stores it
-            first = (offs_g == 0)[:, None]           # (one row of the [BLOCK_G, HEAD_DIM] tiles)
-            k_row = token + (num_heads + kv_head) * HEAD_DIM + 0 * offs_g[:, None]
-            k = _normed_rotated(k_row, offs_d, first, kw_ptr, cos_sin_ptr, pos, eps, HAS_NORM, HEAD_DIM)
-            v = tl.load(k_row + tl.num_programs(1) * HEAD_DIM + offs_d[None, :], mask=first)
-            cache = ((slot // PAGE).to(tl.int64) * stride_cb + (slot % PAGE) * stride_cr + kv_head * stride_ch
-                     + 0 * offs_g[:, None] + offs_d[None, :])
-            tl.store(k_cache_ptr + cache, to_cache_dtype(k, k_cache_ptr), mask=first)
-            tl.store(v_cache_ptr + cache, to_cache_dtype(v, v_cache_ptr), mask=first)
-            tl.debug_barrier()      # every thread's stores seen by the whole program before its reads
-    else:
-        q = tl.load(token + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None], other=0.0)
     q = _in_compute_dtype(q, k_cache_ptr)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -285,35 +241,18 @@ def fused_merge_for(num_seqs: int) -> bool:
     return num_seqs > FUSED_MERGE_ABOVE
 
 
-class NewTokens(NamedTuple):
-    """What decode_attention needs to start from the qkv projection's output: each sequence's new
-    token's position and cache slot, the RoPE table ([positions, head_dim]: cos | sin), and the
-    per-head q/k RMSNorm weights (None: no q/k norm) with their eps."""
-    num_heads: int
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    cos_sin_cache: torch.Tensor
-    q_weight: torch.Tensor | None
-    k_weight: torch.Tensor | None
-    eps: float
-
-
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      num_splits: int = 16, min_split: int = 64, block_n: int = 64, num_stages: int | None = None,
                      num_warps: int = 4, max_registers: int | None = None,
-                     fuse_merge: bool | None = None, new_tokens: NewTokens | None = None) -> torch.Tensor:
+                     fuse_merge: bool | None = None) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim], one query per sequence at position seq_lens - 1.
     A context is split into ceil(seq_len / split_len) parts, split_len = max(seq_len / num_splits,
     min_split) rounded up to block_n. A sequence with seq_len 0 (padding) gets zeros.
     fuse_merge: the last split of each (sequence, KV head) merges them (kernels/counters.py), instead
-    of a second kernel; None: fused_merge_for's choice.
-    new_tokens: q is then the qkv projection's output, [num_seqs, (num_heads + 2 * num_kv_heads) *
-    head_dim], whose q and k the kernel norms and rotates and whose k and v it stores, as
-    triton_fused.qk_norm_rope_store would before a call without it."""
-    _, page, num_kv_heads, head_dim = k_cache.shape
-    num_seqs = q.shape[0]
-    num_heads = q.shape[1] if new_tokens is None else new_tokens.num_heads
+    of a second kernel; None: fused_merge_for's choice."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     block_n = tile_size(block_n, page)
     if num_stages is None:
@@ -321,7 +260,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         # per program and five programs per SM; an fp8 cache (converted tiles, more registers)
         # with two tiles in flight and registers capped so that four programs fit on an SM.
         num_stages, max_registers = (3, 128) if k_cache.element_size() == 1 else (2, max_registers)
-    out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    out = torch.empty_like(q)
     o_part = lse_part = count = out    # (not touched by the kernel unless there are splits / a fused merge)
     if num_splits > 1:
         o_part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -331,21 +270,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     fuse_merge = fuse_merge and num_splits > 1 and num_seqs * num_kv_heads <= NUM_COUNTERS
     if fuse_merge:
         count = arrival_counters(q.device)
-    t = new_tokens
-    has_norm = t is not None and t.q_weight is not None
-    if t is None:       # (the kernel reads none of these)
-        token_inputs, stride_qh = (seq_lens, seq_lens, seq_lens, q, q, 0.0), q.stride(1)
-    else:
-        norm_weights = (t.q_weight, t.k_weight) if has_norm else (q, q)
-        token_inputs, stride_qh = (t.positions, t.slot_mapping, t.cos_sin_cache, *norm_weights, t.eps), head_dim
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, o_part, lse_part, count, scale, *token_inputs,
-        q.stride(0), stride_qh, out.stride(0), out.stride(1), block_tables.stride(0),
+        q, k_cache, v_cache, block_tables, seq_lens, out, o_part, lse_part, count, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_SPLITS=num_splits, MIN_SPLIT=min_split, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n, FUSE_MERGE=fuse_merge, FROM_QKV=t is not None,
-        HAS_NORM=has_norm, num_warps=num_warps, num_stages=num_stages, maxnreg=max_registers,
-        **pdl.launch_options())
+        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n, FUSE_MERGE=fuse_merge, num_warps=num_warps,
+        num_stages=num_stages, maxnreg=max_registers, **pdl.launch_options())
     if num_splits == 1 or fuse_merge:
         return out
     _decode_merge_kernel[(num_seqs, num_heads)](

@@ -1,7 +1,6 @@
 """Attention over the paged KV cache, the per-step metadata every attention layer reads, and
 the backends that compute it: plain torch (CPU, reference), our Triton kernels, flash-attn."""
 import importlib.util
-import os
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +34,6 @@ class TorchBackend:
     """Plain torch, one sequence at a time: the CPU path and the reference."""
     supports_cuda_graphs = False   # loops over host-side lists
     needs_cu_seqlens_k = False
-    decodes_from_qkv = False       # (only TritonBackend can start a decode step from the qkv output)
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         if k is not None:
@@ -51,13 +49,6 @@ class TritonBackend:
     def __init__(self):
         from nanovllm.kernels import triton_attention
         self.kernels = triton_attention
-        # Decode steps start from the qkv projection (decode_from_qkv); NANOVLLM_DECODE_FROM_QKV=0
-        # runs q/k norm + RoPE + store as a kernel of its own instead (for A/B runs).
-        self.decodes_from_qkv = os.environ.get("NANOVLLM_DECODE_FROM_QKV", "1") != "0"
-
-    def decode_from_qkv(self, qkv, new_tokens, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        return self.kernels.decode_attention(qkv, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                             *meta.decode_split, new_tokens=new_tokens)
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         if k is not None:
@@ -73,7 +64,6 @@ class FlashAttnBackend:
     """flash-attn 2's paged kernels (they need block_size to be a multiple of 256)."""
     supports_cuda_graphs = True
     needs_cu_seqlens_k = True
-    decodes_from_qkv = False
 
     def __init__(self):
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -138,13 +128,3 @@ class Attention(nn.Module):
         the cache at meta.slot_mapping first; None when the caller already stored them (CUDA's
         fused RoPE kernel does). Every backend reads K/V from the cache only."""
         return self.backend(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
-
-    def decodes_from_qkv(self, meta: AttentionMetadata) -> bool:
-        """Whether this step can go through decode_from_qkv: a decode step on the Triton backend."""
-        return meta.decode_split is not None and self.backend.decodes_from_qkv
-
-    def decode_from_qkv(self, qkv: torch.Tensor, new_tokens, meta: AttentionMetadata) -> torch.Tensor:
-        """A decode step from the qkv projection's output [num_seqs, (num_heads + 2 * num_kv_heads) *
-        head_dim]: the kernel norms and rotates q and k itself and stores k, v (new_tokens:
-        kernels/triton_attention.NewTokens) -> [num_seqs, num_heads, head_dim]."""
-        return self.backend.decode_from_qkv(qkv, new_tokens, self.k_cache, self.v_cache, meta, self.scale)

@@ -54,16 +54,12 @@ class QwenAttention(nn.Module):
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        norms = ((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.is_qwen3 else (None, None, 0.0))
-        if qkv.is_cuda and self.attn.decodes_from_qkv(meta):   # q/k norms, RoPE and the store in attention
-            from nanovllm.kernels.triton_attention import NewTokens
-            new_tokens = NewTokens(self.num_heads, positions, meta.slot_mapping, self.rotary_emb.cos_sin_cache,
-                                   *norms)
-            return self.o_proj(self.attn.decode_from_qkv(qkv, new_tokens, meta).flatten(1))
         if qkv.is_cuda:   # one fused kernel: q/k norms, RoPE, and k/v written into the KV cache
             from nanovllm.kernels.triton_fused import qk_norm_rope_store
             q = qk_norm_rope_store(qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads,
-                                   self.num_kv_heads, self.head_dim, *norms,
+                                   self.num_kv_heads, self.head_dim, self.q_norm.weight if self.is_qwen3 else None,
+                                   self.k_norm.weight if self.is_qwen3 else None,
+                                   self.q_norm.eps if self.is_qwen3 else 0.0,
                                    self.attn.k_cache, self.attn.v_cache, meta.slot_mapping)
             k = v = None
         else:
