@@ -224,7 +224,7 @@ def decode_split_config(num_seqs: int, num_kv_heads: int, num_sms: int, max_mode
     """-> (most splits, fewest tokens per split). Few sequences: split finely to fill the GPU.
     Many: splits of at least 1,024 tokens, so most contexts take one program that writes the
     output itself (no merge), and a long one still spreads over several. In between, 512: on
-    the H200 (docs/perf_notes.md row 42) 1-5% faster than 256 or 1,024 at 32-192 sequences of
+    the H200 (docs/perf_notes.md row 42) 1-6% faster than 256 or 1,024 at 32-192 sequences of
     mixed lengths, and 1,024 faster from ~12 programs per SM on.
     No more splits than the longest context needs: an unused split is still a program to launch."""
     programs = num_seqs * num_kv_heads
