@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from gpu_timing import us_per_call_in_graph
 from nanovllm.kernels.triton_fused import qk_norm_rope_store, rms_norm, silu_and_mul
+from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary import RotaryEmbedding
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, PAGE, EPS = 1024, 16, 8, 128, 3072, 256, 1e-6
@@ -30,7 +31,11 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, PAGE, EPS = 1024, 16, 8, 128, 3
 def weights():
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = lambda *shape: (torch.randn(*shape, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
-    norm = lambda n: (1 + 0.1 * torch.randn(n, device="cuda", generator=gen)).to(torch.bfloat16)
+
+    def norm(n: int) -> RMSNorm:
+        module = RMSNorm(n, EPS).cuda()
+        module.weight.data = (1 + 0.1 * torch.randn(n, device="cuda", generator=gen)).to(torch.bfloat16)
+        return module
     qkv_out = (HEADS + 2 * KV_HEADS) * HEAD_DIM
     return dict(o=w(HIDDEN, HEADS * HEAD_DIM), gate_up=w(2 * INTERMEDIATE, HIDDEN), down=w(HIDDEN, INTERMEDIATE),
                 qkv=w(qkv_out, HIDDEN), post_norm=norm(HIDDEN), in_norm=norm(HIDDEN), q_norm=norm(HEAD_DIM),
@@ -46,36 +51,25 @@ def inputs(rows: int):
     return attn, residual, positions, slots
 
 
-def cos_sin_cache():
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float, device="cuda") / HEAD_DIM))
-    freqs = torch.outer(torch.arange(4096, dtype=torch.float, device="cuda"), inv_freq)
-    return torch.cat([freqs.cos(), freqs.sin()], -1)
-
-
 def ours(w, cos_sin, k_cache, v_cache, attn, residual, positions, slots):
-    x, residual = rms_norm(F.linear(attn, w["o"]), w["post_norm"], EPS, residual)
+    x, residual = rms_norm(F.linear(attn, w["o"]), w["post_norm"].weight, EPS, residual)
     x = F.linear(silu_and_mul(F.linear(x, w["gate_up"])), w["down"])
-    x, residual = rms_norm(x, w["in_norm"], EPS, residual)
-    q = qk_norm_rope_store(F.linear(x, w["qkv"]), positions, cos_sin, HEADS, KV_HEADS, HEAD_DIM, w["q_norm"],
-                           w["k_norm"], EPS, k_cache, v_cache, slots)
+    x, residual = rms_norm(x, w["in_norm"].weight, EPS, residual)
+    q = qk_norm_rope_store(F.linear(x, w["qkv"]), positions, cos_sin, HEADS, KV_HEADS, HEAD_DIM,
+                           w["q_norm"].weight, w["k_norm"].weight, EPS, k_cache, v_cache, slots)
     return q, residual
-
-
-def _norm(x, weight):
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype) * weight
 
 
 def plain(w, cos_sin, k_cache, v_cache, attn, residual, positions, slots, store=True):
     """ours in plain torch (the layers' CPU paths), for torch.compile. The caches come as [slots,
     KV heads, dim]: with the paged shape, the store through a view made Inductor copy whole caches."""
     residual = F.linear(attn, w["o"]) + residual
-    gate, up = F.linear(_norm(residual, w["post_norm"]), w["gate_up"]).chunk(2, -1)
+    gate, up = F.linear(w["post_norm"]._norm(residual), w["gate_up"]).chunk(2, -1)
     residual = F.linear(F.silu(gate.float()).to(gate.dtype) * up, w["down"]) + residual
-    q, k, v = F.linear(_norm(residual, w["in_norm"]), w["qkv"]).split(
+    q, k, v = F.linear(w["in_norm"]._norm(residual), w["qkv"]).split(
         [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
-    q = _norm(q.view(-1, HEADS, HEAD_DIM), w["q_norm"])
-    k = _norm(k.view(-1, KV_HEADS, HEAD_DIM), w["k_norm"])
+    q = w["q_norm"]._norm(q.view(-1, HEADS, HEAD_DIM))
+    k = w["k_norm"]._norm(k.view(-1, KV_HEADS, HEAD_DIM))
     cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, -1)
     q, k = RotaryEmbedding._rotate(q, cos, sin), RotaryEmbedding._rotate(k, cos, sin)
     if store:
@@ -90,7 +84,7 @@ def main():
     p.add_argument("--modes", nargs="+", default=["default", "max-autotune-no-cudagraphs"])
     args = p.parse_args()
     torch.set_grad_enabled(False)
-    w, cos_sin = weights(), cos_sin_cache()
+    w, cos_sin = weights(), RotaryEmbedding(HEAD_DIM, 4096, 1e6).cos_sin_cache.cuda()
     caches = [torch.zeros(64, PAGE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
     variants = {"ours": ours}
     for mode in args.modes:

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from gpu_timing import copies_beyond_l2, us_per_call_in_graph
+
 SHAPES = {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)}   # (K, N)
-L2_FLUSH_BYTES = 160 << 20
 
 
 @triton.jit
@@ -66,13 +67,12 @@ def gemm(x: torch.Tensor, w: torch.Tensor, block_m: int, block_n: int, block_k: 
 
 def libraries(rows):
     """F.linear's time per library choice, in a graph, weights from HBM."""
-    from gpu_timing import us_per_call_in_graph
     import torch.cuda.tunable as tunable
     print("us per call in a CUDA graph (weights from HBM): F.linear through cuBLAS, cuBLASLt, TunableOp's choice")
     total = collections.defaultdict(float)
     for name, (k, n) in SHAPES.items():
         w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        weights = [w0] + [w0.clone() for _ in range(max(1, L2_FLUSH_BYTES // w0.nbytes))]
+        weights = copies_beyond_l2(w0)
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             reference = F.linear(x, w0).float()
@@ -101,7 +101,6 @@ def libraries(rows):
 
 
 def main():
-    from gpu_timing import us_per_call_in_graph
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[32, 64, 128, 192, 256])
     p.add_argument("--quick", action="store_true", help="a 24-configuration grid instead of 108")
@@ -118,7 +117,7 @@ def main():
     total = {"cuBLAS": 0.0, "best": 0.0}
     for name, (k, n) in SHAPES.items():
         w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        weights = [w0] + [w0.clone() for _ in range(max(1, L2_FLUSH_BYTES // w0.nbytes))]
+        weights = copies_beyond_l2(w0)
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             reference = F.linear(x, w0).float()

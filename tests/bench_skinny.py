@@ -13,7 +13,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from gpu_timing import us_per_call_in_graph
+from gpu_timing import copies_beyond_l2, us_per_call_in_graph
 from nanovllm.kernels.triton_skinny import skinny_linear, split_k_for
 
 SHAPES = {   # name: (K, N)
@@ -23,7 +23,6 @@ SHAPES = {   # name: (K, N)
 }
 ROWS = (1, 2, 4, 8, 16)
 LARGER_ROWS = (32, 64, 128, 256)   # cuBLAS alone: how far its decode-batch GEMMs are from the weights' floor
-L2_FLUSH_BYTES = 160 << 20
 
 
 def main():
@@ -35,7 +34,7 @@ def main():
     print(f"{'shape':14} {'rows':>4} {'cuBLAS':>8} {'ours':>8} {'GB/s cuBLAS':>12} {'GB/s ours':>10}  max |diff|")
     for name, (k, n) in SHAPES.items():
         w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        weights = [w0] + [w0.clone() for _ in range(max(1, L2_FLUSH_BYTES // w0.nbytes))]
+        weights = copies_beyond_l2(w0)
         for m in ROWS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             diff = (skinny_linear(x, w0).float() - F.linear(x, w0).float()).abs().max().item()

@@ -1,5 +1,13 @@
-"""Timing helper for the GPU developer tools (bench_kernels.py, bench_skinny.py); not a test."""
+"""Timing helpers for the GPU developer tools (bench_kernels.py, bench_skinny.py, bench_gemm.py); not a test."""
 import torch
+
+L2_FLUSH_BYTES = 160 << 20   # more than the H200's L2 (50 MB), with room
+
+
+def copies_beyond_l2(w: torch.Tensor) -> list[torch.Tensor]:
+    """w and enough copies of it that calls cycling through them read each from HBM, as a decode
+    step reads its weights, not from L2."""
+    return [w] + [w.clone() for _ in range(max(1, L2_FLUSH_BYTES // w.nbytes))]
 
 
 def us_per_call_in_graph(calls: list, replays: int = 5) -> float:
