@@ -5,7 +5,11 @@ in its own harness, ranked its Triton templates above cuBLAS at 128 rows. This t
 graph with the weights read from HBM (as the decode graphs see them), a tiled GEMM with each
 configuration of a small grid against `F.linear`, for the Qwen3-0.6B projection shapes.
 
-    PYTHONPATH=. python3 tests/bench_gemm.py [--rows 32 64 128 192 256] [--quick | --libraries]
+    PYTHONPATH=. python3 tests/bench_gemm.py [--rows 32 64 128 192 256] [--quick | --libraries | --layouts]
+
+--layouts: instead of the Triton sweep, the same product through cuBLAS three ways: F.linear(x, W)
+(W [N, K], the engine's), x @ W^T with W^T stored [K, N], and W @ x^T (the output [N, M]
+transposed: cuBLAS then sees M as the wide side).
 
 --libraries: instead of the Triton sweep, F.linear through torch's cuBLAS and cuBLASLt paths
 (`torch.backends.cuda.preferred_blas_library`) and with TunableOp's choice (`torch.cuda.tunable`,
@@ -100,14 +104,41 @@ def libraries(rows):
                                     tunable.get_results()), sep="\n  ")
 
 
+def layouts(rows):
+    """F.linear against the other two layouts of the same product, in a graph, weights from HBM."""
+    print("us per call in a CUDA graph (weights from HBM): F.linear(x, W), x @ W^T stored [K, N], W @ x^T")
+    total = collections.defaultdict(float)
+    for name, (k, n) in SHAPES.items():
+        w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        weights = copies_beyond_l2(w0)
+        transposed = [w.t().contiguous() for w in weights]
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            reference = F.linear(x, w0)
+            assert torch.allclose(torch.mm(x, transposed[0]).float(), reference.float(), atol=1e-2, rtol=1e-2)
+            assert torch.allclose(torch.mm(w0, x.t()).t().float(), reference.float(), atol=1e-2, rtol=1e-2)
+            times = {"linear": us_per_call_in_graph([lambda w=w: F.linear(x, w) for w in weights]),
+                     "x@Wt": us_per_call_in_graph([lambda w=w: torch.mm(x, w) for w in transposed]),
+                     "W@xT": us_per_call_in_graph([lambda w=w: torch.mm(w, x.t()) for w in weights])}
+            for layout, us in times.items():
+                total[layout] += us
+            print(f"{name:8} {m:4} rows  " + "  ".join(f"{lay} {us:6.2f}" for lay, us in times.items()), flush=True)
+        del weights, transposed, w0
+        torch.cuda.empty_cache()
+    print("sum: " + ", ".join(f"{lay} {us:.1f} us" for lay, us in total.items()))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[32, 64, 128, 192, 256])
     p.add_argument("--quick", action="store_true", help="a 24-configuration grid instead of 108")
     p.add_argument("--libraries", action="store_true", help="cuBLAS, cuBLASLt and TunableOp instead of Triton")
+    p.add_argument("--layouts", action="store_true", help="three operand layouts through cuBLAS instead of Triton")
     args = p.parse_args()
     if args.libraries:
         return libraries(args.rows)
+    if args.layouts:
+        return layouts(args.rows)
     if args.quick:
         grid = list(itertools.product((32, 64), (64, 128), (128,), (4, 5), (4, 8)))[:24]
     else:
