@@ -69,36 +69,40 @@ def gemm(x: torch.Tensor, w: torch.Tensor, block_m: int, block_n: int, block_k: 
     return out
 
 
+def cases(rows):
+    """-> (shape name, row count, x, the weight, it and its copies beyond L2) for every 0.6B
+    projection shape and row count; each shape's weights are freed before the next."""
+    for name, (k, n) in SHAPES.items():
+        w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        weights = copies_beyond_l2(w0)
+        for m in rows:
+            yield name, m, torch.randn(m, k, device="cuda", dtype=torch.bfloat16), w0, weights
+        del weights, w0
+        torch.cuda.empty_cache()
+
+
 def libraries(rows):
     """F.linear's time per library choice, in a graph, weights from HBM."""
     import torch.cuda.tunable as tunable
     print("us per call in a CUDA graph (weights from HBM): F.linear through cuBLAS, cuBLASLt, TunableOp's choice")
     total = collections.defaultdict(float)
-    for name, (k, n) in SHAPES.items():
-        w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        weights = copies_beyond_l2(w0)
-        for m in rows:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            reference = F.linear(x, w0).float()
-            times = {}
-            for library in ("cublas", "cublaslt"):
-                torch.backends.cuda.preferred_blas_library(library)
-                times[library] = us_per_call_in_graph([lambda w=w: F.linear(x, w) for w in weights])
-            torch.backends.cuda.preferred_blas_library("cublas")
-            tunable.enable(True)
-            tunable.tuning_enable(True)
-            diff = (F.linear(x, w0).float() - reference).abs().max().item()    # tunes this shape
-            tunable.tuning_enable(False)
-            try:
-                times["tunable"] = us_per_call_in_graph([lambda w=w: F.linear(x, w) for w in weights])
-            except RuntimeError as e:
-                print(f"  TunableOp in a graph: {e}"[:200])
-            tunable.enable(False)
-            for library, us in times.items():
-                total[library] += us
-            print(f"{name:8} {m:4} rows  " + "  ".join(f"{lib} {us:6.2f}" for lib, us in times.items())
-                  + f"  (TunableOp max |diff| {diff:.3g})", flush=True)
-        del weights, w0
+    for name, m, x, w0, weights in cases(rows):
+        reference = F.linear(x, w0).float()
+        times = {}
+        for library in ("cublas", "cublaslt"):
+            torch.backends.cuda.preferred_blas_library(library)
+            times[library] = us_per_call_in_graph([lambda w=w: F.linear(x, w) for w in weights])
+        torch.backends.cuda.preferred_blas_library("cublas")
+        tunable.enable(True)
+        tunable.tuning_enable(True)
+        diff = (F.linear(x, w0).float() - reference).abs().max().item()    # tunes this shape
+        tunable.tuning_enable(False)
+        try:
+            times["tunable"] = us_per_call_in_graph([lambda w=w: F.linear(x, w) for w in weights])
+        except RuntimeError as e:
+            print(f"  TunableOp in a graph: {e}"[:200])
+        tunable.enable(False)
+        print_times(name, m, times, total, f"  (TunableOp max |diff| {diff:.3g})")
     print("sum: " + ", ".join(f"{lib} {us:.1f} us" for lib, us in total.items()))
     print("TunableOp's choices:", *(f"{op} {params} -> {solution}" for op, params, solution, *_ in
                                     tunable.get_results()), sep="\n  ")
@@ -108,24 +112,24 @@ def layouts(rows):
     """F.linear against the other two layouts of the same product, in a graph, weights from HBM."""
     print("us per call in a CUDA graph (weights from HBM): F.linear(x, W), x @ W^T stored [K, N], W @ x^T")
     total = collections.defaultdict(float)
-    for name, (k, n) in SHAPES.items():
-        w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        weights = copies_beyond_l2(w0)
+    for name, m, x, w0, weights in cases(rows):
         transposed = [w.t().contiguous() for w in weights]
-        for m in rows:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            reference = F.linear(x, w0)
-            assert torch.allclose(torch.mm(x, transposed[0]).float(), reference.float(), atol=1e-2, rtol=1e-2)
-            assert torch.allclose(torch.mm(w0, x.t()).t().float(), reference.float(), atol=1e-2, rtol=1e-2)
-            times = {"linear": us_per_call_in_graph([lambda w=w: F.linear(x, w) for w in weights]),
-                     "x@Wt": us_per_call_in_graph([lambda w=w: torch.mm(x, w) for w in transposed]),
-                     "W@xT": us_per_call_in_graph([lambda w=w: torch.mm(w, x.t()) for w in weights])}
-            for layout, us in times.items():
-                total[layout] += us
-            print(f"{name:8} {m:4} rows  " + "  ".join(f"{lay} {us:6.2f}" for lay, us in times.items()), flush=True)
-        del weights, transposed, w0
-        torch.cuda.empty_cache()
+        reference = F.linear(x, w0).float()
+        assert torch.allclose(torch.mm(x, transposed[0]).float(), reference, atol=1e-2, rtol=1e-2)
+        assert torch.allclose(torch.mm(w0, x.t()).t().float(), reference, atol=1e-2, rtol=1e-2)
+        times = {"linear": us_per_call_in_graph([lambda w=w: F.linear(x, w) for w in weights]),
+                 "x@Wt": us_per_call_in_graph([lambda w=w: torch.mm(x, w) for w in transposed]),
+                 "W@xT": us_per_call_in_graph([lambda w=w: torch.mm(w, x.t()) for w in weights])}
+        del transposed
+        print_times(name, m, times, total)
     print("sum: " + ", ".join(f"{lay} {us:.1f} us" for lay, us in total.items()))
+
+
+def print_times(name: str, m: int, times: dict, total: dict, note: str = ""):
+    """One table row of microseconds per variant; each also added to total."""
+    for variant, us in times.items():
+        total[variant] += us
+    print(f"{name:8} {m:4} rows  " + "  ".join(f"{v} {us:6.2f}" for v, us in times.items()) + note, flush=True)
 
 
 def main():
@@ -145,31 +149,24 @@ def main():
         grid = list(itertools.product((32, 64, 128), (32, 64, 128), (64, 128), (3, 4, 5), (4, 8)))
     print("us per call in a CUDA graph (weights from HBM): cuBLAS, the best Triton configurations "
           "(block_m, block_n, block_k, stages, warps)")
-    total = {"cuBLAS": 0.0, "best": 0.0}
-    for name, (k, n) in SHAPES.items():
-        w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        weights = copies_beyond_l2(w0)
-        for m in args.rows:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            reference = F.linear(x, w0).float()
-            theirs = us_per_call_in_graph([lambda w=w: F.linear(x, w) for w in weights])
-            results = []
-            for config in grid:
-                try:
-                    diff = (gemm(x, w0, *config).float() - reference).abs().max().item()
-                    us = us_per_call_in_graph([lambda w=w: gemm(x, w, *config) for w in weights])
-                except Exception as e:   # e.g. out of shared memory
-                    print(f"  {config} failed: {type(e).__name__}")
-                    continue
-                results.append((us, config, diff))
-            results.sort()
-            best = results[0]
-            total["cuBLAS"] += theirs
-            total["best"] += best[0]
-            print(f"{name:8} {m:4} rows  cuBLAS {theirs:6.2f}  best {best[0]:6.2f} {best[1]} (max |diff| "
-                  f"{best[2]:.3g}); next: " + ", ".join(f"{us:.2f} {c}" for us, c, _ in results[1:3]), flush=True)
-        del weights, w0
-        torch.cuda.empty_cache()
+    total = collections.defaultdict(float)
+    for name, m, x, w0, weights in cases(args.rows):
+        reference = F.linear(x, w0).float()
+        theirs = us_per_call_in_graph([lambda w=w: F.linear(x, w) for w in weights])
+        results = []
+        for config in grid:
+            try:
+                diff = (gemm(x, w0, *config).float() - reference).abs().max().item()
+                us = us_per_call_in_graph([lambda w=w: gemm(x, w, *config) for w in weights])
+            except Exception as e:   # e.g. out of shared memory
+                print(f"  {config} failed: {type(e).__name__}")
+                continue
+            results.append((us, config, diff))
+        results.sort()
+        best = results[0]
+        print_times(name, m, {"cuBLAS": theirs, "best": best[0]}, total,
+                    f" {best[1]} (max |diff| {best[2]:.3g}); next: "
+                    + ", ".join(f"{us:.2f} {c}" for us, c, _ in results[1:3]))
     print(f"sum over shapes and rows: cuBLAS {total['cuBLAS']:.1f} us, best Triton {total['best']:.1f} us")
 
 
