@@ -25,10 +25,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from bench_kernels import D, H, KV, PAGE, paged
 from gpu_timing import us_per_call_in_graph
 from nanovllm.kernels import triton_attention as ta
 
-H, KV, D = 16, 8, 128
 
 
 @gluon.jit
@@ -166,19 +166,6 @@ def gluon_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
     return out
 
 
-def paged(seq_lens, page, cache_tokens=6000 * 256):
-    """Random K/V caches [block, page, KV head, dim] of cache_tokens tokens, block tables of
-    scattered pages, seq_lens."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    num_blocks = cache_tokens // page
-    k = torch.randn((num_blocks, page, KV, D), device="cuda", dtype=torch.bfloat16, generator=gen)
-    v = torch.randn_like(k)
-    width = max(-(-n // page) for n in seq_lens)
-    perm = torch.randperm(num_blocks, device="cuda", generator=gen)
-    tables = perm[:len(seq_lens) * width].view(len(seq_lens), width).to(torch.int32)
-    return k, v, tables, torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-
-
 def main():
     try:
         from vllm.vllm_flash_attn import flash_attn_varlen_func
@@ -200,9 +187,9 @@ def main():
             us = us_per_call_in_graph([call] * 20)
             row.append(f"{label} {us:6.1f} us {kv_bytes / us / 1e3:5.0f} GB/s{err}")
 
-        for page in (256, 16):
-            k, v, tables, seq_lens = paged(lens, page)
-            if page == 256:
+        for page in (PAGE, 16):
+            k, v, tables, seq_lens = paged(lens, num_blocks=6000 * PAGE // page, page=page)
+            if page == PAGE:
                 ours = ta.decode_attention(q, k, v, tables, seq_lens, D ** -0.5, *splits)
                 timed("ours", lambda: ta.decode_attention(q, k, v, tables, seq_lens, D ** -0.5, *splits))
                 timed("ours, unfused", lambda: ta.decode_attention(q, k, v, tables, seq_lens, D ** -0.5, *splits,
@@ -214,7 +201,7 @@ def main():
                 timed(f"FA{version} (pages of {page})", lambda: flash_attn_varlen_func(
                     q, k, v, max_seqlen_q=1, cu_seqlens_q=first_rows, max_seqlen_k=max(lens), seqused_k=seq_lens,
                     softmax_scale=D ** -0.5, causal=True, block_table=tables, fa_version=version),
-                    ours if page == 256 else None)
+                    ours if page == PAGE else None)
             del k, v
         print(f"{batch:3} mixed {splits}: " + " | ".join(row), flush=True)
 

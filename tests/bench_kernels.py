@@ -36,16 +36,16 @@ from nanovllm.kernels import triton_attention as ta
 H, KV, D, PAGE = 16, 8, 128, 256
 
 
-def paged(seq_lens, num_blocks=6000, cache_dtype=torch.bfloat16, heads_first=False):
+def paged(seq_lens, num_blocks=6000, cache_dtype=torch.bfloat16, heads_first=False, page=PAGE):
     """Random K/V caches (shape [block, token, KV head, dim]; with heads_first a view of
     [block, KV head, token, dim] memory), block tables of scattered pages, seq_lens."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    shape = (num_blocks, KV, PAGE, D) if heads_first else (num_blocks, PAGE, KV, D)
+    shape = (num_blocks, KV, page, D) if heads_first else (num_blocks, page, KV, D)
     k = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen).to(cache_dtype)
     v = torch.randn_like(k, dtype=torch.bfloat16).to(cache_dtype)
     if heads_first:
         k, v = k.transpose(1, 2), v.transpose(1, 2)
-    width = max(-(-n // PAGE) for n in seq_lens)
+    width = max(-(-n // page) for n in seq_lens)
     perm = torch.randperm(num_blocks, device="cuda", generator=gen)
     tables = perm[:len(seq_lens) * width].view(len(seq_lens), width).to(torch.int32)
     return k, v, tables, torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
