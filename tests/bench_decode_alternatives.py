@@ -30,7 +30,6 @@ from gpu_timing import us_per_call_in_graph
 from nanovllm.kernels import triton_attention as ta
 
 
-
 @gluon.jit
 def _tile_ptrs(cache_ptr, page, n_start, offs_n, offs_d, kv_off, stride_cb, stride_cr, PAGE: gl.constexpr):
     rows = page.to(gl.int64) * stride_cb + ((n_start + offs_n) % PAGE) * stride_cr + kv_off
@@ -39,11 +38,11 @@ def _tile_ptrs(cache_ptr, page, n_start, offs_n, offs_d, kv_off, stride_cb, stri
 
 @gluon.jit
 def _gluon_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                        out_ptr, o_part_ptr, lse_part_ptr, scale,
-                        stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cr, stride_ch,
-                        NUM_SPLITS: gl.constexpr, MIN_SPLIT: gl.constexpr, GROUP: gl.constexpr,
-                        BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
-                        BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
+                         out_ptr, o_part_ptr, lse_part_ptr, scale,
+                         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cr, stride_ch,
+                         NUM_SPLITS: gl.constexpr, MIN_SPLIT: gl.constexpr, GROUP: gl.constexpr,
+                         BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
+                         BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     dot_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
