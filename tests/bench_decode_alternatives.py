@@ -30,6 +30,9 @@ from gpu_timing import us_per_call_in_graph
 from nanovllm.kernels import triton_attention as ta
 
 
+_split_len = gluon.jit(ta._split_len.fn)     # the Triton kernel's split rule, compiled as Gluon
+
+
 @gluon.jit
 def _tile_ptrs(cache_ptr, page, n_start, offs_n, offs_d, kv_off, stride_cb, stride_cr, PAGE: gl.constexpr):
     rows = page.to(gl.int64) * stride_cb + ((n_start + offs_n) % PAGE) * stride_cr + kv_off
@@ -58,7 +61,7 @@ def _gluon_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
     split = gl.program_id(2)
     num_heads = gl.num_programs(1) * GROUP
     seq_len = gl.load(seq_lens_ptr + seq)
-    split_len = gl.cdiv(gl.maximum(gl.cdiv(seq_len, NUM_SPLITS), MIN_SPLIT), BLOCK_N) * BLOCK_N
+    split_len = _split_len(seq_len, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
     num_used = gl.cdiv(seq_len, split_len)
     if split >= gl.maximum(num_used, 1):
         return

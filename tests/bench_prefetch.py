@@ -25,15 +25,11 @@ import triton
 import triton.language as tl
 
 from gpu_timing import copies_beyond_l2, us_per_call_in_graph
+from nanovllm.kernels.triton_skinny import _prefetch_l2    # the skinny kernel's own
 
 SHAPES = {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)}   # (K, N)
 LINE = 64           # bf16 values per 128-byte L2 line
 PF_BLOCK = 512      # lines per prefetch iteration of a program
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
