@@ -3,7 +3,7 @@ Qwen3-0.6B attention shape: 16 query heads, 8 KV heads, head_dim 128, bf16 queri
 fp8 cache, block_size 256, pages scattered at random over a large cache (so reads come from HBM,
 not L2).
 
-    PYTHONPATH=. python3 tests/bench_kernels.py [--layout | --splits | --order | --ncu]
+    PYTHONPATH=. python3 tests/bench_kernels.py [--layout | --splits | --order | --ncu [--fp8]]
 
 --layout: only the table of cache layouts ([block, token, KV head, dim], the engine's, against
 [block, KV head, token, dim], whose pages hold each head's tokens back to back; the kernels read
@@ -14,8 +14,9 @@ attention arithmetic), and the decode kernel on large mixed batches with the seq
 order given, longest first and shortest first (programs start in sequence order).
 --ncu: no timing; each kernel of the --order comparison launched twice, eagerly, on 256 and 128
 mixed sequences (the decode kernel with the engine's configuration and with 32-token tiles and
-three stages, its read-only twin, on both cache layouts; then the contiguous read), for Nsight
-Compute to profile the second launches (the H200 machine has ncu; leave its clocks alone):
+three stages, its read-only twin, on both cache layouts; then the contiguous read; with --fp8 on an
+fp8 cache, without the 32-token variant), for Nsight Compute to profile the second launches (the
+H200 machine has ncu; leave its clocks alone):
 
     ncu --clock-control none -k regex:"_decode_split_kernel|_read_kernel" --set full \
         --import-source yes -o decode python3 tests/bench_kernels.py --ncu
@@ -171,7 +172,7 @@ def splits_at_mid_batches():
             print(f"  {batch:3} mixed {str(splits):11}{'*' if splits == chosen else ' '} {us:8.1f} us")
 
 
-def launches_for_ncu():
+def launches_for_ncu(cache_dtype):
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     random.seed(1)
     for batch in (256, 128):
@@ -180,10 +181,12 @@ def launches_for_ncu():
         num_splits, split = ta.decode_split_config(batch, KV, num_sms, 4096)
         out = torch.empty(batch * KV * (4096 // split), device="cuda")
         for heads_first in (False, True):
-            k, v, tables, seq_lens = paged(lens, heads_first=heads_first)
+            k, v, tables, seq_lens = paged(lens, cache_dtype=cache_dtype, heads_first=heads_first)
             for _ in range(2):
                 ta.decode_attention(q, k, v, tables, seq_lens, D ** -0.5, num_splits, split)
-                ta.decode_attention(q, k, v, tables, seq_lens, D ** -0.5, num_splits, split, block_n=32, num_stages=3)
+                if cache_dtype == torch.bfloat16:
+                    ta.decode_attention(q, k, v, tables, seq_lens, D ** -0.5, num_splits, split, block_n=32,
+                                        num_stages=3)
                 _paged_read_kernel[(batch, KV, 4096 // split)](
                     k, v, tables, seq_lens, out, tables.stride(0), k.stride(0), k.stride(1), k.stride(2),
                     SPLIT=split, HEAD_DIM=D, PAGE=PAGE, BLOCK_N=64, num_warps=4, num_stages=2)
@@ -205,9 +208,10 @@ def main():
     p.add_argument("--splits", action="store_true", help="only the table of decode splits at mid-size batches")
     p.add_argument("--order", action="store_true", help="only the read ceilings and the sequence-order table")
     p.add_argument("--ncu", action="store_true", help="no timing: launches for Nsight Compute to profile")
+    p.add_argument("--fp8", action="store_true", help="with --ncu: an fp8 (e4m3) cache, the engine's configuration")
     args = p.parse_args()
     if args.ncu:
-        return launches_for_ncu()
+        return launches_for_ncu(torch.float8_e4m3fn if args.fp8 else torch.bfloat16)
     random.seed(0)
     mixed = [random.randint(100, 2048) for _ in range(256)]     # the default workload's spread
     if args.layout:

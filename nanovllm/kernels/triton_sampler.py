@@ -1,83 +1,89 @@
-"""Sampling in one pass over the logits, in Triton: temperature, noise and argmax fused.
+"""Sampling from softmax(logits / T) in two short passes over the logits, in Triton.
 
-Sampling from softmax(logits / T) is the Gumbel-max trick: argmax(logits / T + g) with
-g = -log(-log(u)), u ~ U(0, 1), the same race as the torch sampler's argmax(probs / q),
-q ~ Exponential(1) (-log q is the Gumbel noise), without forming probabilities. The torch
-version makes ~10 float32 passes over [batch, vocab]; this kernel reads the logits once, in
-their own dtype; each philox call yields four of the uniforms (philox is most of the kernel's
-arithmetic). Greedy rows skip the noise and return exactly torch's argmax (first index of the
-maximum). Row r's noise is a function of (seeds[r], token id) alone: a seeded request gets the
-same noise whatever batch it is in. The plain-torch reference is layers/sampler.py's path.
+A token is drawn as a group of GROUP consecutive ids, chosen by the probability mass it holds,
+then a token of that group, chosen by its probability within the group: the product of the two is
+the token's probability, exactly. The first pass reads every logit once and keeps, per group, the
+largest scaled logit and the mass relative to it (one exp per logit, no random numbers). The
+second, one program per row, draws the group from those sums and then the token from the group's
+GROUP logits by the Gumbel-max trick: argmax(x / T + g), g = -log(-log(u)), u ~ U(0, 1), the race
+that the torch sampler runs as argmax(probs / q), q ~ Exponential(1). A row takes GROUP + 1
+uniforms instead of one per vocabulary entry: drawing philox numbers for all 151,936 logits made a
+one-pass Gumbel kernel compute-bound (docs/perf_notes.md rows 6 and 47).
+
+Greedy rows take the same two passes with each group's maximum and its first index: exactly
+torch's argmax (first index of the maximum). A row's cut (top-k, top-p and min-p as one value)
+leaves its logits below it out of both passes. Row r's draw depends on (seeds[r], its logits)
+alone: a seeded request draws the same token whatever batch it is in. The plain-torch reference
+is layers/sampler.py's race.
 """
 import torch
 import triton
 import triton.language as tl
 
-CHUNK = 8192    # vocab entries per program: ~19 programs per row for a 152k vocab
+GROUP = 1024    # vocab ids per group: 149 groups for a 152k vocab
 
 
 @triton.jit
-def _load(logits_ptr, offs, vocab_size):
-    return tl.load(logits_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
+def _scaled(logits_ptr, offs, vocab_size, inv_temp, cut, HAS_CUT: tl.constexpr):
+    """x / T for ids in the vocabulary and at or above the cut, else -inf (never drawn)."""
+    x = tl.load(logits_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
+    if HAS_CUT:
+        x = tl.where(x >= cut, x, float("-inf"))
+    return x * inv_temp
 
 
 @triton.jit
-def _group_reaches(logits_ptr, offs, vocab_size, cut, QUARTER: tl.constexpr):
-    """Whether any of the 4 * QUARTER logits from offs[0] on reaches the cut."""
-    x = tl.maximum(tl.maximum(_load(logits_ptr, offs, vocab_size), _load(logits_ptr, offs + QUARTER, vocab_size)),
-                   tl.maximum(_load(logits_ptr, offs + 2 * QUARTER, vocab_size),
-                              _load(logits_ptr, offs + 3 * QUARTER, vocab_size)))
-    return tl.max(x, 0) >= cut
+def _first_max(x, offs, none):
+    """The first offs at x's maximum (none if x is empty)."""
+    return tl.min(tl.where(x == tl.max(x, 0), offs, none), 0)
 
 
 @triton.jit
-def _noisy(x, inv_temp, u, cut):
-    """x / T plus Gumbel noise where x reaches the cut, else -inf (never drawn)."""
-    return tl.where(x >= cut, x * inv_temp - tl.log(-tl.log(tl.maximum(u, 1e-20))), float("-inf"))
-
-
-@triton.jit
-def _keep_best(best_val, best_idx, x, offs):
-    better = x > best_val            # strict: each lane keeps its earliest maximum
-    return tl.where(better, x, best_val), tl.where(better, offs, best_idx)
-
-
-@triton.jit
-def _gumbel_argmax_kernel(logits_ptr, stride, temps_ptr, greedy_ptr, seeds_ptr, cut_ptr, best_val_ptr,
-                          best_idx_ptr, vocab_size, num_chunks, HAS_CUT: tl.constexpr, CHUNK: tl.constexpr,
-                          QUARTER: tl.constexpr):
-    row, chunk = tl.program_id(0), tl.program_id(1)
-    row_ptr = logits_ptr + row * stride
-    inv_temp = 1.0 / tl.load(temps_ptr + row)
-    seed = tl.load(seeds_ptr + row)
-    cut = tl.load(cut_ptr + row) if HAS_CUT else float("-inf")
-    best_val = tl.full((QUARTER,), float("-inf"), tl.float32)
-    best_idx = tl.zeros((QUARTER,), tl.int32)
-    if tl.load(greedy_ptr + row) != 0:
-        for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, QUARTER):
-            offs = start + tl.arange(0, QUARTER)
-            best_val, best_idx = _keep_best(best_val, best_idx, _load(row_ptr, offs, vocab_size), offs)
+def _group_stats_kernel(logits_ptr, stride, temps_ptr, greedy_ptr, cut_ptr, top_ptr, mass_ptr, arg_ptr,
+                        vocab_size, num_groups, HAS_CUT: tl.constexpr, ALL_GREEDY: tl.constexpr, GROUP: tl.constexpr):
+    row, group = tl.program_id(0), tl.program_id(1)
+    offs = group * GROUP + tl.arange(0, GROUP)
+    out = row * num_groups + group
+    if ALL_GREEDY or tl.load(greedy_ptr + row) != 0:
+        x = tl.load(logits_ptr + row * stride + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
+        tl.store(top_ptr + out, tl.max(x, 0))
+        tl.store(arg_ptr + out, _first_max(x, offs, vocab_size))
     else:
-        # One philox call gives four uniforms: tokens start + i + {0, 1, 2, 3} * QUARTER.
-        for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, 4 * QUARTER):
-            offs = start + tl.arange(0, QUARTER)
-            # With a cut (top-k/top-p) nearly every group of 4 * QUARTER logits lies below it and has
-            # no token to draw: no noise for those. Noise depends on (seed, token id) alone, so the
-            # groups left out change no draw.
-            if not HAS_CUT or _group_reaches(row_ptr, offs, vocab_size, cut, QUARTER):
-                u0, u1, u2, u3 = tl.rand4x(seed, offs)
-                best_val, best_idx = _keep_best(best_val, best_idx, _noisy(
-                    _load(row_ptr, offs, vocab_size), inv_temp, u0, cut), offs)
-                best_val, best_idx = _keep_best(best_val, best_idx, _noisy(
-                    _load(row_ptr, offs + QUARTER, vocab_size), inv_temp, u1, cut), offs + QUARTER)
-                best_val, best_idx = _keep_best(best_val, best_idx, _noisy(
-                    _load(row_ptr, offs + 2 * QUARTER, vocab_size), inv_temp, u2, cut), offs + 2 * QUARTER)
-                best_val, best_idx = _keep_best(best_val, best_idx, _noisy(
-                    _load(row_ptr, offs + 3 * QUARTER, vocab_size), inv_temp, u3, cut), offs + 3 * QUARTER)
-    top = tl.max(best_val, 0)
-    top_idx = tl.min(tl.where(best_val == top, best_idx, vocab_size), 0)
-    tl.store(best_val_ptr + row * num_chunks + chunk, top)
-    tl.store(best_idx_ptr + row * num_chunks + chunk, top_idx)
+        cut = tl.load(cut_ptr + row) if HAS_CUT else float("-inf")
+        y = _scaled(logits_ptr + row * stride, offs, vocab_size, 1.0 / tl.load(temps_ptr + row), cut, HAS_CUT)
+        top = tl.max(y, 0)
+        tl.store(top_ptr + out, top)
+        # a group with nothing to draw (all -inf) gets mass 0 (exp(-inf - -inf) would be NaN)
+        tl.store(mass_ptr + out, tl.sum(tl.exp(y - tl.maximum(top, -3.0e38)), 0))
+
+
+@triton.jit
+def _draw_kernel(logits_ptr, stride, temps_ptr, greedy_ptr, seeds_ptr, cut_ptr, top_ptr, mass_ptr, arg_ptr,
+                 token_ptr, vocab_size, num_groups, HAS_CUT: tl.constexpr, ALL_GREEDY: tl.constexpr,
+                 GROUP: tl.constexpr, GROUPS: tl.constexpr):
+    row = tl.program_id(0)
+    groups = tl.arange(0, GROUPS)
+    stats = row * num_groups + groups
+    top = tl.load(top_ptr + stats, mask=groups < num_groups, other=float("-inf"))
+    if ALL_GREEDY or tl.load(greedy_ptr + row) != 0:
+        # the first group holding the row's maximum, and the first index of it there
+        token = tl.load(arg_ptr + row * num_groups + _first_max(top, groups, num_groups))
+    else:
+        mass = tl.load(mass_ptr + stats, mask=groups < num_groups, other=0.0)
+        weight = tl.where(mass > 0, mass * tl.exp(top - tl.max(top, 0)), 0.0)
+        # The group whose share of the cumulative mass holds a uniform draw. Groups without mass
+        # are never chosen, even where rounding in the scan would land the draw on one; the
+        # uniform comes from philox's counter vocab_size, which no token's noise uses.
+        seed = tl.load(seeds_ptr + row)
+        target = tl.rand(seed, vocab_size) * tl.sum(weight, 0)
+        last = tl.max(tl.where(weight > 0, groups, 0), 0)
+        group = tl.min(tl.where((tl.cumsum(weight, 0) > target) & (weight > 0), groups, last), 0)
+        offs = group * GROUP + tl.arange(0, GROUP)
+        cut = tl.load(cut_ptr + row) if HAS_CUT else float("-inf")
+        y = _scaled(logits_ptr + row * stride, offs, vocab_size, 1.0 / tl.load(temps_ptr + row), cut, HAS_CUT)
+        u = tl.rand(seed, offs)      # token t's noise: philox counter t
+        token = _first_max(y - tl.log(-tl.log(tl.maximum(u, 1e-20))), offs, vocab_size)
+    tl.store(token_ptr + row, token.to(tl.int64))
 
 
 def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, is_greedy: torch.Tensor,
@@ -85,13 +91,31 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, is_greedy: t
     """logits: [B, V] (any float dtype); temperatures: [B] float32; is_greedy: [B] bool;
     seeds: [B] int64; cut: [B] float32 or None, a sampled row's logits below its cut are never
     drawn (top-k/top-p as one value per row) -> sampled token ids [B] int64."""
+    return _two_passes(logits, temperatures, is_greedy, seeds, cut)
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1) for [B, V] logits, by the two passes' greedy rows: 3.6 us at one row of
+    Qwen3's vocabulary on the H200, where torch's reduction over one long row takes 7.8 us."""
+    return _two_passes(logits, None, None, None, None)
+
+
+def _two_passes(logits, temperatures, is_greedy, seeds, cut):
+    """is_greedy None: every row greedy (no temperatures or seeds)."""
     batch, vocab_size = logits.shape
     assert logits.stride(1) == 1
-    num_chunks = triton.cdiv(vocab_size, CHUNK)
-    best_val = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
-    best_idx = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device)
-    _gumbel_argmax_kernel[(batch, num_chunks)](
-        logits, logits.stride(0), temperatures, is_greedy, seeds, cut if cut is not None else temperatures,
-        best_val, best_idx, vocab_size, num_chunks, HAS_CUT=cut is not None, CHUNK=CHUNK, QUARTER=256, num_warps=4)
-    winner = best_val.argmax(-1, keepdim=True)           # first chunk among ties: the smallest id
-    return best_idx.gather(-1, winner).squeeze(-1).long()
+    num_groups = triton.cdiv(vocab_size, GROUP)
+    top = torch.empty(batch, num_groups, dtype=torch.float32, device=logits.device)
+    mass = torch.empty_like(top)
+    arg = torch.empty(batch, num_groups, dtype=torch.int32, device=logits.device)
+    tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    all_greedy = is_greedy is None
+    # tensors the kernels leave unread in this call stand in for those not given
+    temperatures, is_greedy, seeds = (top, top, top) if all_greedy else (temperatures, is_greedy, seeds)
+    cut_or_any = cut if cut is not None else top
+    flags = dict(HAS_CUT=cut is not None, ALL_GREEDY=all_greedy, GROUP=GROUP, num_warps=4)
+    _group_stats_kernel[(batch, num_groups)](logits, logits.stride(0), temperatures, is_greedy, cut_or_any, top,
+                                             mass, arg, vocab_size, num_groups, **flags)
+    _draw_kernel[(batch,)](logits, logits.stride(0), temperatures, is_greedy, seeds, cut_or_any, top, mass, arg,
+                           tokens, vocab_size, num_groups, GROUPS=triton.next_power_of_2(num_groups), **flags)
+    return tokens

@@ -3,10 +3,11 @@
 Order of operations (vLLM v1's): raw logprobs are taken first, from the unprocessed logits;
 then min_tokens masking and penalties; greedy rows take the argmax of that; the others go
 through temperature, top-k, top-p and min-p, and are sampled by the exponential race
-argmax(probs / q), q ~ Exponential(1), which needs no sort and no host sync. On CUDA the race
-runs as Gumbel noise on the logits in one fused Triton pass (kernels/triton_sampler.py), with
-temperature inside it, and top-k, top-p and min-p as one cut value per row below which nothing
-is drawn: top-k/top-p from a few candidates or radix select for rows with a top_k
+argmax(probs / q), q ~ Exponential(1), which needs no sort and no host sync. On CUDA the same
+distribution is drawn in two Triton passes (kernels/triton_sampler.py: a group of ids by its
+probability mass, then a token of it by Gumbel noise on its logits), with temperature inside
+them, and top-k, top-p and min-p as one cut value per row below which nothing is drawn:
+top-k/top-p from a few candidates or radix select for rows with a top_k
 (kernels/triton_top_k.py), top-p without top-k by a radix select on probability mass
 (kernels/triton_top_p.py), min-p from the row's maximum. Only a batch with a top_k above
 SELECT_TOP_K_MAX sorts its scaled logits first.
@@ -208,11 +209,9 @@ class Sampler:
         return seeds
 
     def _sample_fused(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        from nanovllm.kernels.triton_sampler import gumbel_argmax
+        from nanovllm.kernels.triton_sampler import greedy_argmax, gumbel_argmax
         if md.all_greedy:
-            # One argmax kernel instead of four (noise seeds, the fused kernel, its reduction over
-            # chunks, the gather); the fused kernel's greedy rows are exactly this argmax.
-            return logits.argmax(-1)
+            return greedy_argmax(logits)      # no noise seeds
         seeds = self._row_seeds(md, logits.shape[0], logits.device)
         if md.top_k is not None and not selects_top_k(md.top_k, md.max_top_k or md.max_set_top_k):
             # a top_k above SELECT_TOP_K_MAX: sorted
