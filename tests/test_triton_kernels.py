@@ -457,8 +457,6 @@ def test_gumbel_argmax_greedy_rows_are_argmax(batch, vocab):
                        torch.randint(0, 1 << 62, (batch,), generator=gen))
     assert out.tolist() == logits.float().argmax(-1).tolist()
     assert out[0] == 5
-    from nanovllm.kernels.triton_sampler import greedy_argmax
-    assert greedy_argmax(logits.to(DEVICE)).tolist() == out.tolist()     # an all-greedy batch
 
 
 def test_gumbel_argmax_follows_softmax_of_scaled_logits():

@@ -40,11 +40,11 @@ def _first_max(x, offs, none):
 
 @triton.jit
 def _group_stats_kernel(logits_ptr, stride, temps_ptr, greedy_ptr, cut_ptr, top_ptr, mass_ptr, arg_ptr,
-                        vocab_size, num_groups, HAS_CUT: tl.constexpr, ALL_GREEDY: tl.constexpr, GROUP: tl.constexpr):
+                        vocab_size, num_groups, HAS_CUT: tl.constexpr, GROUP: tl.constexpr):
     row, group = tl.program_id(0), tl.program_id(1)
     offs = group * GROUP + tl.arange(0, GROUP)
     out = row * num_groups + group
-    if ALL_GREEDY or tl.load(greedy_ptr + row) != 0:
+    if tl.load(greedy_ptr + row) != 0:
         x = tl.load(logits_ptr + row * stride + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
         tl.store(top_ptr + out, tl.max(x, 0))
         tl.store(arg_ptr + out, _first_max(x, offs, vocab_size))
@@ -59,13 +59,13 @@ def _group_stats_kernel(logits_ptr, stride, temps_ptr, greedy_ptr, cut_ptr, top_
 
 @triton.jit
 def _draw_kernel(logits_ptr, stride, temps_ptr, greedy_ptr, seeds_ptr, cut_ptr, top_ptr, mass_ptr, arg_ptr,
-                 token_ptr, vocab_size, num_groups, HAS_CUT: tl.constexpr, ALL_GREEDY: tl.constexpr,
-                 GROUP: tl.constexpr, GROUPS: tl.constexpr):
+                 token_ptr, vocab_size, num_groups, HAS_CUT: tl.constexpr, GROUP: tl.constexpr,
+                 GROUPS: tl.constexpr):
     row = tl.program_id(0)
     groups = tl.arange(0, GROUPS)
     stats = row * num_groups + groups
     top = tl.load(top_ptr + stats, mask=groups < num_groups, other=float("-inf"))
-    if ALL_GREEDY or tl.load(greedy_ptr + row) != 0:
+    if tl.load(greedy_ptr + row) != 0:
         # the first group holding the row's maximum, and the first index of it there
         token = tl.load(arg_ptr + row * num_groups + _first_max(top, groups, num_groups))
     else:
@@ -91,17 +91,6 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, is_greedy: t
     """logits: [B, V] (any float dtype); temperatures: [B] float32; is_greedy: [B] bool;
     seeds: [B] int64; cut: [B] float32 or None, a sampled row's logits below its cut are never
     drawn (top-k/top-p as one value per row) -> sampled token ids [B] int64."""
-    return _two_passes(logits, temperatures, is_greedy, seeds, cut)
-
-
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(-1) for [B, V] logits, by the two passes' greedy rows: 3.6 us at one row of
-    Qwen3's vocabulary on the H200, where torch's reduction over one long row takes 7.8 us."""
-    return _two_passes(logits, None, None, None, None)
-
-
-def _two_passes(logits, temperatures, is_greedy, seeds, cut):
-    """is_greedy None: every row greedy (no temperatures or seeds)."""
     batch, vocab_size = logits.shape
     assert logits.stride(1) == 1
     num_groups = triton.cdiv(vocab_size, GROUP)
@@ -109,13 +98,12 @@ def _two_passes(logits, temperatures, is_greedy, seeds, cut):
     mass = torch.empty_like(top)
     arg = torch.empty(batch, num_groups, dtype=torch.int32, device=logits.device)
     tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
-    all_greedy = is_greedy is None
-    # tensors the kernels leave unread in this call stand in for those not given
-    temperatures, is_greedy, seeds = (top, top, top) if all_greedy else (temperatures, is_greedy, seeds)
-    cut_or_any = cut if cut is not None else top
-    flags = dict(HAS_CUT=cut is not None, ALL_GREEDY=all_greedy, GROUP=GROUP, num_warps=4)
+    cut_or_any = cut if cut is not None else temperatures
+    # two warps a group: the fastest of seven shapes at 16-256 sampled rows (perf_notes row 47)
     _group_stats_kernel[(batch, num_groups)](logits, logits.stride(0), temperatures, is_greedy, cut_or_any, top,
-                                             mass, arg, vocab_size, num_groups, **flags)
+                                             mass, arg, vocab_size, num_groups, HAS_CUT=cut is not None,
+                                             GROUP=GROUP, num_warps=2)
     _draw_kernel[(batch,)](logits, logits.stride(0), temperatures, is_greedy, seeds, cut_or_any, top, mass, arg,
-                           tokens, vocab_size, num_groups, GROUPS=triton.next_power_of_2(num_groups), **flags)
+                           tokens, vocab_size, num_groups, HAS_CUT=cut is not None, GROUP=GROUP,
+                           GROUPS=triton.next_power_of_2(num_groups), num_warps=4)
     return tokens
