@@ -88,17 +88,26 @@ def _next_page(table, n_start, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, k_cache_ptr, v_cache_ptr, rows, n_mask, visible, offs_d, m_i, l_i, acc, qk_scale):
+def _attend_tile(q, k_cache_ptr, v_cache_ptr, rows, n_mask, visible, offs_d, m_i, l_i, acc, qk_scale,
+                 MASKED: tl.constexpr):
     """One tile of online softmax. rows: the cache offsets of the tile's tokens for this KV head
     (n_mask: which exist); visible: [queries, tile], which query sees which token; m_i, l_i,
-    acc: running max (log2 units), sum and weighted values per query. -> them updated."""
-    k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
-    s = tl.where(visible, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+    acc: running max (log2 units), sum and weighted values per query. -> them updated.
+    MASKED False: every token of the tile exists and every query sees it (no masks)."""
+    if MASKED:
+        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
+        s = tl.where(visible, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+    else:
+        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :]).to(q.dtype)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_new = tl.where(m_new == float("-inf"), 0.0, m_new)    # a query that sees nothing yet
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
+    if MASKED:
+        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
+    else:
+        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :]).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
@@ -149,7 +158,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
         n_mask = offs_n < end
         rows = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cr + kv_head * stride_ch
         m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, rows, n_mask, n_mask[None, :], offs_d,
-                                     m_i, l_i, acc, qk_scale)
+                                     m_i, l_i, acc, qk_scale, MASKED=True)
         page = _next_page(table, n_start, end, PAGE, BLOCK_N)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]       # a padding row: zeros
@@ -315,15 +324,24 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
     qk_scale = scale * 1.4426950408889634
 
     end = tl.minimum(seq_len, ctx_len + (tile + 1) * BLOCK_M)  # causal: no key past the tile's last query
+    # Tiles of keys at or before the tile's first query are seen whole by every query: no masks
+    # there; only the tiles on the diagonal (and a partial last one) are masked.
+    full_end = (ctx_len + tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N
     table = block_tables_ptr + seq * stride_bt
     page = tl.load(table)
-    for n_start in range(0, end, BLOCK_N):
+    for n_start in range(0, full_end, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        rows = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cr + kv_head * stride_ch
+        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, rows, None, None, offs_d, m_i, l_i, acc, qk_scale,
+                                     MASKED=False)
+        page = _next_page(table, n_start, end, PAGE, BLOCK_N)
+    for n_start in range(full_end, end, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         rows = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cr + kv_head * stride_ch
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, rows, n_mask, visible, offs_d,
-                                     m_i, l_i, acc, qk_scale)
+                                     m_i, l_i, acc, qk_scale, MASKED=True)
         page = _next_page(table, n_start, end, PAGE, BLOCK_N)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
