@@ -132,7 +132,8 @@ def main():
 
 KERNEL_CLASSES = (("decode attention", ("_decode_split", "_decode_merge")), ("prefill attention", ("_prefill",)),
                   ("cuBLAS GEMMs", ("gemm", "nvjet", "xmma", "cutlass", "splitK")),
-                  ("small-batch projections", ("_skinny",)), ("sampler", ("_group_stats", "_draw_kernel", "top_k", "top_p", "argmax")))
+                  ("small-batch projections", ("_skinny",)),
+                  ("sampler", ("_group_stats", "_draw_kernel", "top_k", "top_p", "argmax")))
 
 
 def print_classes(kernels):

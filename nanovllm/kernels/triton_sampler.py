@@ -34,7 +34,7 @@ def _scaled(logits_ptr, offs, vocab_size, inv_temp, cut, HAS_CUT: tl.constexpr):
 
 @triton.jit
 def _first_max(x, offs, none):
-    """The first offs at x's maximum (none if x is empty)."""
+    """The first of offs where x is at its maximum (none if nowhere, e.g. x all NaN)."""
     return tl.min(tl.where(x == tl.max(x, 0), offs, none), 0)
 
 
