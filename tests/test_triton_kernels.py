@@ -476,6 +476,29 @@ def test_gumbel_argmax_follows_softmax_of_scaled_logits():
     assert torch.allclose(counts[ids] / n, expected, atol=0.03), (counts[ids] / n, expected)
 
 
+def test_gumbel_argmax_never_draws_from_a_group_without_mass():
+    """Groups 1 and 3 of the kernel hold only -inf (banned) logits, and half the rows have a cut:
+    every draw is a finite logit at or above its row's cut, and groups 0 and 2 are drawn in
+    proportion to their mass."""
+    from nanovllm.kernels.triton_sampler import GROUP
+    n, vocab = 1000, 3 * GROUP + 100
+    gen = torch.Generator().manual_seed(11)
+    row = torch.randn(vocab, generator=gen)
+    row[GROUP:2 * GROUP] = float("-inf")
+    row[3 * GROUP:] = float("-inf")
+    logits = row.expand(n, vocab).to(DTYPE)
+    cut = torch.where(torch.arange(n) % 2 == 0, 1.0, float("-inf"))
+    seeds = torch.randint(0, 1 << 62, (n,), generator=gen)
+    out = sample_fused(logits, torch.ones(n), torch.zeros(n, dtype=torch.bool), seeds, cut)
+    drawn = logits.float().gather(-1, out[:, None]).squeeze(-1)
+    assert drawn.isfinite().all() and (drawn >= cut).all()
+    for rows in (cut > 0, cut < 0):
+        probs = torch.where(row.to(DTYPE).float() >= cut[rows][0], row.to(DTYPE).float(), float("-inf")).softmax(-1)
+        share_of_group_2 = probs[2 * GROUP:3 * GROUP].sum()
+        observed = (out[rows] >= 2 * GROUP).float().mean()
+        assert abs(observed - share_of_group_2) < 0.07, (observed, share_of_group_2)
+
+
 def test_gumbel_argmax_noise_depends_only_on_the_seed():
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 2_000, generator=gen).to(DTYPE)
