@@ -109,11 +109,21 @@ def _paged_read_kernel(k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, stride_b
     for n_start in range(start, end, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        rows = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cr + kv_head * stride_ch
+        rows = ta._tile_rows(page, offs_n, kv_head, stride_cb, stride_cr, stride_ch, PAGE)
         acc += tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(tl.float32)
         acc += tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(tl.float32)
         page = ta._next_page(table, n_start, end, PAGE, BLOCK_N)
     tl.store(out_ptr + (seq * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split, tl.sum(tl.sum(acc, 1), 0))
+
+
+def paged_read(k, v, tables, seq_lens, split, block_n=64, warps=4):
+    """-> a call of _paged_read_kernel over every (sequence, KV head, split of `split` tokens) of
+    contexts up to 4,096 tokens."""
+    grid = (len(seq_lens), KV, 4096 // split)
+    out = torch.empty(grid[0] * grid[1] * grid[2], device="cuda")
+    return lambda: _paged_read_kernel[grid](
+        k, v, tables, seq_lens, out, tables.stride(0), k.stride(0), k.stride(1), k.stride(2),
+        SPLIT=split, HEAD_DIM=D, PAGE=PAGE, BLOCK_N=block_n, num_warps=warps, num_stages=2)
 
 
 def read_ceilings_and_order():
@@ -146,11 +156,7 @@ def read_ceilings_and_order():
                                                                        *splits)] * 20)
                 print(f"  decode {batch} mixed, {order:14} {str(splits):10}: {us:7.1f} us {kv_bytes / us / 1e3:6.0f} GB/s")
             for split, block_n, warps in ((1024, 64, 4), (1024, 128, 8), (512, 64, 4)):
-                out = torch.empty(batch * KV * (4096 // split), device="cuda")
-                call = lambda: _paged_read_kernel[(batch, KV, 4096 // split)](
-                    k, v, tables, seq_lens, out, tables.stride(0), k.stride(0), k.stride(1), k.stride(2),
-                    SPLIT=split, HEAD_DIM=D, PAGE=PAGE, BLOCK_N=block_n, num_warps=warps, num_stages=2)
-                us = us_per_call_in_graph([call] * 20)
+                us = us_per_call_in_graph([paged_read(k, v, tables, seq_lens, split, block_n, warps)] * 20)
                 print(f"  paged read only {batch} mixed, {order:14} split {split} tile {block_n} "
                       f"{warps} warps: {us:7.1f} us {kv_bytes / us / 1e3:6.0f} GB/s")
             del k, v
@@ -179,17 +185,15 @@ def launches_for_ncu(cache_dtype):
         lens = [random.randint(100, 2048) for _ in range(batch)]
         q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
         num_splits, split = ta.decode_split_config(batch, KV, num_sms, 4096)
-        out = torch.empty(batch * KV * (4096 // split), device="cuda")
         for heads_first in (False, True):
             k, v, tables, seq_lens = paged(lens, cache_dtype=cache_dtype, heads_first=heads_first)
+            read = paged_read(k, v, tables, seq_lens, split)
             for _ in range(2):
                 ta.decode_attention(q, k, v, tables, seq_lens, D ** -0.5, num_splits, split)
                 if cache_dtype == torch.bfloat16:
                     ta.decode_attention(q, k, v, tables, seq_lens, D ** -0.5, num_splits, split, block_n=32,
                                         num_stages=3)
-                _paged_read_kernel[(batch, KV, 4096 // split)](
-                    k, v, tables, seq_lens, out, tables.stride(0), k.stride(0), k.stride(1), k.stride(2),
-                    SPLIT=split, HEAD_DIM=D, PAGE=PAGE, BLOCK_N=64, num_warps=4, num_stages=2)
+                read()
             print(f"launched: {batch} mixed, splits {(num_splits, split)}, "
                   f"{'[block, head, token, dim]' if heads_first else '[block, token, head, dim]'}")
             del k, v

@@ -88,26 +88,35 @@ def _next_page(table, n_start, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _tile_rows(page, offs_n, kv_head, stride_cb, stride_cr, stride_ch, PAGE: tl.constexpr):
+    """The cache offsets of context tokens offs_n (all in one page) for one KV head."""
+    return page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cr + kv_head * stride_ch
+
+
+@triton.jit
+def _load_tile(cache_ptr, rows, offs_d, n_mask, MASKED: tl.constexpr):
+    """The [tile, head_dim] values at rows; MASKED: only the tokens in n_mask (the others 0)."""
+    if MASKED:
+        return tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+    return tl.load(cache_ptr + rows[:, None] + offs_d[None, :])
+
+
+@triton.jit
 def _attend_tile(q, k_cache_ptr, v_cache_ptr, rows, n_mask, visible, offs_d, m_i, l_i, acc, qk_scale,
                  MASKED: tl.constexpr):
     """One tile of online softmax. rows: the cache offsets of the tile's tokens for this KV head
     (n_mask: which exist); visible: [queries, tile], which query sees which token; m_i, l_i,
     acc: running max (log2 units), sum and weighted values per query. -> them updated.
     MASKED False: every token of the tile exists and every query sees it (no masks)."""
+    k = _load_tile(k_cache_ptr, rows, offs_d, n_mask, MASKED).to(q.dtype)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
     if MASKED:
-        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
-        s = tl.where(visible, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
-    else:
-        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :]).to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_new = tl.where(m_new == float("-inf"), 0.0, m_new)    # a query that sees nothing yet
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    if MASKED:
-        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
-    else:
-        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :]).to(q.dtype)
+    v = _load_tile(v_cache_ptr, rows, offs_d, n_mask, MASKED).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
@@ -156,7 +165,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
     for n_start in range(start, end, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        rows = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cr + kv_head * stride_ch
+        rows = _tile_rows(page, offs_n, kv_head, stride_cb, stride_cr, stride_ch, PAGE)
         m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, rows, n_mask, n_mask[None, :], offs_d,
                                      m_i, l_i, acc, qk_scale, MASKED=True)
         page = _next_page(table, n_start, end, PAGE, BLOCK_N)
@@ -331,14 +340,14 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
     page = tl.load(table)
     for n_start in range(0, full_end, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
-        rows = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cr + kv_head * stride_ch
+        rows = _tile_rows(page, offs_n, kv_head, stride_cb, stride_cr, stride_ch, PAGE)
         m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, rows, None, None, offs_d, m_i, l_i, acc, qk_scale,
                                      MASKED=False)
         page = _next_page(table, n_start, end, PAGE, BLOCK_N)
     for n_start in range(full_end, end, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        rows = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cr + kv_head * stride_ch
+        rows = _tile_rows(page, offs_n, kv_head, stride_cb, stride_cr, stride_ch, PAGE)
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, rows, n_mask, visible, offs_d,
                                      m_i, l_i, acc, qk_scale, MASKED=True)
