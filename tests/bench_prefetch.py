@@ -18,16 +18,17 @@ attention runs between the q/k norm and o_proj), its loads with the default poli
     PYTHONPATH=. python3 tests/bench_prefetch.py [--rows 32 64 128 256] [--stream 64 256]
 """
 import argparse
+import collections
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from gpu_timing import copies_beyond_l2, us_per_call_in_graph
+from bench_gemm import cases, print_times     # the 0.6B projection shapes, weights beyond L2
+from gpu_timing import us_per_call_in_graph
 from nanovllm.kernels.triton_skinny import _prefetch_l2    # the skinny kernel's own
 
-SHAPES = {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)}   # (K, N)
 LINE = 64           # bf16 values per 128-byte L2 line
 PF_BLOCK = 512      # lines per prefetch iteration of a program
 
@@ -104,38 +105,30 @@ def main():
     p.add_argument("--stream", type=int, nargs="*", default=[], help="MB read between the pair's kernels")
     args = p.parse_args()
     print("us per [norm, projection] pair in a CUDA graph (weights from HBM unless hot)")
-    totals = {}
-    for name, (k, n) in SHAPES.items():
-        w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        weights = copies_beyond_l2(w0)
-        norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
-        for m in args.rows:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            y = torch.empty_like(x)
-            variants = {
-                "cold": [lambda w=w: (norm(x, norm_w, y, None), F.linear(y, w)) for w in weights],
-                "after": [lambda w=w: (norm(x, norm_w, y, w), F.linear(y, w)) for w in weights],
-                "before": [lambda w=w: (norm(x, norm_w, y, w, True), F.linear(y, w)) for w in weights],
-                "hot": [lambda: (norm(x, norm_w, y, None), F.linear(y, w0)) for _ in weights],
-            }
-            for mb in args.stream:
-                for evict_first in (False, True):
-                    s = Streams(mb, evict_first)
-                    tag = f"{mb}MB{'-ef' if evict_first else ''}"
-                    variants[f"cold+{tag}"] = [lambda w=w, s=s: (norm(x, norm_w, y, None), s(), F.linear(y, w))
-                                               for w in weights]
-                    variants[f"after+{tag}"] = [lambda w=w, s=s: (norm(x, norm_w, y, w), s(), F.linear(y, w))
-                                                for w in weights]
-            times = {v: us_per_call_in_graph(calls) for v, calls in variants.items()}
-            norm(x, norm_w, y, None)
-            reference = y.clone()
-            norm(x, norm_w, y, w0)
-            assert torch.equal(y, reference)        # the prefetch changes nothing
-            for v, us in times.items():
-                totals[v] = totals.get(v, 0.0) + us
-            print(f"{name:8} {m:4} rows  " + "  ".join(f"{v} {us:6.2f}" for v, us in times.items()), flush=True)
-        del weights, w0
-        torch.cuda.empty_cache()
+    totals = collections.defaultdict(float)
+    for name, m, x, w0, weights in cases(args.rows):
+        norm_w = torch.ones(x.shape[1], device="cuda", dtype=torch.bfloat16)
+        y = torch.empty_like(x)
+        variants = {
+            "cold": [lambda w=w: (norm(x, norm_w, y, None), F.linear(y, w)) for w in weights],
+            "after": [lambda w=w: (norm(x, norm_w, y, w), F.linear(y, w)) for w in weights],
+            "before": [lambda w=w: (norm(x, norm_w, y, w, True), F.linear(y, w)) for w in weights],
+            "hot": [lambda: (norm(x, norm_w, y, None), F.linear(y, w0)) for _ in weights],
+        }
+        for mb in args.stream:
+            for evict_first in (False, True):
+                s = Streams(mb, evict_first)
+                tag = f"{mb}MB{'-ef' if evict_first else ''}"
+                variants[f"cold+{tag}"] = [lambda w=w, s=s: (norm(x, norm_w, y, None), s(), F.linear(y, w))
+                                           for w in weights]
+                variants[f"after+{tag}"] = [lambda w=w, s=s: (norm(x, norm_w, y, w), s(), F.linear(y, w))
+                                            for w in weights]
+        times = {v: us_per_call_in_graph(calls) for v, calls in variants.items()}
+        norm(x, norm_w, y, None)
+        reference = y.clone()
+        norm(x, norm_w, y, w0)
+        assert torch.equal(y, reference)        # the prefetch changes nothing
+        print_times(name, m, times, totals)
     print("sum: " + ", ".join(f"{v} {us:.1f}" for v, us in totals.items()))
 
 
