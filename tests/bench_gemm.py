@@ -34,39 +34,81 @@ SHAPES = {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o,
+def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_x, stride_w, stride_o,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[M, N] = x[M, K] @ w[N, K]^T; K a multiple of BLOCK_K."""
-    pid = tl.program_id(0)
+    """out[split, M, N] = x[M, split's K range] @ w[N, split's K range]^T (program axis 1 the
+    split; one split: out[M, N]); k_per_split a multiple of BLOCK_K."""
+    pid, split = tl.program_id(0), tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
     pid_m, pid_n = pid % num_m, pid // num_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = split * k_per_split + tl.arange(0, BLOCK_K)
     x = x_ptr + offs_m[:, None] * stride_x + offs_k[None, :]
     w = w_ptr + offs_n[:, None] * stride_w + offs_k[None, :]
     m_ok, n_ok = offs_m < M, offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for _ in range(0, K, BLOCK_K):
+    for _ in range(0, k_per_split, BLOCK_K):
         a = tl.load(x, mask=m_ok[:, None], other=0.0)
         b = tl.load(w, mask=n_ok[:, None], other=0.0)
         acc += tl.dot(a, tl.trans(b))
         x += BLOCK_K
         w += BLOCK_K
-    tl.store(out_ptr + offs_m[:, None] * stride_o + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    out = out_ptr + split * M * N + offs_m[:, None] * stride_o + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, block_m: int, block_n: int, block_k: int, num_stages: int,
-         num_warps: int) -> torch.Tensor:
+         num_warps: int, split_k: int = 1) -> torch.Tensor:
+    """x @ w^T; with split_k > 1 the float32 partial products [split_k, M, N] instead."""
     m, k = x.shape
     n = w.shape[0]
-    assert k % block_k == 0
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-    _gemm_kernel[grid](x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=block_m,
+    assert k % (block_k * split_k) == 0
+    if split_k == 1:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    else:
+        out = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), split_k)
+    _gemm_kernel[grid](x, w, out, m, n, k, k // split_k, x.stride(0), w.stride(0), n, BLOCK_M=block_m,
                        BLOCK_N=block_n, BLOCK_K=block_k, num_stages=num_stages, num_warps=num_warps)
     return out
+
+
+@triton.jit
+def _sum_add_rms_norm_kernel(part_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, M, n_cols, eps,
+                             SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """The engine's add + RMSNorm (kernels/triton_fused.py) with its input the sum of SPLIT_K
+    float32 partial products [SPLIT_K, M, n_cols], rounded to the residual's dtype."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in range(SPLIT_K):
+        acc += tl.load(part_ptr + (s * M + row) * n_cols + offs, mask=mask, other=0.0)
+    res = tl.load(res_ptr + row * n_cols + offs, mask=mask, other=0.0)
+    x = acc.to(res.dtype) + res
+    tl.store(res_out_ptr + row * n_cols + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
+    y = (xf * rstd).to(x.dtype) * tl.load(w_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * n_cols + offs, y, mask=mask)
+
+
+def sum_add_rms_norm(parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6):
+    split_k, m, n = parts.shape
+    out, res_out = torch.empty_like(residual), torch.empty_like(residual)
+    _sum_add_rms_norm_kernel[(m,)](parts, residual, weight, out, res_out, m, n, eps, SPLIT_K=split_k,
+                                   BLOCK=triton.next_power_of_2(n), num_warps=4)
+    return out, res_out
+
+
+def bmm_partials(x: torch.Tensor, w: torch.Tensor, split_k: int) -> torch.Tensor:
+    """x @ w^T as split_k float32 partial products [split_k, M, N] by one strided-batched cuBLAS
+    call (torch.bmm with out_dtype): views, no copies."""
+    (m, k), n = x.shape, w.shape[0]
+    xs = x.view(m, split_k, k // split_k).transpose(0, 1)              # [S, M, K/S], rows K apart
+    ws = w.view(n, split_k, k // split_k).permute(1, 2, 0)             # [S, K/S, N], transposed
+    return torch.bmm(xs, ws, out_dtype=torch.float32)
 
 
 def cases(rows):
@@ -125,6 +167,54 @@ def layouts(rows):
     print("sum: " + ", ".join(f"{lay} {us:.1f} us" for lay, us in total.items()))
 
 
+def split(rows):
+    """Split-K: each projection as 2-8 float32 partial products (strided-batched cuBLAS, and the
+    best of a Triton grid for o and down) against F.linear; for o and down, whose output goes to
+    the add + RMSNorm, also the pair of kernels: F.linear + the engine's add + RMSNorm against
+    the partial products + an add + RMSNorm that sums them."""
+    from nanovllm.kernels.triton_fused import rms_norm
+    grid = list(itertools.product((64, 128), (32, 64, 128), (64, 128), (3, 4), (4,)))
+    print("us per call in a CUDA graph (weights from HBM); bmmS: torch.bmm(out_dtype=float32) over S "
+          "splits of K; triS: the best Triton configuration (block_m, block_n, block_k, stages, warps) "
+          "at S splits; +norm: followed by the add + RMSNorm")
+    total = collections.defaultdict(float)
+    for name, m, x, w0, weights in cases(rows):
+        n = w0.shape[0]
+        reference = F.linear(x, w0).float()
+        times = {"cuBLAS": us_per_call_in_graph([lambda w=w: F.linear(x, w) for w in weights])}
+        for s in (2, 4, 8):
+            assert torch.allclose(bmm_partials(x, w0, s).sum(0), reference, atol=2e-2, rtol=2e-2)
+            times[f"bmm{s}"] = us_per_call_in_graph([lambda w=w: bmm_partials(x, w, s) for w in weights])
+        best = {}
+        if name in ("o", "down"):
+            for s in (2, 4, 8):
+                results = []
+                for config in grid:
+                    try:
+                        parts = gemm(x, w0, *config, split_k=s)
+                        assert torch.allclose(parts.sum(0), reference, atol=2e-2, rtol=2e-2)
+                        results.append((us_per_call_in_graph(
+                            [lambda w=w: gemm(x, w, *config, split_k=s) for w in weights]), config))
+                    except Exception as e:   # e.g. out of shared memory
+                        print(f"  {config} split {s} failed: {type(e).__name__}")
+                times[f"tri{s}"], best[s] = min(results)
+            residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+            norm_w = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
+            y, r = rms_norm(F.linear(x, w0), norm_w, 1e-6, residual)
+            for s in (2, 4, 8):
+                y2, r2 = sum_add_rms_norm(bmm_partials(x, w0, s), residual, norm_w)
+                assert torch.allclose(r2.float(), r.float(), atol=5e-2) and torch.allclose(y2.float(), y.float(), atol=5e-2)
+            times["cuBLAS+norm"] = us_per_call_in_graph(
+                [lambda w=w: rms_norm(F.linear(x, w), norm_w, 1e-6, residual) for w in weights])
+            s = min((2, 4, 8), key=lambda s: times[f"bmm{s}"])
+            times[f"bmm{s}+norm"] = us_per_call_in_graph(
+                [lambda w=w: sum_add_rms_norm(bmm_partials(x, w, s), residual, norm_w) for w in weights])
+            s = min((2, 4, 8), key=lambda s: times[f"tri{s}"])
+            times[f"tri{s}+norm"] = us_per_call_in_graph(
+                [lambda w=w: sum_add_rms_norm(gemm(x, w, *best[s], split_k=s), residual, norm_w) for w in weights])
+        print_times(name, m, times, total, "  " + " ".join(f"tri{s}: {c}" for s, c in best.items()))
+
+
 def print_times(name: str, m: int, times: dict, total: dict, note: str = ""):
     """One table row of microseconds per variant; each also added to total."""
     for variant, us in times.items():
@@ -138,7 +228,10 @@ def main():
     p.add_argument("--quick", action="store_true", help="a 24-configuration grid instead of 108")
     p.add_argument("--libraries", action="store_true", help="cuBLAS, cuBLASLt and TunableOp instead of Triton")
     p.add_argument("--layouts", action="store_true", help="three operand layouts through cuBLAS instead of Triton")
+    p.add_argument("--split", action="store_true", help="split-K partial products, with the add + RMSNorm after them")
     args = p.parse_args()
+    if args.split:
+        return split(args.rows)
     if args.libraries:
         return libraries(args.rows)
     if args.layouts:
