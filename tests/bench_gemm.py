@@ -74,43 +74,6 @@ def gemm(x: torch.Tensor, w: torch.Tensor, block_m: int, block_n: int, block_k: 
     return out
 
 
-@triton.jit
-def _sum_add_rms_norm_kernel(part_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, M, n_cols, eps,
-                             SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """The engine's add + RMSNorm (kernels/triton_fused.py) with its input the sum of SPLIT_K
-    float32 partial products [SPLIT_K, M, n_cols], rounded to the residual's dtype."""
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n_cols
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for s in range(SPLIT_K):
-        acc += tl.load(part_ptr + (s * M + row) * n_cols + offs, mask=mask, other=0.0)
-    res = tl.load(res_ptr + row * n_cols + offs, mask=mask, other=0.0)
-    x = acc.to(res.dtype) + res
-    tl.store(res_out_ptr + row * n_cols + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
-    y = (xf * rstd).to(x.dtype) * tl.load(w_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + row * n_cols + offs, y, mask=mask)
-
-
-def sum_add_rms_norm(parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6):
-    split_k, m, n = parts.shape
-    out, res_out = torch.empty_like(residual), torch.empty_like(residual)
-    _sum_add_rms_norm_kernel[(m,)](parts, residual, weight, out, res_out, m, n, eps, SPLIT_K=split_k,
-                                   BLOCK=triton.next_power_of_2(n), num_warps=4)
-    return out, res_out
-
-
-def bmm_partials(x: torch.Tensor, w: torch.Tensor, split_k: int) -> torch.Tensor:
-    """x @ w^T as split_k float32 partial products [split_k, M, N] by one strided-batched cuBLAS
-    call (torch.bmm with out_dtype): views, no copies."""
-    (m, k), n = x.shape, w.shape[0]
-    xs = x.view(m, split_k, k // split_k).transpose(0, 1)              # [S, M, K/S], rows K apart
-    ws = w.view(n, split_k, k // split_k).permute(1, 2, 0)             # [S, K/S, N], transposed
-    return torch.bmm(xs, ws, out_dtype=torch.float32)
-
-
 def cases(rows):
     """-> (shape name, row count, x, the weight, it and its copies beyond L2) for every 0.6B
     projection shape and row count; each shape's weights are freed before the next."""
@@ -171,8 +134,10 @@ def split(rows):
     """Split-K: each projection as 2-8 float32 partial products (strided-batched cuBLAS, and the
     best of a Triton grid for o and down) against F.linear; for o and down, whose output goes to
     the add + RMSNorm, also the pair of kernels: F.linear + the engine's add + RMSNorm against
-    the partial products + an add + RMSNorm that sums them."""
+    the partial products + the same norm summing them (what layers/linear.py chooses since
+    perf_notes row 50)."""
     from nanovllm.kernels.triton_fused import rms_norm
+    from nanovllm.layers.linear import split_k_partials
     grid = list(itertools.product((64, 128), (32, 64, 128), (64, 128), (3, 4), (4,)))
     print("us per call in a CUDA graph (weights from HBM); bmmS: torch.bmm(out_dtype=float32) over S "
           "splits of K; triS: the best Triton configuration (block_m, block_n, block_k, stages, warps) "
@@ -183,8 +148,8 @@ def split(rows):
         reference = F.linear(x, w0).float()
         times = {"cuBLAS": us_per_call_in_graph([lambda w=w: F.linear(x, w) for w in weights])}
         for s in (2, 4, 8):
-            assert torch.allclose(bmm_partials(x, w0, s).sum(0), reference, atol=2e-2, rtol=2e-2)
-            times[f"bmm{s}"] = us_per_call_in_graph([lambda w=w: bmm_partials(x, w, s) for w in weights])
+            assert torch.allclose(split_k_partials(x, w0, s).parts.sum(0), reference, atol=2e-2, rtol=2e-2)
+            times[f"bmm{s}"] = us_per_call_in_graph([lambda w=w: split_k_partials(x, w, s).parts for w in weights])
         best = {}
         if name in ("o", "down"):
             for s in (2, 4, 8):
@@ -202,16 +167,17 @@ def split(rows):
             norm_w = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
             y, r = rms_norm(F.linear(x, w0), norm_w, 1e-6, residual)
             for s in (2, 4, 8):
-                y2, r2 = sum_add_rms_norm(bmm_partials(x, w0, s), residual, norm_w)
-                assert torch.allclose(r2.float(), r.float(), atol=5e-2) and torch.allclose(y2.float(), y.float(), atol=5e-2)
+                y2, r2 = rms_norm(split_k_partials(x, w0, s).parts, norm_w, 1e-6, residual)
+                assert torch.allclose(r2.float(), r.float(), atol=5e-2)
+                assert torch.allclose(y2.float(), y.float(), atol=5e-2)
             times["cuBLAS+norm"] = us_per_call_in_graph(
                 [lambda w=w: rms_norm(F.linear(x, w), norm_w, 1e-6, residual) for w in weights])
             s = min((2, 4, 8), key=lambda s: times[f"bmm{s}"])
             times[f"bmm{s}+norm"] = us_per_call_in_graph(
-                [lambda w=w: sum_add_rms_norm(bmm_partials(x, w, s), residual, norm_w) for w in weights])
+                [lambda w=w: rms_norm(split_k_partials(x, w, s).parts, norm_w, 1e-6, residual) for w in weights])
             s = min((2, 4, 8), key=lambda s: times[f"tri{s}"])
             times[f"tri{s}+norm"] = us_per_call_in_graph(
-                [lambda w=w: sum_add_rms_norm(gemm(x, w, *best[s], split_k=s), residual, norm_w) for w in weights])
+                [lambda w=w: rms_norm(gemm(x, w, *best[s], split_k=s), norm_w, 1e-6, residual) for w in weights])
         print_times(name, m, times, total, "  " + " ".join(f"tri{s}: {c}" for s, c in best.items()))
 
 

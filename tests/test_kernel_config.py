@@ -49,3 +49,17 @@ def test_fused_merge_only_above_the_small_decode_graphs():
     from nanovllm.kernels.triton_attention import fused_merge_for
     assert [fused_merge_for(n) for n in (1, 16, 17, 256)] == [False, False, True, True]
     assert fused_merge_for(pdl.MAX_ROWS) is False    # the PDL graphs keep the separate merge kernel
+
+
+def test_row_parallel_products_split_only_at_decode_batch_sizes():
+    from nanovllm.layers.linear import split_k_before_norm
+    # (rows, input features, output features) -> splits of the input features
+    assert split_k_before_norm(16, 2048, 1024) == 1     # the skinny kernel's rows
+    assert split_k_before_norm(17, 2048, 1024) == 8     # 0.6B o_proj
+    assert split_k_before_norm(64, 3072, 1024) == 8     # 0.6B down_proj
+    assert split_k_before_norm(65, 2048, 1024) == 4
+    assert split_k_before_norm(256, 3072, 1024) == 4
+    assert split_k_before_norm(257, 3072, 1024) == 1    # prompt steps: cuBLAS as it is
+    assert split_k_before_norm(32, 4096, 2048) == 1     # wider outputs: not measured
+    assert split_k_before_norm(32, 1000, 1024) == 2     # 1,000 / 4 < 256 features a split
+    assert split_k_before_norm(32, 384, 1024) == 1

@@ -145,6 +145,40 @@ def test_rms_norm(rows, hidden):
     out, out_res = rms_norm(x.to(DEVICE), w, 1e-6, res.to(DEVICE))
     assert rel_err(out.cpu(), ref) < TOL and torch.equal(out_res.cpu(), ref_res)
     assert rel_err(rms_norm(x.to(DEVICE), w, 1e-6).cpu(), norm._norm(x)) < TOL
+    # x given as three float32 split-K partial products: summed in order, rounded to the residual's dtype
+    parts = torch.randn(3, rows, hidden, generator=gen)
+    x = (parts[0] + parts[1] + parts[2]).to(DTYPE)
+    out, out_res = rms_norm(parts.to(DEVICE), w, 1e-6, res.to(DEVICE))
+    assert out.dtype == DTYPE and torch.equal(out_res.cpu(), x + res)
+    assert rel_err(out.cpu(), norm._norm(x + res)) < TOL
+    assert rel_err(rms_norm(parts.to(DEVICE), w, 1e-6).cpu(), norm._norm(x)) < TOL
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="torch.bmm's float32 output from 16-bit inputs is CUDA's")
+@pytest.mark.parametrize("rows, splits", [(17, 8), (64, 8), (65, 4), (256, 4), (257, 1)])
+def test_row_parallel_product_as_split_k_partials_into_the_norm(rows, splits):
+    """o_proj's shape: the layer hands the norm partial products at decode batch sizes, and the
+    norm's results equal those from the whole product."""
+    import torch.nn.functional as F
+    from nanovllm.layers.layernorm import RMSNorm
+    from nanovllm.layers.linear import RowParallelLinear, SplitKPartials
+    gen = torch.Generator().manual_seed(rows)
+    layer = RowParallelLinear(2048, 1024, to_norm=True).to(DEVICE, DTYPE)
+    layer.weight.data = (torch.randn(1024, 2048, generator=gen) * 0.02).to(DEVICE, DTYPE)
+    norm = RMSNorm(1024).to(DEVICE, DTYPE)
+    norm.weight.data = torch.randn(1024, generator=gen).to(DEVICE, DTYPE)
+    x = torch.randn(rows, 2048, generator=gen).to(DEVICE, DTYPE)
+    res = torch.randn(rows, 1024, generator=gen).to(DEVICE, DTYPE)
+    y = layer(x)
+    if splits == 1:
+        assert isinstance(y, torch.Tensor)
+        return
+    assert isinstance(y, SplitKPartials) and y.parts.shape == (splits, rows, 1024) and y.parts.dtype == torch.float32
+    whole = F.linear(x.float(), layer.weight.float())
+    assert rel_err(y.parts.sum(0), whole) < 1e-3
+    out, out_res = norm(y, res)
+    ref, ref_res = norm(whole.to(DTYPE), res)
+    assert rel_err(out_res, ref_res) < TOL and rel_err(out, ref) < TOL
 
 
 @pytest.mark.parametrize("q_heads, kv_heads, head_dim, qk_norm", [(4, 2, 16, True), (16, 8, 128, True),

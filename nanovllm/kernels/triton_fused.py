@@ -14,19 +14,29 @@ from nanovllm.kernels.triton_attention import to_cache_dtype
 
 # Heads per program of the q/k norm + RoPE + store kernel. One head per one-warp program made
 # 8,192 programs at 256 tokens (two waves of short, latency-bound programs, 5.8 us a call on the
-# H200); four fit a batch of 256 in one wave (docs/perf_notes.md row 29).
+# H200); four fit a batch of 256 in one wave (docs/perf_notes.md row 29), on four warps (two
+# were 0.4-0.6 us slower a call at 32-256 tokens, row 51).
 QK_HEADS_PER_PROGRAM = 4
 ONE_HEAD_PER_PROGRAM_UP_TO = 16   # tokens; at batch 1 four heads per program cost 1.0 -> 1.024 ms/token
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro,
-                     n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_split, stride_r, stride_o,
+                     stride_ro, n_cols, eps, HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
     pdl.begin(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if SPLITS == 1:
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    else:
+        # x is the sum of SPLITS float32 partial products (split-K), rounded to the model dtype
+        # as the product's own output would be.
+        acc = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+        for s in range(1, SPLITS):
+            acc += tl.load(x_ptr + s * stride_split + row * stride_x + offs, mask=mask, other=0.0)
+        x = acc.to(out_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         # The residual sum is rounded to the model dtype, as `x + residual` in torch is.
         x = x + tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
@@ -39,13 +49,17 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """x: [num_tokens, hidden]. Without residual -> norm(x); with it -> (norm(x + residual), x + residual)."""
-    n_rows, n_cols = x.shape
-    out = torch.empty_like(x)
-    res_out = torch.empty_like(x) if residual is not None else out
-    res = residual if residual is not None else x
-    _rms_norm_kernel[(n_rows,)](x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0),
-                                res_out.stride(0), n_cols, eps, HAS_RESIDUAL=residual is not None,
+    """x: [num_tokens, hidden], or split-K partial products [splits, num_tokens, hidden] in float32
+    (layers/linear.py) whose sum is x. Without residual -> norm(x); with it -> (norm(x + residual),
+    x + residual), in the residual's dtype (without it, in x's or, for partials, the weight's)."""
+    splits = 1 if x.dim() == 2 else x.shape[0]
+    n_rows, n_cols = x.shape[-2:]
+    dtype = residual.dtype if residual is not None else x.dtype if splits == 1 else weight.dtype
+    out = torch.empty(n_rows, n_cols, dtype=dtype, device=x.device)
+    res_out = torch.empty_like(out) if residual is not None else out
+    res = residual if residual is not None else out
+    _rms_norm_kernel[(n_rows,)](x, res, weight, out, res_out, x.stride(-2), x.stride(0), res.stride(0), out.stride(0),
+                                res_out.stride(0), n_cols, eps, HAS_RESIDUAL=residual is not None, SPLITS=splits,
                                 BLOCK=triton.next_power_of_2(n_cols), num_warps=4 if n_cols <= 2048 else 8,
                                 **pdl.launch_options())
     return out if residual is None else (out, res_out)
@@ -115,7 +129,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
         qkv, positions, cos_sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv, q,
         k_cache, v_cache, slot_mapping, qkv.stride(0), q.stride(0), eps, NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, HAS_NORM=has_norm, HEADS=heads,
-        num_warps=1 if heads == 1 else 2, **pdl.launch_options())
+        num_warps=1 if heads == 1 else 4, **pdl.launch_options())
     return q
 
 

@@ -1,10 +1,13 @@
 import torch
 from torch import nn
 
+from nanovllm.layers.linear import SplitKPartials
+
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight, in float32. With `residual`, adds it first and returns the sum too
-    (the fused add-and-norm between decoder layers)."""
+    (the fused add-and-norm between decoder layers). x may be a row-parallel layer's
+    SplitKPartials (layers/linear.py), summed here and rounded to the residual's dtype."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -17,11 +20,13 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return x.to(dtype) * self.weight
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if x.is_cuda and x.dim() == 2:
-            from nanovllm.kernels.triton_fused import rms_norm
-            return rms_norm(x, self.weight, self.eps, residual)
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+    def forward(self, x: torch.Tensor | SplitKPartials, residual: torch.Tensor | None = None):
+        if isinstance(x, SplitKPartials):        # (made on CUDA only) summed by the kernel
+            x = x.parts
+        elif not (x.is_cuda and x.dim() == 2):
+            if residual is None:
+                return self._norm(x)
+            x = x + residual
+            return self._norm(x), x
+        from nanovllm.kernels.triton_fused import rms_norm
+        return rms_norm(x, self.weight, self.eps, residual)

@@ -4,6 +4,8 @@ Each parameter carries a `weight_loader(param, loaded_weight, shard_id)` that co
 rank's slice of a full checkpoint tensor into it and checks the shape. Fused projections
 (q/k/v, gate/up) load one checkpoint tensor per `shard_id`.
 """
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,6 +34,42 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if bias is None:
         return torch.mm(x, weight.t(), out=out)
     return torch.addmm(bias, x, weight.t(), out=out)
+
+
+# Row-parallel products whose output an RMSNorm takes next (o_proj, down_proj) have few output
+# features (1,024 at the 0.6B shape): at decode batch sizes cuBLAS runs them on a fraction of the
+# SMs. Split along the input features into float32 partial products by one strided-batched call,
+# summed by the norm kernel, they take 1-2.5 us less a product (docs/perf_notes.md row 50).
+SPLIT_K_ROWS = (17, 256)          # above triton_skinny.MAX_ROWS, up to the default max_num_seqs
+SPLIT_K_MAX_OUT_FEATURES = 1024   # as measured (tests/bench_gemm.py --split); wider outputs unmeasured
+MIN_SPLIT_FEATURES = 256
+
+
+def split_k_before_norm(rows: int, in_features: int, out_features: int) -> int:
+    """Splits of the input features for a product whose output goes to an RMSNorm (1: none):
+    8 up to 64 rows, 4 above, as far as each split keeps MIN_SPLIT_FEATURES features."""
+    low, high = SPLIT_K_ROWS
+    if not low <= rows <= high or out_features > SPLIT_K_MAX_OUT_FEATURES:
+        return 1
+    splits = 8 if rows <= 64 else 4
+    while splits > 1 and (in_features % splits or in_features // splits < MIN_SPLIT_FEATURES):
+        splits //= 2
+    return splits
+
+
+class SplitKPartials(NamedTuple):
+    """A product x @ weight.T left as float32 partial products over slices of the input features
+    ([splits, rows, out_features]); their sum is the product."""
+    parts: torch.Tensor
+
+
+def split_k_partials(x: torch.Tensor, weight: torch.Tensor, splits: int) -> SplitKPartials:
+    """x @ weight.T in `splits` partial products, from one strided-batched cuBLAS call on views of
+    x and weight (no copies)."""
+    (rows, k), n = x.shape, weight.shape[0]
+    xs = x.reshape(rows, splits, k // splits).transpose(0, 1)           # [splits, rows, k / splits]
+    ws = weight.view(n, splits, k // splits).permute(1, 2, 0)           # [splits, k / splits, n]
+    return SplitKPartials(torch.bmm(xs, ws, out_dtype=torch.float32))
 
 
 class LinearBase(nn.Module):
@@ -101,12 +139,22 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; partial outputs summed with an all-reduce."""
+    """Input features split across ranks; partial outputs summed with an all-reduce.
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = SINGLE):
+    to_norm: the caller hands the output straight to an RMSNorm (layers/layernorm.py). Then, on
+    one CUDA rank at decode batch sizes, the output may come back as SplitKPartials, which the
+    norm sums (see split_k_before_norm)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = SINGLE,
+                 to_norm: bool = False):
         super().__init__(input_size // tp.size, output_size, bias, shard_dim=1, tp=tp)
+        self.to_norm = to_norm and tp.size == 1 and not bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
+        if self.to_norm and x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16):
+            splits = split_k_before_norm(x.shape[0], *self.weight.shape[::-1])
+            if splits > 1:
+                return split_k_partials(x, self.weight, splits)
         # Bias is added once, on rank 0, before the sum. The product goes straight into the
         # all-reduce's input buffer when it has one (no copy into it).
         out = self.tp.all_reduce_input((x.shape[0], self.weight.shape[0]), x.dtype) if x.dim() == 2 else None

@@ -16,13 +16,15 @@ def require_silu(config: PretrainedConfig):
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), gate and up fused into one column-parallel matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, config: PretrainedConfig, tp: TPGroup):
+    def __init__(self, hidden_size: int, intermediate_size: int, config: PretrainedConfig, tp: TPGroup,
+                 to_norm: bool = False):
+        """to_norm: the output goes straight to an RMSNorm (see RowParallelLinear)."""
         super().__init__()
         require_silu(config)
         if getattr(config, "mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported.")
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp=tp)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp, to_norm=to_norm)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

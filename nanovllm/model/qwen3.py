@@ -13,7 +13,7 @@ from nanovllm.distributed import SINGLE, TPGroup
 from nanovllm.layers.attention import Attention, AttentionMetadata
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.linear import QKVParallelLinear, RowParallelLinear, SplitKPartials
 from nanovllm.layers.mlp import GatedMLP
 from nanovllm.layers.moe import SparseMoeBlock, is_moe_layer
 from nanovllm.layers.rotary import RotaryEmbedding, max_positions, rope_settings
@@ -42,15 +42,16 @@ class QwenAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=qkv_bias, tp=tp)
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
-                                        bias=o_bias, tp=tp)
+                                        bias=o_bias, tp=tp, to_norm=True)   # the decoder layer's norm next
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
         if self.is_qwen3:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # x: [num_tokens, hidden_size]
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor | SplitKPartials:
+        # x: [num_tokens, hidden_size]; the result goes to the decoder layer's norm
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -79,7 +80,7 @@ class QwenDecoderLayer(nn.Module):
         if is_moe_layer(config, index):
             self.mlp = SparseMoeBlock(config, tp)
         else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config, tp)
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config, tp, to_norm=True)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
