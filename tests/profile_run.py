@@ -7,7 +7,7 @@
 3. With --tp > 1: the spread of rank 0's all-reduce times.
 
     PYTHONPATH=. python3 tests/profile_run.py [--model qwen3-0.6b] [--workload default] [--tp 2] [--profile-steps 200]
-        [--top-k 20 --top-p 0.95] [--runs 2] [--no-profile] [--pause 5] [--cprofile]
+        [--top-k 20 --top-p 0.95] [--runs 2] [--no-profile] [--pause 5] [--cprofile | --cprofile-steps 3 8]
 """
 import argparse
 import collections
@@ -28,24 +28,57 @@ from nanovllm import LLM, SamplingParams
 DECODE_BUCKETS = (1, 8, 32, 64, 128, 192, 256, 512)
 
 
-def run_steps(llm, prompts, settings, on_step=None, **params) -> list[tuple[str, float]]:
-    """Run the workload step by step -> (kind, seconds) per step; on_step() after each. params:
-    more SamplingParams fields of every request (top_k, top_p)."""
+class EventWaits:
+    """Seconds the host spends in torch.cuda.Event.synchronize (the engine waiting for a step's
+    sampled tokens) while installed: a step's time minus its wait is the host's own work."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.original = torch.cuda.Event.synchronize
+
+    def __enter__(self):
+        def timed(event):
+            start = time.perf_counter()
+            self.original(event)
+            self.seconds += time.perf_counter() - start
+        torch.cuda.Event.synchronize = timed
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.Event.synchronize = self.original
+
+
+def run_steps(llm, prompts, settings, on_step=None, host_profile_steps=(),
+              **params) -> list[tuple[str, float, float]]:
+    """Run the workload step by step -> (kind, seconds, seconds of host work) per step: the host's
+    work is the step's time less its wait for the GPU. on_step() after each; the steps numbered in
+    host_profile_steps under cProfile, their top functions printed. params: more SamplingParams
+    fields of every request (top_k, top_p)."""
     engine = llm.llm_engine
     for ids, (max_tokens, temperature) in zip(prompts, settings):
         engine.add_request(None, ids, SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
                                                      **params))
     steps = []
+    waits = EventWaits()
     while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        _, stats = engine.step()
+        host_profile = cProfile.Profile() if len(steps) in host_profile_steps else None
+        start, waited = time.perf_counter(), waits.seconds
+        with waits:
+            if host_profile:
+                host_profile.enable()
+            _, stats = engine.step()
+            if host_profile:
+                host_profile.disable()
         elapsed = time.perf_counter() - start
+        if host_profile:
+            print(f"step #{len(steps)} under cProfile ({elapsed * 1000:.1f} ms):")
+            pstats.Stats(host_profile).sort_stats("tottime").print_stats(14)
         if stats.num_prefill_tokens:
             kind = "with prompt tokens"
         else:
             bucket = next(b for b in DECODE_BUCKETS if stats.num_decode_tokens <= b)
             kind = f"decode, batch <= {bucket:3}"
-        steps.append((kind, elapsed))
+        steps.append((kind, elapsed, elapsed - (waits.seconds - waited)))
         if on_step is not None:
             on_step()
     torch.cuda.synchronize()
@@ -65,6 +98,8 @@ def main():
     p.add_argument("--runs", type=int, default=1, help="host-view runs before the profiled one, each with its "
                                                        "slowest steps")
     p.add_argument("--no-profile", action="store_true", help="the host-view runs only")
+    p.add_argument("--cprofile-steps", type=int, nargs="+", default=(),
+                   help="these steps of each host-view run under cProfile")
     p.add_argument("--cprofile", action="store_true", help="each host-view run under cProfile: its top functions "
                                                            "by own time (where a first run's host time goes)")
     p.add_argument("--pause", type=float, default=0.0, help="seconds the GPU sits idle before each host-view run "
@@ -87,22 +122,26 @@ def main():
         start = time.perf_counter()
         if host_profile:
             host_profile.enable()
-        steps = run_steps(llm, prompts, settings, **params)
+        steps = run_steps(llm, prompts, settings, host_profile_steps=args.cprofile_steps, **params)
         if host_profile:
             host_profile.disable()
         wall = time.perf_counter() - start
         mallocs = torch.cuda.memory_stats().get("num_device_alloc", 0) - mallocs
-        by_kind = collections.defaultdict(lambda: [0, 0.0])
-        for kind, seconds in steps:
+        by_kind = collections.defaultdict(lambda: [0, 0.0, 0.0])
+        for kind, seconds, host in steps:
             by_kind[kind][0] += 1
             by_kind[kind][1] += seconds
+            by_kind[kind][2] += host
         gcs = [g["collections"] - n for g, n in zip(gc.get_stats(), collections_before)]
         print(f"host view: {len(steps)} steps in {wall:.2f} s, {mallocs} cudaMalloc calls by torch's allocator, "
               f"garbage collections by generation {gcs}")
-        for kind, (n, seconds) in sorted(by_kind.items()):
-            print(f"  {kind:22} {n:5} steps {seconds:7.3f} s  {seconds / n * 1000:7.3f} ms/step")
+        for kind, (n, seconds, host) in sorted(by_kind.items()):
+            print(f"  {kind:22} {n:5} steps {seconds:7.3f} s  {seconds / n * 1000:7.3f} ms/step, "
+                  f"host work {host / n * 1000:7.3f} ms/step")
         slowest = sorted(range(len(steps)), key=lambda i: -steps[i][1])[:6]
         print("  slowest steps: " + ", ".join(f"#{i} {steps[i][0]} {steps[i][1] * 1000:.1f} ms" for i in slowest))
+        busiest = sorted(range(len(steps)), key=lambda i: -steps[i][2])[:6]
+        print("  most host work: " + ", ".join(f"#{i} {steps[i][0]} {steps[i][2] * 1000:.1f} ms" for i in busiest))
         if host_profile:
             pstats.Stats(host_profile).sort_stats("tottime").print_stats(18)
         llm.reset_prefix_cache()      # the same prompts again: without this they would all be cache hits
@@ -115,7 +154,7 @@ def main():
         steps = run_steps(llm, prompts, settings, prof.step if window else None, **params)
         wall = time.perf_counter() - start
     if window:   # wall time of the profiled steps only
-        wall = sum(seconds for _, seconds in steps[10:10 + args.profile_steps])
+        wall = sum(seconds for _, seconds, _ in steps[10:10 + args.profile_steps])
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
     busy = sum(e.self_device_time_total for e in kernels) / 1e6
     scope = f"steps 10-{9 + args.profile_steps}" if window else "run"
