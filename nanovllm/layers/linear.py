@@ -65,7 +65,7 @@ class SplitKPartials(NamedTuple):
 
 def split_k_partials(x: torch.Tensor, weight: torch.Tensor, splits: int) -> SplitKPartials:
     """x @ weight.T in `splits` partial products, from one strided-batched cuBLAS call on views of
-    x and weight (no copies)."""
+    x and weight (no copies for a contiguous x)."""
     (rows, k), n = x.shape, weight.shape[0]
     xs = x.reshape(rows, splits, k // splits).transpose(0, 1)           # [splits, rows, k / splits]
     ws = weight.view(n, splits, k // splits).permute(1, 2, 0)           # [splits, k / splits, n]
