@@ -1,7 +1,9 @@
 """Where a whole bench.py run's time goes (a developer tool, not a test).
 
 1. Every engine step timed on the host, by kind: steps with prompt tokens, and decode steps by
-   batch size (the tail of small batches shows up here).
+   batch size (the tail of small batches shows up here), and how much of it was the host's own
+   work rather than waiting for the GPU's sampled tokens (where that nears the step's time, the
+   host sets the pace).
 2. The same run under the profiler (CUDA activity only): GPU time per kernel, and the time the
    GPU sat idle (wall time minus kernel time: one stream, so kernels do not overlap).
 3. With --tp > 1: the spread of rank 0's all-reduce times.
@@ -98,10 +100,12 @@ def main():
     p.add_argument("--runs", type=int, default=1, help="host-view runs before the profiled one, each with its "
                                                        "slowest steps")
     p.add_argument("--no-profile", action="store_true", help="the host-view runs only")
-    p.add_argument("--cprofile-steps", type=int, nargs="+", default=(),
-                   help="these steps of each host-view run under cProfile")
-    p.add_argument("--cprofile", action="store_true", help="each host-view run under cProfile: its top functions "
-                                                           "by own time (where a first run's host time goes)")
+    host_profile_choice = p.add_mutually_exclusive_group()
+    host_profile_choice.add_argument("--cprofile-steps", type=int, nargs="+", default=(),
+                                     help="these steps of each host-view run under cProfile")
+    host_profile_choice.add_argument("--cprofile", action="store_true",
+                                     help="each host-view run under cProfile: its top functions by own time "
+                                          "(where a first run's host time goes)")
     p.add_argument("--pause", type=float, default=0.0, help="seconds the GPU sits idle before each host-view run "
                                                             "after the first (as before a process's first run)")
     args = p.parse_args()
