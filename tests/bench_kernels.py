@@ -110,8 +110,8 @@ def _paged_read_kernel(k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, stride_b
         offs_n = n_start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         rows = ta._tile_rows(page, offs_n, kv_head, stride_cb, stride_cr, stride_ch, PAGE)
-        acc += tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(tl.float32)
-        acc += tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(tl.float32)
+        acc += ta._load_tile(k_ptr, rows, offs_d, n_mask, MASKED=True).to(tl.float32)
+        acc += ta._load_tile(v_ptr, rows, offs_d, n_mask, MASKED=True).to(tl.float32)
         page = ta._next_page(table, n_start, end, PAGE, BLOCK_N)
     tl.store(out_ptr + (seq * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split, tl.sum(tl.sum(acc, 1), 0))
 
