@@ -300,17 +300,16 @@ def test_pdl_kernels_in_a_cuda_graph_equal_plain_launches(monkeypatch):
         h = skinny_linear(o.view(4, -1), w_o, split_k=8)
         return r, o, h, silu_and_mul(skinny_linear(rms_norm(h, w_post, 1e-6), w_up))
 
-    def captured():
-        with pdl.decode_graph(4):
-            layer()                              # compile outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outputs = layer()
+    def captured(with_pdl: bool):
+        monkeypatch.setattr(pdl, "enabled", lambda: with_pdl)
+        layer()                                  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = layer()
         return graph, outputs
 
-    plain_graph, plain = captured()
-    monkeypatch.setattr(pdl, "enabled", lambda: True)
-    pdl_graph, with_pdl = captured()
+    plain_graph, plain = captured(False)
+    pdl_graph, with_pdl = captured(True)
     for _ in range(3):
         plain_graph.replay()
         pdl_graph.replay()

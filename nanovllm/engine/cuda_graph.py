@@ -25,7 +25,6 @@ class DecodeGraphs:
     def __init__(self, model: nn.Module, max_batch_size: int, max_blocks_per_seq: int, hidden_size: int,
                  dtype: torch.dtype, device: torch.device, decode_split_for):
         """decode_split_for(batch_size) -> the decode kernel's split configuration for that bucket."""
-        from nanovllm.kernels import pdl
         self.buckets = graph_buckets(max_batch_size)
         self.device = device
         n = max_batch_size
@@ -51,7 +50,7 @@ class DecodeGraphs:
                 decode_split=decode_split_for(bs))
             self.hidden[:bs] = model(input_ids, positions, meta)   # warm-up
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool), pdl.decode_graph(bs):
+            with torch.cuda.graph(graph, pool):
                 self.hidden[:bs] = model(input_ids, positions, meta)
             pool = graph.pool()
             self.graphs[bs] = graph

@@ -7,12 +7,14 @@ itself, and whatever a kernel does before that wait with memory no earlier kerne
 skinny projection kernel prefetches its weights there). Each kernel also lets its own successor
 launch early (`griddepcontrol.launch_dependents`) once it has waited.
 
-Used only in the decode CUDA graphs of at most MAX_ROWS sequences: at batch 1 it takes the H200's
-latency from 1.14 to 1.00 ms/token, while on the default workload, with every graph using it, the
-large batches made the run ~2% slower (docs/perf_notes.md rows 17 and 19). On by default on sm_90
-and newer; NANOVLLM_PDL=0 turns it off (for A/B runs).
+Used only for launches over at most MAX_ROWS rows (tokens or sequences), i.e. the decode steps of
+small batches: at batch 1 it takes the H200's latency from 1.14 to 1.00 ms/token, while on the
+default workload, with every launch using it, the large batches made the run ~2% slower
+(docs/perf_notes.md rows 17 and 19). The rule is the launch's own size, not whether a CUDA graph
+is being captured, so that a graph's warm-up run compiles the very kernels the capture launches
+(a PDL launch is a kernel of its own to Triton). On by default on sm_90 and newer; NANOVLLM_PDL=0
+turns it off (for A/B runs).
 """
-import contextlib
 import functools
 import os
 
@@ -21,7 +23,6 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 16
-_in_small_decode_graph = False
 
 
 @functools.cache
@@ -32,21 +33,10 @@ def enabled() -> bool:
             and torch.cuda.get_device_capability()[0] >= 9 and hasattr(tl.extra.cuda, "gdc_wait"))
 
 
-@contextlib.contextmanager
-def decode_graph(num_seqs: int):
-    """Around the capture of a decode graph for num_seqs sequences: its launches use PDL if enabled
-    and num_seqs <= MAX_ROWS."""
-    global _in_small_decode_graph
-    _in_small_decode_graph = num_seqs <= MAX_ROWS
-    try:
-        yield
-    finally:
-        _in_small_decode_graph = False
-
-
-def launch_options() -> dict:
-    """Keyword arguments for a kernel launch: the PDL constexpr and, when on, Triton's launch flag."""
-    return dict(PDL=True, launch_pdl=True) if _in_small_decode_graph and enabled() else dict(PDL=False)
+def launch_options(rows: int) -> dict:
+    """Keyword arguments for a kernel launch over `rows` rows (tokens or sequences): the PDL
+    constexpr and, when on, Triton's launch flag."""
+    return dict(PDL=True, launch_pdl=True) if rows <= MAX_ROWS and enabled() else dict(PDL=False)
 
 
 @triton.jit

@@ -294,13 +294,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_SPLITS=num_splits, MIN_SPLIT=min_split, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n, FUSE_MERGE=fuse_merge, num_warps=num_warps,
-        num_stages=num_stages, maxnreg=max_registers, **pdl.launch_options())
+        num_stages=num_stages, maxnreg=max_registers, **pdl.launch_options(num_seqs))
     if num_splits == 1 or fuse_merge:
         return out
     _decode_merge_kernel[(num_seqs, num_heads)](
         o_part, lse_part, seq_lens, out, out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, MIN_SPLIT=min_split, BLOCK_N=block_n,
-        BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, **pdl.launch_options())
+        BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, **pdl.launch_options(num_seqs))
     return out
 
 

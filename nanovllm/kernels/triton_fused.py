@@ -61,7 +61,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     _rms_norm_kernel[(n_rows,)](x, res, weight, out, res_out, x.stride(-2), x.stride(0), res.stride(0), out.stride(0),
                                 res_out.stride(0), n_cols, eps, HAS_RESIDUAL=residual is not None, SPLITS=splits,
                                 BLOCK=triton.next_power_of_2(n_cols), num_warps=4 if n_cols <= 2048 else 8,
-                                **pdl.launch_options())
+                                **pdl.launch_options(n_rows))
     return out if residual is None else (out, res_out)
 
 
@@ -129,7 +129,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
         qkv, positions, cos_sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv, q,
         k_cache, v_cache, slot_mapping, qkv.stride(0), q.stride(0), eps, NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, HAS_NORM=has_norm, HEADS=heads,
-        num_warps=1 if heads == 1 else 4, **pdl.launch_options())
+        num_warps=1 if heads == 1 else 4, **pdl.launch_options(num_tokens))
     return q
 
 
@@ -153,5 +153,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(n_rows, d, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(d))
     _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block,
-                                                          **pdl.launch_options())
+                                                          **pdl.launch_options(n_rows))
     return out
