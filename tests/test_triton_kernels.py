@@ -221,9 +221,9 @@ def test_qk_norm_rope_store(q_heads, kv_heads, head_dim, qk_norm, cache_dtype):
 @pytest.mark.parametrize("rows, d", [(1, 128), (33, 3072), (4, 1500)])
 def test_silu_and_mul(rows, d):
     from nanovllm.kernels.triton_fused import silu_and_mul
-    from nanovllm.layers.activation import SiluAndMul
+    from nanovllm.layers import activation
     x = torch.randn(rows, 2 * d, generator=torch.Generator().manual_seed(d)).to(DTYPE)
-    assert rel_err(silu_and_mul(x.to(DEVICE)).cpu(), SiluAndMul()(x)) < TOL
+    assert rel_err(silu_and_mul(x.to(DEVICE)).cpu(), activation.silu_and_mul(x)) < TOL
 
 
 @pytest.mark.parametrize("rows, n, k, bias, split_k", [(1, 4096, 1024, False, None), (3, 1000, 300, True, 1),
@@ -246,6 +246,19 @@ def test_skinny_linear(rows, n, k, bias, split_k):
     given = torch.full((rows + 2, n), float("nan"), dtype=DTYPE, device=DEVICE)   # rows of a larger buffer
     assert skinny_linear(x, w, b, out=given[:rows], split_k=split_k).data_ptr() == given.data_ptr()
     assert torch.equal(given[:rows].cpu(), out.cpu()) and given[rows:].isnan().all()
+
+
+@pytest.mark.parametrize("rows, n, k, split_k", [(1, 1024, 3072, None), (5, 300, 1000, 1)])
+def test_skinny_linear_with_gated_input_as_silu_and_mul_then_the_product(rows, n, k, split_k):
+    """gated=True (the down projection of a gated MLP) takes gate | up and gives the bits of the
+    SiLU kernel followed by the product."""
+    from nanovllm.kernels.triton_fused import silu_and_mul
+    from nanovllm.kernels.triton_skinny import skinny_linear
+    gen = torch.Generator().manual_seed(k)
+    gate_up = torch.randn(rows, 2 * k, generator=gen).to(DEVICE, DTYPE)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(DEVICE, DTYPE)
+    assert same_bits(skinny_linear(gate_up, w, gated=True, split_k=split_k),
+                     skinny_linear(silu_and_mul(gate_up), w, split_k=split_k))
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")

@@ -1,6 +1,6 @@
 """Fused element-wise kernels for the decoder layer, in Triton. Their references are the plain-torch
 modules in nanovllm/layers (RMSNorm; q/k RMSNorm + RotaryEmbedding + the KV-cache store of
-kernels/torch_attention.py; SiluAndMul).
+kernels/torch_attention.py; layers/activation.py's silu_and_mul).
 
 A decode step is short enough that kernel count, not bytes, sets its time: unfused, the norms,
 RoPE, KV-cache store and activation cost ~45 small kernels per layer; fused, 4.
@@ -141,9 +141,15 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.c
     mask = offs < n_cols
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n_cols + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + offs, silu_mul(gate, up), mask=mask)
+
+
+@triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up, the SiLU in float32 and rounded to gate's dtype, as torch's F.silu on 16-bit
+    tensors gives it."""
     g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    tl.store(out_ptr + row * stride_o + offs, act * up, mask=mask)
+    return (g / (1.0 + tl.exp(-g))).to(gate.dtype) * up
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from nanovllm.kernels import pdl
 from nanovllm.kernels.counters import counters as arrival_counters
+from nanovllm.kernels.triton_fused import silu_mul
 
 MAX_ROWS = 16           # x's rows padded to this: the MMA's smallest width
 BLOCK_N, BLOCK_K, NUM_STAGES = 64, 256, 4   # the best at 1 row for every shape tried (tests/bench_skinny.py)
@@ -36,7 +37,7 @@ def enabled() -> bool:
 
 @triton.jit
 def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
-                          stride_x, stride_w, stride_o, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                          stride_x, stride_w, stride_o, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, LINE: tl.constexpr, PREFETCH_LINES: tl.constexpr,
                           PDL: tl.constexpr):
@@ -64,6 +65,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, 
             k_ok = (offs_k < K - k)[None, :]
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok, other=0.0)
         x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
+        if GATED:   # x's rows hold gate | up: the input is silu(gate) * up
+            x = silu_mul(x, tl.load(x_ptrs + K, mask=m_ok[:, None] & k_ok, other=0.0))
         acc = tl.dot(w, tl.trans(x), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -115,12 +118,15 @@ def _num_sms(device: torch.device) -> int:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   out: torch.Tensor | None = None, split_k: int | None = None, block_n: int = BLOCK_N,
-                  block_k: int = BLOCK_K, num_stages: int = NUM_STAGES, num_warps: int = 4) -> torch.Tensor:
+                  block_k: int = BLOCK_K, num_stages: int = NUM_STAGES, num_warps: int = 4,
+                  gated: bool = False) -> torch.Tensor:
     """x: [M, K] with M <= MAX_ROWS, weight: [N, K], bias: [N] or None -> [M, N] in x's dtype
-    (written to out if given). The keyword arguments from split_k on are tuning knobs
-    (tests/bench_skinny.py sweeps them); split_k None: split_k_for's choice."""
-    (m, k), n = x.shape, weight.shape[0]
-    assert m <= MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
+    (written to out if given). gated: x is [M, 2 K] holding gate | up, and the product is of
+    silu(gate) * up (the activation applied as x is loaded, no kernel of its own). The keyword
+    arguments from split_k to num_warps are tuning knobs (tests/bench_skinny.py sweeps them);
+    split_k None: split_k_for's choice."""
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    assert m <= MAX_ROWS and x.shape[1] == (2 * k if gated else k) and x.stride(1) == 1 and weight.stride(1) == 1
     if split_k is None:
         split_k = split_k_for(n, k, _num_sms(x.device) if x.is_cuda else INTERPRETER_SMS, block_n, block_k)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
@@ -136,7 +142,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         assert blocks <= counters.numel()
     _skinny_linear_kernel[(blocks, split_k)](
         x, weight, bias if bias is not None else weight, out, parts, counters, m, n, k, k_per_split,
-        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
+        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, GATED=gated, EVEN_K=k % block_k == 0,
         SPLIT_K=split_k, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, LINE=LINE_BYTES // x.element_size(),
         PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k_per_split * x.element_size(), LINE_BYTES)),
         num_stages=num_stages, num_warps=num_warps, **pdl.launch_options(m))

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed import SINGLE, TPGroup
+from nanovllm.layers.activation import silu_and_mul
 
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str = "parameter"):
@@ -20,15 +21,26 @@ def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str = "paramet
     param.data.copy_(loaded)
 
 
+def takes_small_batch_kernel(x: torch.Tensor) -> bool:
+    """Whether linear() multiplies x by kernels/triton_skinny.py's kernel: a few rows of 16-bit
+    activations on CUDA (a decode step at small batch), where it streams the weight faster than
+    cuBLAS."""
+    if not (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1):
+        return False
+    from nanovllm.kernels import triton_skinny
+    return x.shape[0] <= triton_skinny.MAX_ROWS and triton_skinny.enabled()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except for a few rows of 16-bit activations on CUDA (a decode step at small
-    batch), where kernels/triton_skinny.py streams the weight faster than cuBLAS. out: where to
-    write the result ([rows, out_features], contiguous), if not in a new tensor."""
-    if x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1:
-        from nanovllm.kernels import triton_skinny
-        if x.shape[0] <= triton_skinny.MAX_ROWS and triton_skinny.enabled():
-            return triton_skinny.skinny_linear(x, weight, bias, out=out)
+           out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    """F.linear (see takes_small_batch_kernel for when it is ours). out: where to write the result
+    ([rows, out_features], contiguous), if not in a new tensor. gated: x holds gate | up halves and
+    the input is silu(gate) * up, which the small-batch kernel computes as it loads x."""
+    if takes_small_batch_kernel(x):
+        from nanovllm.kernels.triton_skinny import skinny_linear
+        return skinny_linear(x, weight, bias, out=out, gated=gated)
+    if gated:
+        x = silu_and_mul(x)
     if out is None:
         return F.linear(x, weight, bias)
     if bias is None:
@@ -150,7 +162,10 @@ class RowParallelLinear(LinearBase):
         super().__init__(input_size // tp.size, output_size, bias, shard_dim=1, tp=tp)
         self.to_norm = to_norm and tp.size == 1 and not bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor | SplitKPartials:
+        """gated: x holds gate | up halves, and the input is silu(gate) * up (see linear)."""
+        if gated and not takes_small_batch_kernel(x):
+            x, gated = silu_and_mul(x), False
         if self.to_norm and x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16):
             splits = split_k_before_norm(x.shape[0], *self.weight.shape[::-1])
             if splits > 1:
@@ -158,5 +173,5 @@ class RowParallelLinear(LinearBase):
         # Bias is added once, on rank 0, before the sum. The product goes straight into the
         # all-reduce's input buffer when it has one (no copy into it).
         out = self.tp.all_reduce_input((x.shape[0], self.weight.shape[0]), x.dtype) if x.dim() == 2 else None
-        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, out=out)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, out=out, gated=gated)
         return self.tp.all_reduce(y)

@@ -3,7 +3,6 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanovllm.distributed import TPGroup
-from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 
@@ -25,7 +24,7 @@ class GatedMLP(nn.Module):
             raise ValueError("mlp_bias=True is not supported.")
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp=tp)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp, to_norm=to_norm)
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        # At small batches the down projection's kernel applies the activation as it loads its input.
+        return self.down_proj(self.gate_up_proj(x), gated=True)
