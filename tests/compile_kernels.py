@@ -100,8 +100,8 @@ def main():
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
              "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32"}
     for split_k, block_n, block_k, stages, warps in ((1, 64, 256, 4, 4), (8, 64, 256, 4, 4), (1, 32, 128, 6, 4)):
-        constants = dict(HAS_BIAS=False, GATED=False, EVEN_K=True, SPLIT_K=split_k, BLOCK_M=ts.MAX_ROWS, BLOCK_N=block_n,
-                         BLOCK_K=block_k, LINE=64, PREFETCH_LINES=16, PDL=False)
+        constants = dict(HAS_BIAS=False, GATED=False, EVEN_K=True, SPLIT_K=split_k, BLOCK_M=ts.MAX_ROWS,
+                         BLOCK_N=block_n, BLOCK_K=block_k, LINE=64, PREFETCH_LINES=16, PDL=False)
         compiled = compile_kernel(ts._skinny_linear_kernel, types, constants, warps, stages, None)
         ptx = compiled.asm["ptx"]
         print(report(f"{(split_k, block_n, block_k, stages, warps)}", compiled, warps) +

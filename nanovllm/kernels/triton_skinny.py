@@ -37,8 +37,8 @@ def enabled() -> bool:
 
 @triton.jit
 def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
-                          stride_x, stride_w, stride_o, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr,
-                          SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          stride_x, stride_w, stride_o, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                          EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, LINE: tl.constexpr, PREFETCH_LINES: tl.constexpr,
                           PDL: tl.constexpr):
     block, split = tl.program_id(0), tl.program_id(1)

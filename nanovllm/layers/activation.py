@@ -9,4 +9,3 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return triton_fused.silu_and_mul(x)
     gate, up = x.chunk(2, -1)
     return F.silu(gate) * up
-

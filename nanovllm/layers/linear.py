@@ -164,12 +164,10 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor | SplitKPartials:
         """gated: x holds gate | up halves, and the input is silu(gate) * up (see linear)."""
-        if gated and not takes_small_batch_kernel(x):
-            x, gated = silu_and_mul(x), False
         if self.to_norm and x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16):
             splits = split_k_before_norm(x.shape[0], *self.weight.shape[::-1])
             if splits > 1:
-                return split_k_partials(x, self.weight, splits)
+                return split_k_partials(silu_and_mul(x) if gated else x, self.weight, splits)
         # Bias is added once, on rank 0, before the sum. The product goes straight into the
         # all-reduce's input buffer when it has one (no copy into it).
         out = self.tp.all_reduce_input((x.shape[0], self.weight.shape[0]), x.dtype) if x.dim() == 2 else None
