@@ -60,3 +60,19 @@ def test_row_parallel_products_split_only_at_decode_batch_sizes():
     assert split_k_before_norm(32, 4096, 2048) == 1     # wider outputs: not measured
     assert split_k_before_norm(32, 1000, 1024) == 2     # 1,000 / 4 < 256 features a split
     assert split_k_before_norm(32, 384, 1024) == 1
+
+
+def test_gated_down_projection_takes_gate_and_up():
+    """RowParallelLinear(x, gated=True), as GatedMLP calls it, is the product of silu(gate) * up
+    (on the CPU through silu_and_mul first; on CUDA at small batches inside the kernel's loads)."""
+    import torch
+    from nanovllm.layers.activation import silu_and_mul
+    from nanovllm.layers.linear import RowParallelLinear
+    gen = torch.Generator().manual_seed(0)
+    down = RowParallelLinear(6, 4, to_norm=True)
+    down.weight.data = torch.randn(4, 6, generator=gen)
+    gate_up = torch.randn(3, 12, generator=gen)
+    gate, up = gate_up[:, :6], gate_up[:, 6:]
+    expected = (torch.nn.functional.silu(gate) * up) @ down.weight.T
+    assert torch.allclose(down(gate_up, gated=True), expected, atol=1e-6)
+    assert torch.equal(down(gate_up, gated=True), down(silu_and_mul(gate_up)))
