@@ -21,11 +21,16 @@ def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str = "paramet
     param.data.copy_(loaded)
 
 
+def is_16bit_cuda_matrix(x: torch.Tensor) -> bool:
+    """Activations that our CUDA product paths take: 16-bit rows on CUDA."""
+    return x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
+
+
 def takes_small_batch_kernel(x: torch.Tensor) -> bool:
     """Whether linear() multiplies x by kernels/triton_skinny.py's kernel: a few rows of 16-bit
     activations on CUDA (a decode step at small batch), where it streams the weight faster than
     cuBLAS."""
-    if not (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1):
+    if not (is_16bit_cuda_matrix(x) and x.stride(1) == 1):
         return False
     from nanovllm.kernels import triton_skinny
     return x.shape[0] <= triton_skinny.MAX_ROWS and triton_skinny.enabled()
@@ -164,7 +169,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor | SplitKPartials:
         """gated: x holds gate | up halves, and the input is silu(gate) * up (see linear)."""
-        if self.to_norm and x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16):
+        if self.to_norm and is_16bit_cuda_matrix(x):
             splits = split_k_before_norm(x.shape[0], *self.weight.shape[::-1])
             if splits > 1:
                 return split_k_partials(silu_and_mul(x) if gated else x, self.weight, splits)
