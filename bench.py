@@ -77,6 +77,8 @@ def main():
     p.add_argument("--custom-all-reduce", choices=["default", "on", "off"], default="default",
                    help="TP > 1: the engine's own all-reduce kernels (on) or NCCL alone (off); default: "
                         "the engine's default (on for both)")
+    p.add_argument("--attention-backend", choices=["auto", "triton", "flash_attn", "torch"], default="auto",
+                   help="nanovllm's attention_backend (auto: flash-attn when installed, else Triton)")
     p.add_argument("--kv-cache-dtype", default="auto", help="'auto' (the model's dtype), 'fp8', 'fp8_e5m2', ...")
     p.add_argument("--top-k", type=int, default=0, help="SamplingParams.top_k of the sampled requests (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="SamplingParams.top_p of the sampled requests")
@@ -88,6 +90,9 @@ def main():
         if name not in ("default", "prefix", "latency"):
             p.error(f"--workload: unknown workload {name!r} (default, prefix, latency)")
 
+    if args.engine == "vllm" and args.attention_backend != "auto":
+        p.error("--attention-backend: nanovllm's setting; leave it at auto with --engine vllm")
+
     import torch
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
@@ -95,6 +100,8 @@ def main():
     model = preset_dir(args.model) if args.model in PRESETS else args.model
     kwargs = dict(max_model_len=args.max_model_len if not on_cpu else 1024, enforce_eager=args.enforce_eager,
                   tensor_parallel_size=args.tp, kv_cache_dtype=args.kv_cache_dtype)
+    if args.attention_backend != "auto":
+        kwargs["attention_backend"] = args.attention_backend
     if args.custom_all_reduce != "default":
         kwargs["disable_custom_all_reduce"] = args.custom_all_reduce == "off"
     if args.model in PRESETS:
@@ -155,7 +162,9 @@ def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float):
           f"Requests: {result['req_s']:.2f}req/s, Cached prompt tokens: {num_cached}, Start-up: {startup:.1f}s")
     if args.engine == "nanovllm":
         from nanovllm.kernels import pdl, triton_skinny
-        result["startup_breakdown_s"] = {k: round(v, 2) for k, v in llm.llm_engine.model_runner.timings.items()}
+        runner = llm.llm_engine.model_runner
+        result["startup_breakdown_s"] = {k: round(v, 2) for k, v in runner.timings.items()}
+        result["attention_backend"] = type(runner.backend).__name__
         result["pdl"] = pdl.enabled()      # on an sm_90+ GPU unless NANOVLLM_PDL=0
         result["skinny"] = triton_skinny.enabled()   # NANOVLLM_SKINNY=0 turns the small-batch projections off
     if args.workload == "latency":

@@ -17,6 +17,17 @@ def test_bench_runs_on_the_cpu():
     result = json.loads(lines[-1])
     assert (result["engine"], result["device"], result["output_tokens"]) == ("nanovllm", "cpu", 48)
     assert set(result["startup_breakdown_s"]) == {"load_s", "kv_cache_s"}
+    assert result["attention_backend"] == "TorchBackend"
+
+
+def test_bench_attention_backend_is_nanovllms_setting():
+    proc = subprocess.run([sys.executable, "bench.py", "--attention-backend", "torch", "--json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.splitlines()[-1])["attention_backend"] == "TorchBackend"
+    bad = subprocess.run([sys.executable, "bench.py", "--engine", "vllm", "--attention-backend", "triton"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "leave it at auto with --engine vllm" in bad.stderr
 
 
 def test_bench_runs_a_list_of_workloads_in_one_engine():

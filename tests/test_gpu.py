@@ -8,6 +8,7 @@ import torch
 
 from conftest import build_model_dir, check_logprobs_close, check_within_top_k_top_p, make_prompts
 from nanovllm import LLM, SamplingParams
+from nanovllm.layers.attention import has_flash_attn
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -64,11 +65,17 @@ VARIANTS = {
     "torch_backend": dict(attention_backend="torch", block_size=16),
     "fp8_kv_graphs": dict(kv_cache_dtype="fp8"),
     "fp8_kv_chunked_prefill": dict(kv_cache_dtype="fp8", block_size=16, max_num_batched_tokens=48),
+    # Skipped without flash-attn (tests/shims/flash_attn runs them with vLLM's build of its kernels).
+    "flash_attn_graphs": dict(attention_backend="flash_attn"),
+    "flash_attn_eager": dict(attention_backend="flash_attn", enforce_eager=True),
+    "flash_attn_chunked_prefill": dict(attention_backend="flash_attn", max_num_batched_tokens=48),
 }
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logprobs_close_to_hf(gpu_model_dir, variant):
+    if variant.startswith("flash_attn") and not has_flash_attn():
+        pytest.skip("needs flash-attn")
     llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, **VARIANTS[variant])
     ref = hf_reference(gpu_model_dir)
     ours, outs = run(llm)
@@ -79,8 +86,11 @@ def test_logprobs_close_to_hf(gpu_model_dir, variant):
         assert full >= len(PROMPTS) // 2, f"only {full} of {len(PROMPTS)} sequences matched HF fully"
     if variant == "preemption":
         assert llm.llm_engine.scheduler.num_preemptions > 0
-    if variant in ("graphs", "eager"):
-        assert (llm.llm_engine.model_runner.graphs is None) == (variant == "eager")
+    runner = llm.llm_engine.model_runner
+    if variant in ("graphs", "eager", "flash_attn_graphs", "flash_attn_eager"):
+        assert (runner.graphs is None) == variant.endswith("eager")
+    if variant.startswith("flash_attn"):
+        assert type(runner.backend).__name__ == "FlashAttnBackend"
     # Warm call: prefix-cache hits, still close.
     ours2, outs2 = run(llm)
     check_logprobs_close(ours2, ref)
