@@ -24,11 +24,12 @@ GROUP = 1024    # vocab ids per group: 149 groups for a 152k vocab
 
 
 @triton.jit
-def _scaled(logits_ptr, offs, vocab_size, inv_temp, cut, HAS_CUT: tl.constexpr):
-    """x / T for ids in the vocabulary and at or above the cut, else -inf (never drawn)."""
-    x = tl.load(logits_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
+def _scaled(row_ptr, offs, vocab_size, inv_temp, cut_ptr, HAS_CUT: tl.constexpr):
+    """x / T for ids in the vocabulary and, with HAS_CUT, at or above the row's cut (*cut_ptr);
+    else -inf (never drawn)."""
+    x = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
     if HAS_CUT:
-        x = tl.where(x >= cut, x, float("-inf"))
+        x = tl.where(x >= tl.load(cut_ptr), x, float("-inf"))
     return x * inv_temp
 
 
@@ -45,12 +46,12 @@ def _group_stats_kernel(logits_ptr, stride, temps_ptr, greedy_ptr, cut_ptr, top_
     offs = group * GROUP + tl.arange(0, GROUP)
     out = row * num_groups + group
     if tl.load(greedy_ptr + row) != 0:
-        x = tl.load(logits_ptr + row * stride + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
+        x = _scaled(logits_ptr + row * stride, offs, vocab_size, 1.0, cut_ptr + row, False)   # as they are
         tl.store(top_ptr + out, tl.max(x, 0))
         tl.store(arg_ptr + out, _first_max(x, offs, vocab_size))
     else:
-        cut = tl.load(cut_ptr + row) if HAS_CUT else float("-inf")
-        y = _scaled(logits_ptr + row * stride, offs, vocab_size, 1.0 / tl.load(temps_ptr + row), cut, HAS_CUT)
+        y = _scaled(logits_ptr + row * stride, offs, vocab_size, 1.0 / tl.load(temps_ptr + row), cut_ptr + row,
+                    HAS_CUT)
         top = tl.max(y, 0)
         tl.store(top_ptr + out, top)
         # a group with nothing to draw (all -inf) gets mass 0 (exp(-inf - -inf) would be NaN)
@@ -79,8 +80,8 @@ def _draw_kernel(logits_ptr, stride, temps_ptr, greedy_ptr, seeds_ptr, cut_ptr, 
         last = tl.max(tl.where(weight > 0, groups, 0), 0)
         group = tl.min(tl.where((tl.cumsum(weight, 0) > target) & (weight > 0), groups, last), 0)
         offs = group * GROUP + tl.arange(0, GROUP)
-        cut = tl.load(cut_ptr + row) if HAS_CUT else float("-inf")
-        y = _scaled(logits_ptr + row * stride, offs, vocab_size, 1.0 / tl.load(temps_ptr + row), cut, HAS_CUT)
+        y = _scaled(logits_ptr + row * stride, offs, vocab_size, 1.0 / tl.load(temps_ptr + row), cut_ptr + row,
+                    HAS_CUT)
         u = tl.rand(seed, offs)      # token t's noise: philox counter t
         token = _first_max(y - tl.log(-tl.log(tl.maximum(u, 1e-20))), offs, vocab_size)
     tl.store(token_ptr + row, token.to(tl.int64))
