@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 import triton
+import triton.language as tl
 
 from nanovllm.kernels import torch_attention
 
@@ -328,6 +329,33 @@ def test_pdl_kernels_in_a_cuda_graph_equal_plain_launches(monkeypatch):
         pdl_graph.replay()
         torch.cuda.synchronize()
         assert all(same_bits(a, b) for a, b in zip(with_pdl, plain))
+
+
+@triton.jit
+def _add_one_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+
+def test_launches_inside_compile_ahead_compile_and_run_nothing():
+    """Inside compiling() a launch runs nothing and queues its variant's compile, which has finished
+    when compiling() is left; the same launches after it compile nothing more and run."""
+    from nanovllm.kernels import compile_ahead
+    x = torch.zeros(100, device=DEVICE)
+    variants = lambda: sum(len(cache[0]) for cache in _add_one_kernel.device_caches.values())
+    launch_all = lambda: [compile_ahead.launch(_add_one_kernel, (triton.cdiv(100, block),), x, 100, BLOCK=block)
+                          for block in (32, 64, 128)]
+    with compile_ahead.compiling() as dry:
+        assert dry
+        launch_all()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        assert variants() == 3
+    assert not x.any()
+    launch_all()
+    if DEVICE == "cuda":
+        assert variants() == 3
+    assert (x == 3).all()
 
 
 # ---- fused sampler: greedy rows exact, sampled rows follow softmax(logits / T), seeds reproducible ----

@@ -3,15 +3,19 @@
 Recipe: static input buffers; a bucket list covering every batch size up to the maximum
 (1, 2, 4, 8, then every multiple of 16, then the maximum itself); capture largest first into
 one shared memory pool. A batch of size b replays the smallest bucket >= b; the padding rows
-have slot -1 (the KV-store kernel skips them) and seq_len 0 (attention returns zeros).
+have slot -1 (the KV-store kernel skips them) and seq_len 0 (attention returns zeros). Before
+the captures, a dry pass over the buckets compiles their Triton kernels side by side
+(kernels/compile_ahead.py).
 """
 import bisect
+import time
 
 import numpy as np
 import torch
 from torch import nn
 
 from nanovllm.engine.upload import packed_offsets, upload
+from nanovllm.kernels import compile_ahead
 from nanovllm.layers.attention import AttentionMetadata
 
 
@@ -38,16 +42,17 @@ class DecodeGraphs:
         self.uploaded_tables: np.ndarray | None = None   # what block_tables holds (rows, width)
         self.inputs: dict[int, list[torch.Tensor]] = {}   # bucket -> its views of staged
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.decode_split_for = decode_split_for
+        start = time.perf_counter()
+        with compile_ahead.compiling() as dry:
+            if dry:   # the Triton kernels the captures below launch, compiled side by side first
+                for bs in self.buckets:
+                    model(*self._bucket_inputs(bs))
+        self.compile_s = time.perf_counter() - start
         pool = None
         for bs in reversed(self.buckets):
-            # the padding rows' values (step_arrays) in every row
-            input_ids, positions, slot_mapping, seq_lens, _, _ = upload(step_arrays(bs), device, out=self.staged)
-            self.inputs[bs] = [input_ids, positions, slot_mapping, seq_lens]
-            meta = AttentionMetadata(
-                slot_mapping=slot_mapping, block_tables=self.block_tables[:bs],
-                query_start_loc=self.query_start_loc[:bs + 1], seq_lens=seq_lens,
-                query_start_loc_cpu=[], seq_lens_cpu=[], max_query_len=1, max_seq_len=0,
-                decode_split=decode_split_for(bs))
+            input_ids, positions, meta = self._bucket_inputs(bs)
+            self.inputs[bs] = [input_ids, positions, meta.slot_mapping, meta.seq_lens]
             self.hidden[:bs] = model(input_ids, positions, meta)   # warm-up
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
@@ -55,6 +60,17 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
+
+    def _bucket_inputs(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The bucket's views of the staged inputs, set to the padding rows' values (step_arrays)
+        -> input_ids, positions, metadata."""
+        input_ids, positions, slot_mapping, seq_lens, _, _ = upload(step_arrays(bs), self.device, out=self.staged)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping, block_tables=self.block_tables[:bs],
+            query_start_loc=self.query_start_loc[:bs + 1], seq_lens=seq_lens,
+            query_start_loc_cpu=[], seq_lens_cpu=[], max_query_len=1, max_seq_len=0,
+            decode_split=self.decode_split_for(bs))
+        return input_ids, positions, meta
 
     def reset(self):
         """Destroy the graphs (a graph still running is freed when it ends)."""

@@ -16,6 +16,7 @@ from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import HostBatch, StepInputs, build_step, prompt_spans
 from nanovllm.engine.upload import upload
+from nanovllm.kernels import compile_ahead
 from nanovllm.layers.attention import Attention, AttentionMetadata, select_backend
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, token_logprobs
 from nanovllm.logger import init_logger
@@ -102,6 +103,7 @@ class ModelRunner:
                 hf.hidden_size, config.torch_dtype, self.device,
                 self.decode_split)
             self.timings["cuda_graphs_s"] = time.perf_counter() - start
+            self.timings["compile_ahead_s"] = self.timings.get("compile_ahead_s", 0.0) + self.graphs.compile_s
         # the LM head computes the logits of n rows for logits_bucket(n) rows (see there)
         self.logits_buckets = graph_buckets(config.max_num_seqs) if self.device.type == "cuda" else []
         if self.logits_buckets:
@@ -130,6 +132,8 @@ class ModelRunner:
             message += f"; LM head warmed up for {len(self.logits_buckets)} row counts in {t['logits_warm_up_s']:.1f}s"
         if "sampler_warm_up_s" in t:
             message += f"; sampler kernels warmed up in {t['sampler_warm_up_s']:.1f}s"
+        if "compile_ahead_s" in t:
+            message += f"; {t['compile_ahead_s']:.1f}s of sizing and capture compiled the model's kernels ahead"
         logger.info(message)
 
     # ---- LM head -----------------------------------------------------------------------------
@@ -208,7 +212,13 @@ class ModelRunner:
                           slot_mapping=positions.copy(),
                           block_tables=np.tile(np.arange(num_pages, dtype=np.int32), (num_seqs, 1)),
                           query_start_loc=np.concatenate([[0], np.cumsum(lens)]).tolist(), seq_lens=lens)
-        hidden = self.model(*self._device_inputs(batch))
+        inputs = self._device_inputs(batch)
+        start = time.perf_counter()
+        with compile_ahead.compiling() as dry:
+            if dry:   # its Triton kernels compiled side by side first
+                self.model(*inputs)
+        self.timings["compile_ahead_s"] = time.perf_counter() - start
+        hidden = self.model(*inputs)
         logits = self.model.compute_logits(hidden[torch.tensor(batch.query_start_loc[1:]) - 1])
         # top_k without max_top_k or max_set_top_k sorts every row: the sampler's largest path
         md = SamplingMetadata(

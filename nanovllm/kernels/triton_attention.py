@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import pdl
+from nanovllm.kernels.compile_ahead import launch
 from nanovllm.kernels.counters import NUM_COUNTERS, counters as arrival_counters
 
 FUSED_MERGE_ABOVE = 16   # sequences
@@ -60,8 +61,8 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     num_tokens, num_kv_heads, head_dim = k.shape
     assert k.stride(-1) == 1 and k.stride(1) == head_dim and v.stride(-1) == 1 and v.stride(1) == head_dim
     row = num_kv_heads * head_dim
-    _store_kvcache_kernel[(num_tokens,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-                                         ROW=row, BLOCK=triton.next_power_of_2(row))
+    launch(_store_kvcache_kernel, (num_tokens,), k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
+           ROW=row, BLOCK=triton.next_power_of_2(row))
 
 
 @triton.jit
@@ -288,7 +289,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     fuse_merge = fuse_merge and num_splits > 1 and num_seqs * num_kv_heads <= NUM_COUNTERS
     if fuse_merge:
         count = arrival_counters(q.device)
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    launch(_decode_split_kernel, (num_seqs, num_kv_heads, num_splits),
         q, k_cache, v_cache, block_tables, seq_lens, out, o_part, lse_part, count, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -297,7 +298,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_stages=num_stages, maxnreg=max_registers, **pdl.launch_options(num_seqs))
     if num_splits == 1 or fuse_merge:
         return out
-    _decode_merge_kernel[(num_seqs, num_heads)](
+    launch(_decode_merge_kernel, (num_seqs, num_heads),
         o_part, lse_part, seq_lens, out, out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, MIN_SPLIT=min_split, BLOCK_N=block_n,
         BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, **pdl.launch_options(num_seqs))
@@ -370,7 +371,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block_n = tile_size(block_n, page)
     out = torch.empty_like(q)
     grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
-    _prefill_kernel[grid](
+    launch(_prefill_kernel, grid,
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

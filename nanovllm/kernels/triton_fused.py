@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import pdl
+from nanovllm.kernels.compile_ahead import launch
 from nanovllm.kernels.triton_attention import to_cache_dtype
 
 # Heads per program of the q/k norm + RoPE + store kernel. One head per one-warp program made
@@ -58,10 +59,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = torch.empty(n_rows, n_cols, dtype=dtype, device=x.device)
     res_out = torch.empty_like(out) if residual is not None else out
     res = residual if residual is not None else out
-    _rms_norm_kernel[(n_rows,)](x, res, weight, out, res_out, x.stride(-2), x.stride(0), res.stride(0), out.stride(0),
-                                res_out.stride(0), n_cols, eps, HAS_RESIDUAL=residual is not None, SPLITS=splits,
-                                BLOCK=triton.next_power_of_2(n_cols), num_warps=4 if n_cols <= 2048 else 8,
-                                **pdl.launch_options(n_rows))
+    launch(_rms_norm_kernel, (n_rows,), x, res, weight, out, res_out, x.stride(-2), x.stride(0), res.stride(0),
+           out.stride(0), res_out.stride(0), n_cols, eps, HAS_RESIDUAL=residual is not None, SPLITS=splits,
+           BLOCK=triton.next_power_of_2(n_cols), num_warps=4 if n_cols <= 2048 else 8, **pdl.launch_options(n_rows))
     return out if residual is None else (out, res_out)
 
 
@@ -125,7 +125,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
     heads = 1
     if num_tokens > ONE_HEAD_PER_PROGRAM_UP_TO:
         heads = min(QK_HEADS_PER_PROGRAM, triton.next_power_of_2(num_heads))
-    _qk_norm_rope_store_kernel[(num_tokens, triton.cdiv(num_heads, heads))](
+    launch(_qk_norm_rope_store_kernel, (num_tokens, triton.cdiv(num_heads, heads)),
         qkv, positions, cos_sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv, q,
         k_cache, v_cache, slot_mapping, qkv.stride(0), q.stride(0), eps, NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, HAS_NORM=has_norm, HEADS=heads,
@@ -158,6 +158,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     d = two_d // 2
     out = torch.empty(n_rows, d, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(d))
-    _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block,
-                                                          **pdl.launch_options(n_rows))
+    launch(_silu_and_mul_kernel, (n_rows, triton.cdiv(d, block)), x, out, x.stride(0), out.stride(0), d, BLOCK=block,
+           **pdl.launch_options(n_rows))
     return out

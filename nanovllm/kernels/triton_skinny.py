@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import pdl
+from nanovllm.kernels.compile_ahead import launch
 from nanovllm.kernels.counters import counters as arrival_counters
 from nanovllm.kernels.triton_fused import silu_mul
 
@@ -140,7 +141,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         parts = torch.empty(split_k, n, MAX_ROWS, dtype=torch.float32, device=x.device)
         counters = arrival_counters(x.device)
         assert blocks <= counters.numel()
-    _skinny_linear_kernel[(blocks, split_k)](
+    launch(_skinny_linear_kernel, (blocks, split_k),
         x, weight, bias if bias is not None else weight, out, parts, counters, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, GATED=gated, EVEN_K=k % block_k == 0,
         SPLIT_K=split_k, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, LINE=LINE_BYTES // x.element_size(),
