@@ -13,30 +13,48 @@ import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 try:
     from triton.runtime._async_compile import AsyncCompileMode   # Triton 3.4 and later
 except ImportError:
     AsyncCompileMode = None
 
-_dry_run = False
+_queued: set | None = None   # during a dry pass: the launches queued so far, by what sets their variant
 
 
 def launch(kernel, grid, *args, **kwargs):
     """kernel[grid](*args, **kwargs); inside compiling(), only the variant's compile is queued."""
-    kernel.run(*args, grid=grid, warmup=_dry_run, **kwargs)
+    if _queued is not None:
+        key = (kernel, *map(_specialized_on, args), *kwargs.items())
+        if key in _queued:   # (the layers of a model launch the same variants)
+            return
+        _queued.add(key)
+    kernel.run(*args, grid=grid, warmup=_queued is not None, **kwargs)
+
+
+def _specialized_on(arg):
+    """What Triton tells a variant by, or finer: a tensor's dtype and 16-byte alignment; an int's
+    equality to 1, divisibility by 16 and 32-bit range; any other value itself. (Were it coarser, a
+    variant would only compile later, at its real launch.)"""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, int) and not isinstance(arg, bool):
+        return arg == 1, arg % 16 == 0, -2**31 <= arg < 2**31
+    return arg
 
 
 @contextlib.contextmanager
 def compiling():
     """-> whether a dry pass is wanted: False where this Triton cannot compile asynchronously (the
     caller then just runs its real pass). On leaving, every queued compile has finished."""
-    global _dry_run
+    global _queued
     if AsyncCompileMode is None:
         yield False
         return
     with ThreadPoolExecutor(min(32, os.cpu_count() or 1)) as pool, AsyncCompileMode(pool):
-        _dry_run = True
+        _queued = set()
         try:
             yield True
         finally:
-            _dry_run = False
+            _queued = None
