@@ -103,7 +103,8 @@ class ModelRunner:
                 hf.hidden_size, config.torch_dtype, self.device,
                 self.decode_split)
             self.timings["cuda_graphs_s"] = time.perf_counter() - start
-            self.timings["compile_ahead_s"] = self.timings.get("compile_ahead_s", 0.0) + self.graphs.compile_s
+            if self.graphs.compile_s is not None:
+                self.timings["compile_ahead_s"] = self.timings.get("compile_ahead_s", 0.0) + self.graphs.compile_s
         # the LM head computes the logits of n rows for logits_bucket(n) rows (see there)
         self.logits_buckets = graph_buckets(config.max_num_seqs) if self.device.type == "cuda" else []
         if self.logits_buckets:
@@ -217,7 +218,8 @@ class ModelRunner:
         with compile_ahead.compiling() as dry:
             if dry:   # its Triton kernels compiled side by side first
                 self.model(*inputs)
-        self.timings["compile_ahead_s"] = time.perf_counter() - start
+        if dry:
+            self.timings["compile_ahead_s"] = time.perf_counter() - start
         hidden = self.model(*inputs)
         logits = self.model.compute_logits(hidden[torch.tensor(batch.query_start_loc[1:]) - 1])
         # top_k without max_top_k or max_set_top_k sorts every row: the sampler's largest path
