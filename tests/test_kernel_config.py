@@ -76,3 +76,17 @@ def test_gated_down_projection_takes_gate_and_up():
     expected = (torch.nn.functional.silu(gate) * up) @ down.weight.T
     assert torch.allclose(down(gate_up, gated=True), expected, atol=1e-6)
     assert torch.equal(down(gate_up, gated=True), down(silu_and_mul(gate_up)))
+
+
+def test_compile_ahead_tells_launches_apart_by_what_triton_specialises_on():
+    import torch
+    from nanovllm.kernels.compile_ahead import _specialized_on
+    x = torch.zeros(8)
+    assert _specialized_on(x) == _specialized_on(torch.ones(8)) == (torch.float32, True)
+    assert _specialized_on(x[1:]) == (torch.float32, False)             # 4 bytes past a 16-byte boundary
+    assert _specialized_on(x.bfloat16()) == (torch.bfloat16, True)
+    # ints: equal to 1, divisible by 16, within 32 bits
+    assert [_specialized_on(n) for n in (1, 7, 9, 32, 48, 2**40)] == [
+        (True, False, True), (False, False, True), (False, False, True), (False, True, True), (False, True, True),
+        (False, True, False)]
+    assert [_specialized_on(v) for v in (True, 1e-6, None)] == [True, 1e-6, None]   # other values as they are
