@@ -7,7 +7,8 @@ through `launch()` runs nothing: it hands its variant's compile to a thread pool
 asynchronous compile mode) and returns. So one dry pass of the model's forward per batch size
 queues every variant, the pool compiles them at once (most of a compile is ptxas, a process of
 its own, and C++ passes), and the real warm-ups after it find them compiled. The outputs the
-skipped kernels would have written are left as allocated; a dry pass must not read them on the host.
+skipped kernels would have written are left as allocated, so a dry pass must neither read them on
+the host nor index with them (the model's forward does neither; the sampler would).
 """
 import contextlib
 import os
