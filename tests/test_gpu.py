@@ -67,7 +67,8 @@ VARIANTS = {
     "fp8_kv_chunked_prefill": dict(kv_cache_dtype="fp8", block_size=16, max_num_batched_tokens=48),
     # Skipped without flash-attn (tests/shims/flash_attn runs them with vLLM's build of its kernels).
     # 16 sequences at most, i.e. five decode graphs: through the shim, FlashAttention 2's decode
-    # graphs took ~3 s each to capture (benchmarks.md, tenth session, call 15).
+    # graphs once took ~3 s each to capture (benchmarks.md, tenth session, call 15; 3.1 s for all
+    # 36 in the eleventh session's call 9, the cause of the slow run not found).
     "flash_attn_graphs": dict(attention_backend="flash_attn", max_num_seqs=16),
     "flash_attn_eager": dict(attention_backend="flash_attn", enforce_eager=True),
     "flash_attn_chunked_prefill": dict(attention_backend="flash_attn", max_num_seqs=16, max_num_batched_tokens=48),
