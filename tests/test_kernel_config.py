@@ -90,3 +90,16 @@ def test_compile_ahead_tells_launches_apart_by_what_triton_specialises_on():
         (True, False, True), (False, False, True), (False, False, True), (False, True, True), (False, True, True),
         (False, True, False)]
     assert [_specialized_on(v) for v in (True, 1e-6, None)] == [True, 1e-6, None]   # other values as they are
+
+
+def test_dry_run_calls_its_forwards_inside_compiling_or_not_at_all(monkeypatch):
+    """-> the seconds it took where Triton compiles asynchronously; else None and nothing called."""
+    from nanovllm.kernels import compile_ahead
+    calls = []
+    forwards = lambda: calls.append(compile_ahead._queued is not None)   # inside compiling()?
+    if compile_ahead.AsyncCompileMode is not None:
+        assert compile_ahead.dry_run(forwards) >= 0 and calls == [True]
+        assert compile_ahead._queued is None                            # left again
+    monkeypatch.setattr(compile_ahead, "AsyncCompileMode", None)
+    calls.clear()
+    assert compile_ahead.dry_run(forwards) is None and calls == []

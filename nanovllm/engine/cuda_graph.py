@@ -8,7 +8,6 @@ the captures, a dry pass over the buckets compiles their Triton kernels side by 
 (kernels/compile_ahead.py).
 """
 import bisect
-import time
 
 import numpy as np
 import torch
@@ -43,12 +42,8 @@ class DecodeGraphs:
         self.inputs: dict[int, list[torch.Tensor]] = {}   # bucket -> its views of staged
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.decode_split_for = decode_split_for
-        start = time.perf_counter()
-        with compile_ahead.compiling() as dry:
-            if dry:   # the Triton kernels the captures below launch, compiled side by side first
-                for bs in self.buckets:
-                    model(*self._bucket_inputs(bs))
-        self.compile_s = time.perf_counter() - start if dry else None   # the dry pass's seconds
+        # the Triton kernels the captures below launch, compiled side by side first
+        self.compile_s = compile_ahead.dry_run(lambda: [model(*self._bucket_inputs(bs)) for bs in self.buckets])
         pool = None
         for bs in reversed(self.buckets):
             input_ids, positions, meta = self._bucket_inputs(bs)

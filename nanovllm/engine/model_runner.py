@@ -103,8 +103,7 @@ class ModelRunner:
                 hf.hidden_size, config.torch_dtype, self.device,
                 self.decode_split)
             self.timings["cuda_graphs_s"] = time.perf_counter() - start
-            if self.graphs.compile_s is not None:
-                self.timings["compile_ahead_s"] = self.timings.get("compile_ahead_s", 0.0) + self.graphs.compile_s
+            self._add_compile_ahead(self.graphs.compile_s)
         # the LM head computes the logits of n rows for logits_bucket(n) rows (see there)
         self.logits_buckets = graph_buckets(config.max_num_seqs) if self.device.type == "cuda" else []
         if self.logits_buckets:
@@ -119,6 +118,11 @@ class ModelRunner:
                 self.timings["sampler_warm_up_s"] = time.perf_counter() - start
         if tp.rank == 0:
             self._log_startup()
+
+    def _add_compile_ahead(self, seconds: float | None):
+        """Counts a dry pass's seconds (None: none ran) into the start-up's compile_ahead_s."""
+        if seconds is not None:
+            self.timings["compile_ahead_s"] = self.timings.get("compile_ahead_s", 0.0) + seconds
 
     def _log_startup(self):
         t = self.timings
@@ -214,12 +218,7 @@ class ModelRunner:
                           block_tables=np.tile(np.arange(num_pages, dtype=np.int32), (num_seqs, 1)),
                           query_start_loc=np.concatenate([[0], np.cumsum(lens)]).tolist(), seq_lens=lens)
         inputs = self._device_inputs(batch)
-        start = time.perf_counter()
-        with compile_ahead.compiling() as dry:
-            if dry:   # its Triton kernels compiled side by side first
-                self.model(*inputs)
-        if dry:
-            self.timings["compile_ahead_s"] = time.perf_counter() - start
+        self._add_compile_ahead(compile_ahead.dry_run(lambda: self.model(*inputs)))   # its kernels compiled first
         hidden = self.model(*inputs)
         logits = self.model.compute_logits(hidden[torch.tensor(batch.query_start_loc[1:]) - 1])
         # top_k without max_top_k or max_set_top_k sorts every row: the sampler's largest path

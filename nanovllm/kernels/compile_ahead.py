@@ -12,6 +12,7 @@ the host nor index with them (the model's forward does neither; the sampler woul
 """
 import contextlib
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -59,3 +60,13 @@ def compiling():
             yield True
         finally:
             _queued = None
+
+
+def dry_run(forwards) -> float | None:
+    """forwards() inside compiling(), so that its launches only queue their variants' compiles
+    -> the seconds until every compile finished; None where no dry pass can run (forwards not called)."""
+    start = time.perf_counter()
+    with compiling() as dry:
+        if dry:
+            forwards()
+    return time.perf_counter() - start if dry else None
