@@ -110,15 +110,16 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, rows, n_mask, visible, offs_d, m_i
     acc: running max (log2 units), sum and weighted values per query. -> them updated.
     MASKED False: every token of the tile exists and every query sees it (no masks)."""
     k = _load_tile(k_cache_ptr, rows, offs_d, n_mask, MASKED).to(q.dtype)
-    s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = tl.dot(q, tl.trans(k))                                 # scaled below, in one FMA with the max
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_new = tl.where(m_new == float("-inf"), 0.0, m_new)    # a query that sees nothing yet
-    p = tl.exp2(s - m_new[:, None])
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    if MASKED:
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)    # a query that sees nothing yet
+    p = tl.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     v = _load_tile(v_cache_ptr, rows, offs_d, n_mask, MASKED).to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+    acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])      # accumulated in the MMA itself
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
