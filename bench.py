@@ -7,6 +7,7 @@
     python bench.py --kv-cache-dtype fp8       # K/V cached in fp8 (half the bytes), either engine
     python bench.py --top-k 20 --top-p 0.95    # sampled requests also filtered (Qwen3's own defaults)
     python bench.py --workload default,latency # several workloads, one engine start-up
+    python bench.py --repeat 3                 # three timed runs of each workload, one start-up
 
 Without CUDA it runs a small workload on the CPU path and says so.
 """
@@ -66,6 +67,9 @@ def main():
     p.add_argument("--workload", default="default",
                    help="default, prefix or latency; a comma-separated list runs each in turn in one engine "
                         "(one start-up)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="timed runs of each workload in the one engine (the prefix cache reset before each), "
+                        "to see an engine's run-to-run spread without a start-up per run")
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--min-input-len", type=int, default=100)
     p.add_argument("--max-input-len", type=int, default=1024)
@@ -89,6 +93,8 @@ def main():
     for name in workloads:
         if name not in ("default", "prefix", "latency"):
             p.error(f"--workload: unknown workload {name!r} (default, prefix, latency)")
+    if args.repeat < 1:
+        p.error(f"--repeat: must be at least 1, got {args.repeat}")
 
     if args.engine == "vllm" and args.attention_backend != "auto":
         p.error("--attention-backend: nanovllm's setting; leave it at auto with --engine vllm")
@@ -119,8 +125,9 @@ def main():
     warm_up(llm, SamplingParams, args)
     for name in workloads:
         args.workload = name
-        llm.reset_prefix_cache()   # (each workload's prompts start with the same seeded random ids)
-        run_workload(llm, SamplingParams, args, on_cpu, startup)
+        for run in range(1, args.repeat + 1):
+            llm.reset_prefix_cache()   # (each workload's prompts start with the same seeded random ids)
+            run_workload(llm, SamplingParams, args, on_cpu, startup, run)
 
 
 def warm_up(llm, SamplingParams, args):
@@ -136,7 +143,7 @@ def sampling_filters(args) -> dict:
     return dict(top_k=args.top_k, top_p=args.top_p) if args.top_k or args.top_p < 1 else {}
 
 
-def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float):
+def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float, run: int = 1):
     import torch
     prompts, settings = make_workload(args, on_cpu)
     filters = sampling_filters(args) if any(t > 0 for _, t in settings) else {}
@@ -156,7 +163,7 @@ def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float):
                   prompt_tokens=num_in, output_tokens=num_out, cached_prompt_tokens=num_cached,
                   time_s=round(elapsed, 3), output_tok_s=round(num_out / elapsed, 2),
                   total_tok_s=round((num_in + num_out) / elapsed, 2), req_s=round(len(prompts) / elapsed, 3),
-                  startup_s=round(startup, 1), device="cpu" if on_cpu else torch.cuda.get_device_name())
+                  startup_s=round(startup, 1), run=run, device="cpu" if on_cpu else torch.cuda.get_device_name())
     print(f"Total: {num_out}tok, Time: {elapsed:.2f}s, Throughput: {num_out / elapsed:.2f}tok/s")
     print(f"Total throughput: {result['total_tok_s']:.2f}tok/s (prompt {num_in}tok), "
           f"Requests: {result['req_s']:.2f}req/s, Cached prompt tokens: {num_cached}, Start-up: {startup:.1f}s")

@@ -16,7 +16,8 @@ def main(paths: list[str]):
                 r = json.loads(line)
                 allreduce = "-" if r.get("tp", 1) == 1 else r.get("custom_all_reduce", "default")
                 name = os.path.basename(path).removesuffix(".log")
-                print(f"{name:{width}} {r['engine']:9} {r['model']:10} {r['workload']:28} {r.get('tp', 1):2} {allreduce:9} "
+                workload = r["workload"] + (f" #{r['run']}" if r.get("run", 1) > 1 else "")   # bench.py --repeat
+                print(f"{name:{width}} {r['engine']:9} {r['model']:10} {workload:28} {r.get('tp', 1):2} {allreduce:9} "
                       f"{r.get('kv_cache_dtype', 'auto'):8} {r['time_s']:7.2f}s {r['output_tok_s']:10.0f} {r['startup_s']:7.1f}s  {r.get('ms_per_token', '')}")
 
 

@@ -41,3 +41,17 @@ def test_bench_runs_a_list_of_workloads_in_one_engine():
     bad = subprocess.run([sys.executable, "bench.py", "--workload", "default,nope"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "unknown workload 'nope'" in bad.stderr
+
+
+def test_bench_repeats_each_workload_in_one_engine():
+    proc = subprocess.run([sys.executable, "bench.py", "--workload", "prefix,latency", "--repeat", "2", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [(r["workload"], r["run"]) for r in results] == [("prefix", 1), ("prefix", 2), ("latency", 1), ("latency", 2)]
+    # the prefix cache is reset before each run: the second prefix run caches what the first did, no more
+    assert results[0]["cached_prompt_tokens"] == results[1]["cached_prompt_tokens"]
+    assert len({r["startup_s"] for r in results}) == 1
+    bad = subprocess.run([sys.executable, "bench.py", "--repeat", "0"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "--repeat: must be at least 1, got 0" in bad.stderr
