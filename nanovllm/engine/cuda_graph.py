@@ -42,8 +42,10 @@ class DecodeGraphs:
         self.inputs: dict[int, list[torch.Tensor]] = {}   # bucket -> its views of staged
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.decode_split_for = decode_split_for
-        # the Triton kernels the captures below launch, compiled side by side first
-        self.compile_s = compile_ahead.dry_run(lambda: [model(*self._bucket_inputs(bs)) for bs in self.buckets])
+        def forwards():   # those the captures below run: their Triton kernels compiled side by side first
+            for bs in self.buckets:
+                model(*self._bucket_inputs(bs))
+        self.compile_s = compile_ahead.dry_run(forwards)   # its seconds (None: no dry pass)
         pool = None
         for bs in reversed(self.buckets):
             input_ids, positions, meta = self._bucket_inputs(bs)
