@@ -92,11 +92,11 @@ def test_compile_ahead_tells_launches_apart_by_what_triton_specialises_on():
     assert [_specialized_on(v) for v in (True, 1e-6, None)] == [True, 1e-6, None]   # other values as they are
 
 
-def test_dry_run_calls_its_forwards_inside_compiling_or_not_at_all(monkeypatch):
+def test_dry_run_calls_its_forwards_in_a_dry_pass_or_not_at_all(monkeypatch):
     """-> the seconds it took where Triton compiles asynchronously; else None and nothing called."""
     from nanovllm.kernels import compile_ahead
     calls = []
-    forwards = lambda: calls.append(compile_ahead._queued is not None)   # inside compiling()?
+    forwards = lambda: calls.append(compile_ahead._queued is not None)   # in the dry pass?
     if compile_ahead.AsyncCompileMode is not None:
         assert compile_ahead.dry_run(forwards) >= 0 and calls == [True]
         assert compile_ahead._queued is None                            # left again

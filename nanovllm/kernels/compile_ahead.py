@@ -2,15 +2,14 @@
 
 Triton compiles a kernel variant at its first launch and waits for it. The decode graphs' warm-ups
 meet a few dozen variants one after another (row counts, PDL, split configurations), which took
-~5 s of a fresh machine's start-up (docs/perf_notes.md row 56). Inside `compiling()`, a launch made
-through `launch()` runs nothing: it hands its variant's compile to a thread pool (Triton's
+~5 s of a fresh machine's start-up (docs/perf_notes.md row 56). Inside `dry_run(forwards)`, a launch
+made through `launch()` runs nothing: it hands its variant's compile to a thread pool (Triton's
 asynchronous compile mode) and returns. So one dry pass of the model's forward per batch size
 queues every variant, the pool compiles them at once (most of a compile is ptxas, a process of
 its own, and C++ passes), and the real warm-ups after it find them compiled. The outputs the
 skipped kernels would have written are left as allocated, so a dry pass must neither read them on
 the host nor index with them (the model's forward does neither; the sampler would).
 """
-import contextlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +25,7 @@ _queued: set | None = None   # during a dry pass: the launches queued so far, by
 
 
 def launch(kernel, grid, *args, **kwargs):
-    """kernel[grid](*args, **kwargs); inside compiling(), only the variant's compile is queued."""
+    """kernel[grid](*args, **kwargs); inside a dry run, only the variant's compile is queued."""
     if _queued is not None:
         key = (kernel, *map(_specialized_on, args), *kwargs.items())
         if key in _queued:   # (the layers of a model launch the same variants)
@@ -46,27 +45,18 @@ def _specialized_on(arg):
     return arg
 
 
-@contextlib.contextmanager
-def compiling():
-    """-> whether a dry pass is wanted: False where this Triton cannot compile asynchronously (the
-    caller then just runs its real pass). On leaving, every queued compile has finished."""
+def dry_run(forwards) -> float | None:
+    """forwards() with every launch() in it only queuing its variant's compile -> the seconds until
+    every queued compile finished; None where this Triton cannot compile asynchronously (forwards
+    not called: the caller's real pass then compiles as it goes)."""
     global _queued
     if AsyncCompileMode is None:
-        yield False
-        return
+        return None
+    start = time.perf_counter()
     with ThreadPoolExecutor(min(32, os.cpu_count() or 1)) as pool, AsyncCompileMode(pool):
         _queued = set()
         try:
-            yield True
+            forwards()
         finally:
             _queued = None
-
-
-def dry_run(forwards) -> float | None:
-    """forwards() inside compiling(), so that its launches only queue their variants' compiles
-    -> the seconds until every compile finished; None where no dry pass can run (forwards not called)."""
-    start = time.perf_counter()
-    with compiling() as dry:
-        if dry:
-            forwards()
-    return time.perf_counter() - start if dry else None
+    return time.perf_counter() - start
