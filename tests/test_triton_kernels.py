@@ -86,49 +86,49 @@ def test_store_kvcache(num_kv_heads, group, head_dim, cache_dtype):
         assert k_rows[:, -1].tolist() == [top, -top] and v_rows[:, 0].tolist() == [top, -top]
 
 
-@pytest.mark.parametrize("num_kv_heads, group, head_dim, page", [(2, 1, 16, 16), (2, 4, 64, 16), (8, 2, 128, 256),
-                                                                 (1, 7, 32, 32)])
-@pytest.mark.parametrize("seq_lens", [[1, 17, 300, 64, 1000, 5], [2048]])
-@pytest.mark.parametrize("cache_dtype", [DTYPE, FP8[0]])
-def test_decode_attention(num_kv_heads, group, head_dim, page, seq_lens, cache_dtype):
-    from nanovllm.kernels import triton_attention
-    gen = torch.Generator().manual_seed(sum(seq_lens) + head_dim)
-    seq_lens = seq_lens + [0]                      # a CUDA-graph padding row
-    k_cache, v_cache, tables, qsl = random_batch([max(n, 1) for n in seq_lens], [1] * len(seq_lens),
-                                                 num_kv_heads, head_dim, page, gen, cache_dtype)
-    q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen).to(DTYPE)
-    scale = head_dim ** -0.5
-    ref = torch_attention.paged_attention(q[:-1], k_cache, v_cache, tables, qsl[:-1], seq_lens[:-1], scale)
-    # (fused merge twice in a row: a counter left non-zero by the first call would break the second)
-    for num_splits, min_split, fuse_merge in ((1, 64, False), (3, 64, False), (16, 64, False), (16, 256, False),
-                                              (4, 512, False), (3, 64, True), (16, 64, True), (16, 64, True)):
-        out = triton_attention.decode_attention(
-            q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE),
-            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), scale, num_splits, min_split,
-            fuse_merge=fuse_merge).cpu()
-        assert rel_err(out[:-1], ref) < TOL, (num_splits, min_split, fuse_merge)
-        assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+PREFILL_SHAPES = [(2, 1, 16, 16), (2, 4, 64, 16), (8, 2, 128, 256), (1, 7, 32, 32)]
 
 
-@pytest.mark.parametrize("num_kv_heads, group, head_dim, page", [(2, 1, 16, 16), (2, 4, 64, 16), (8, 2, 128, 256),
-                                                                 (1, 7, 32, 32)])
-@pytest.mark.parametrize("cache_dtype", [DTYPE, FP8[0]])
-def test_prefill_attention_with_cached_prefix(num_kv_heads, group, head_dim, page, cache_dtype):
-    from nanovllm.kernels import triton_attention
+def prefill_case(num_kv_heads, group, head_dim, page, cache_dtype=DTYPE, ctx=(0, 0, 48, 100, 7, 300),
+                 new=(1, 77, 33, 130, 1, 64)):
+    """(the prefill kernels' arguments on DEVICE, the torch reference's output). Per sequence:
+    (context already cached, new tokens): plain prefill, prefix hits, chunks, a decode row."""
     gen = torch.Generator().manual_seed(page + head_dim)
-    # (context already cached, new tokens): plain prefill, prefix hits, chunks, a decode row.
-    ctx = [0, 0, 48, 100, 7, 300]
-    new = [1, 77, 33, 130, 1, 64]
     seq_lens = [c + n for c, n in zip(ctx, new)]
     k_cache, v_cache, tables, qsl = random_batch(seq_lens, new, num_kv_heads, head_dim, page, gen, cache_dtype)
     q = torch.randn(qsl[-1], num_kv_heads * group, head_dim, generator=gen).to(DTYPE)
     scale = head_dim ** -0.5
     ref = torch_attention.paged_attention(q, k_cache, v_cache, tables, qsl, seq_lens, scale)
-    out = triton_attention.prefill_attention(
-        q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE),
-        torch.tensor(qsl, dtype=torch.int32, device=DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        max(new), scale).cpu()
+    args = (q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE),
+            torch.tensor(qsl, dtype=torch.int32, device=DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+            max(new), scale)
+    return args, ref
+
+
+@pytest.mark.parametrize("num_kv_heads, group, head_dim, page", PREFILL_SHAPES)
+@pytest.mark.parametrize("cache_dtype", [DTYPE, FP8[0]])
+def test_prefill_attention_with_cached_prefix(num_kv_heads, group, head_dim, page, cache_dtype):
+    from nanovllm.kernels import triton_attention
+    args, ref = prefill_case(num_kv_heads, group, head_dim, page, cache_dtype)
+    assert rel_err(triton_attention.prefill_attention(*args).cpu(), ref) < TOL
+
+
+HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon prefill kernel is for sm_90 GPUs (no interpreter)")
+@pytest.mark.parametrize("num_kv_heads, group, head_dim, page", PREFILL_SHAPES)
+@pytest.mark.parametrize("num_warps, stages", [(4, 3), (4, 2), (8, 2)])
+def test_gluon_prefill_attention(num_kv_heads, group, head_dim, page, num_warps, stages):
+    from nanovllm.kernels import gluon_prefill
+    # the triton kernel's cases, and long ones: many tiles, each ring slot refilled many times
+    args, ref = prefill_case(num_kv_heads, group, head_dim, page, ctx=(0, 0, 48, 100, 7, 300, 0, 1500),
+                             new=(1, 77, 33, 130, 1, 64, 1100, 700))
+    assert gluon_prefill.supports(args[0], args[1])
+    out = gluon_prefill.prefill_attention(*args, num_warps=num_warps, stages=stages).cpu()
     assert rel_err(out, ref) < TOL
+    fp8_cache = args[1].to(FP8[0])
+    assert not gluon_prefill.supports(args[0], fp8_cache)
 
 
 # ---- fused element-wise kernels vs the torch modules ------------------------------------------

@@ -174,6 +174,10 @@ class ModelRunner:
         # kv_cache: [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
         kv_cache = torch.empty(2, len(self.attention_layers), num_blocks, self.block_size, attn.num_kv_heads,
                                attn.head_dim, dtype=self.config.kv_cache_torch_dtype, device=self.device)
+        if kv_cache.is_cuda:
+            # The Gluon prefill kernel reads whole tiles of a page, past a sequence's end too: values
+            # never written must be finite there (their weights are 0, but 0 * NaN is NaN).
+            kv_cache.zero_()
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
         return kv_cache

@@ -40,6 +40,8 @@ def _specialized_on(arg):
     variant would only compile later, at its real launch.)"""
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
+    if hasattr(arg, "block_shape"):   # a TMA descriptor (Gluon kernels): its dtype, box and layout
+        return arg.base.dtype, tuple(arg.block_shape), arg.layout
     if isinstance(arg, int) and not isinstance(arg, bool):
         return arg == 1, arg % 16 == 0, -2**31 <= arg < 2**31
     return arg

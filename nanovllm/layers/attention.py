@@ -43,12 +43,19 @@ class TorchBackend:
 
 
 class TritonBackend:
+    """Our Triton kernels; prefill on Hopper GPUs through the Gluon kernel where it serves the inputs
+    (kernels/gluon_prefill.py: a 16-bit cache)."""
     supports_cuda_graphs = True
     needs_cu_seqlens_k = False
 
     def __init__(self):
         from nanovllm.kernels import triton_attention
         self.kernels = triton_attention
+        try:
+            from nanovllm.kernels import gluon_prefill
+        except ImportError:     # a Triton without Gluon's Hopper API
+            gluon_prefill = None
+        self.gluon_prefill = gluon_prefill
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         if k is not None:
@@ -56,8 +63,11 @@ class TritonBackend:
         if meta.decode_split is not None:
             return self.kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                                  scale, *meta.decode_split)
-        return self.kernels.prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                              meta.seq_lens, meta.max_query_len, scale)
+        prefill = self.kernels.prefill_attention
+        if self.gluon_prefill is not None and self.gluon_prefill.supports(q, k_cache):
+            prefill = self.gluon_prefill.prefill_attention
+        return prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                       meta.max_query_len, scale)
 
 
 class FlashAttnBackend:

@@ -1,0 +1,201 @@
+"""Prefill attention for Hopper GPUs (sm_90) in Gluon, Triton's lower-level language: the same
+function as `triton_attention.prefill_attention`, which stays the kernel everywhere else.
+
+Why a second kernel: the Triton kernel reaches ~430 TFLOP/s on long prompts on an H200, where
+FlashAttention 3 reaches ~640 (docs/perf_notes.md, "Long prompts"). Gluon lets a kernel say what
+Triton 3.6 would not do by itself, in FA3's manner:
+- K/V tiles come by TMA (one bulk copy per tile, no per-thread address arithmetic) into a ring of
+  STAGES slots, each with an mbarrier that says when its copy has landed. A paged tile is a box of
+  the cache seen as a [num_blocks * page, num_kv_heads * head_dim] matrix: BLOCK_N rows of one
+  page, head_dim columns of one KV head.
+- Inside each iteration the tensor cores work while the softmax runs: the product S_j = Q K_j^T
+  and the previous tile's O += P_(j-1) V_(j-1) are issued together, asynchronously; the softmax of
+  S_j then runs while P_(j-1) V_(j-1) is still on the tensor cores. Only then is O rescaled.
+
+A tile reads its BLOCK_N cache rows whole, including rows past the sequence's length in its last
+page. Those keys are masked like future ones, and their probabilities are exactly 0; their values
+must still be finite (0 * NaN is NaN), which is why the engine's KV cache starts zeroed.
+"""
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from nanovllm.kernels.compile_ahead import launch
+from nanovllm.kernels.triton_attention import tile_size
+
+GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether this kernel serves these inputs: an sm_90 GPU, a 16-bit cache in q's dtype, a
+    power-of-two head_dim of 16-128, rows TMA can address (16-byte aligned, heads contiguous)."""
+    head_dim = k_cache.shape[-1]
+    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+            and q.dtype in GL_DTYPE and k_cache.dtype == q.dtype and head_dim in (16, 32, 64, 128)
+            and q.stride(-1) == 1 and q.stride(1) == head_dim and q.stride(0) % 8 == 0 and q.data_ptr() % 16 == 0
+            and k_cache.is_contiguous() and k_cache.data_ptr() % 16 == 0)
+
+
+@gluon.jit
+def _load_page_tile(desc, bars, ring, i, page, kv_col, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr, pred):
+    """Start the TMA copy of context tile i (in cache page `page`) into ring slot i % STAGES."""
+    slot = i % STAGES
+    bar = bars.index(slot)
+    mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(desc, [page * PAGE + (i * BLOCK_N) % PAGE, kv_col], bar, ring.index(slot),
+                                    pred=pred)
+
+
+@gluon.jit
+def _page_of(table, i, num_tiles, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The cache page holding context tile i (0 past the last tile: never copied)."""
+    return gl.load(table + (i * BLOCK_N) // PAGE, mask=i < num_tiles, other=0)
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, n_start, q_pos, first_masked, qk_scale, s_layout: gl.constexpr,
+                  BLOCK_N: gl.constexpr):
+    """Online softmax of one tile of scores s: [BLOCK_M, BLOCK_N] -> (p, new max, new sum, alpha, the
+    factor the output so far must be scaled by). Tiles from first_masked on are causally masked
+    (and past the context's end: those keys sit after every query that matters)."""
+    if n_start >= first_masked:
+        offs_n = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s = gl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
+    # (every query sees key 0, in the first tile: no row's maximum stays -inf)
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    p = gl.exp2(s * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+
+
+@gluon.jit(do_not_specialize=["stride_bt"])
+def _prefill_kernel(q_desc, k_desc, v_desc, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+                    qk_scale, stride_ot, stride_oh, stride_bt,
+                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    # Query tiles longest first: the GPU starts programs in order, and the kernel ends on short ones.
+    tile = gl.num_programs(0) - 1 - gl.program_id(0)
+    head, seq = gl.program_id(1), gl.program_id(2)
+    q_start = gl.load(query_start_loc_ptr + seq)
+    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
+    if tile * BLOCK_M < q_len:
+        seq_len = gl.load(seq_lens_ptr + seq)
+        ctx_len = seq_len - q_len                                 # cached tokens before this chunk
+        kv_col = (head // GROUP) * HEAD_DIM
+        end = gl.minimum(seq_len, ctx_len + (tile + 1) * BLOCK_M)  # no key past the tile's last query
+        num_tiles = gl.cdiv(end, BLOCK_N)
+        first_masked = (ctx_len + tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N   # keys before: seen by all
+        table = block_tables_ptr + seq * stride_bt
+
+        # S = Q K^T and O = P V as warpgroup MMAs; P goes from S's registers to the second product.
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        dtype: gl.constexpr = q_desc.dtype
+
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+        k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+
+        # Rows past this sequence's queries are read too (the next sequence's, or zeros past the
+        # batch) and never stored.
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_start + tile * BLOCK_M, head * HEAD_DIM], q_bar, q_smem)
+        for i in gl.static_range(STAGES):
+            page = _page_of(table, i, num_tiles, PAGE, BLOCK_N)
+            _load_page_tile(k_desc, k_bars, k_ring, i, page, kv_col, PAGE, BLOCK_N, STAGES, i < num_tiles)
+            _load_page_tile(v_desc, v_bars, v_ring, i, page, kv_col, PAGE, BLOCK_N, STAGES, i < num_tiles)
+
+        q_pos = ctx_len + tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        mbarrier.wait(q_bar, 0)
+
+        # Tile 0: its scores and probabilities (its P V is issued in the next iteration).
+        next_page = _page_of(table, STAGES, num_tiles, PAGE, BLOCK_N)
+        mbarrier.wait(k_bars.index(0), 0)
+        s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, q_pos, first_masked, qk_scale, s_layout, BLOCK_N)
+        _load_page_tile(k_desc, k_bars, k_ring, STAGES, next_page, kv_col, PAGE, BLOCK_N, STAGES,
+                        STAGES < num_tiles)
+        page_v = next_page      # the page of the V tile to copy next (it trails K's by one)
+
+        for j in range(1, num_tiles):
+            slot, prev = j % STAGES, (j - 1) % STAGES
+            next_page = _page_of(table, j + STAGES, num_tiles, PAGE, BLOCK_N)   # (its latency hidden below)
+            mbarrier.wait(k_bars.index(slot), (j // STAGES) & 1)
+            s = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_bars.index(prev), ((j - 1) // STAGES) & 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(p_op, v_ring.index(prev), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s,))             # S_j done; P_(j-1) V_(j-1) may still run
+            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j * BLOCK_N, q_pos, first_masked, qk_scale,
+                                               s_layout, BLOCK_N)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            # K's slot of tile j and V's of tile j - 1 are read: refill them.
+            _load_page_tile(k_desc, k_bars, k_ring, j + STAGES, next_page, kv_col, PAGE, BLOCK_N, STAGES,
+                            j + STAGES < num_tiles)
+            _load_page_tile(v_desc, v_bars, v_ring, j - 1 + STAGES, page_v, kv_col, PAGE, BLOCK_N, STAGES,
+                            j - 1 + STAGES < num_tiles)
+            page_v = next_page
+
+        last = num_tiles - 1
+        mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_ring.index(last % STAGES), acc,
+                            is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(k_bars.index(i))
+            mbarrier.invalidate(v_bars.index(i))
+
+        out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+        offs_m = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        gl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                 out.to(dtype), mask=(offs_m < q_len)[:, None])
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                      max_query_len: int, scale: float, block_n: int = 64, num_warps: int = 4,
+                      stages: int = 3) -> torch.Tensor:
+    """triton_attention.prefill_attention's contract, for inputs `supports` accepts. Each warpgroup
+    (four warps) takes 64 query rows of a tile; stages: the K/V tiles a program keeps in flight."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, page, num_kv_heads, _ = k_cache.shape
+    block_m, block_n = 16 * num_warps, tile_size(block_n, page)
+    dtype = GL_DTYPE[q.dtype]
+    q_desc = TensorDescriptor(q, [num_tokens, num_heads * head_dim], [q.stride(0), 1], [block_m, head_dim],
+                              gl.NVMMASharedLayout.get_default_for([block_m, head_dim], dtype))
+    # The cache as a matrix of token rows; a tile is block_n rows of one page, one KV head's columns.
+    rows, row = [num_blocks * page, num_kv_heads * head_dim], [num_kv_heads * head_dim, 1]
+    tile_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], dtype)
+    k_desc = TensorDescriptor(k_cache, rows, row, [block_n, head_dim], tile_layout)
+    v_desc = TensorDescriptor(v_cache, rows, row, [block_n, head_dim], tile_layout)
+    out = torch.empty_like(q)
+    grid = (triton.cdiv(max_query_len, block_m), num_heads, seq_lens.shape[0])
+    launch(_prefill_kernel, grid,
+           q_desc, k_desc, v_desc, block_tables, query_start_loc, seq_lens, out, scale * 1.4426950408889634,
+           out.stride(0), out.stride(1), block_tables.stride(0),
+           GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
+           STAGES=stages, num_warps=num_warps)
+    return out
