@@ -25,7 +25,7 @@ CASES = {
     "2 x (6144 cached + 2048 new)": [(6144, 2048)] * 2,
     "64 x (2048 cached + 64-256 new)": [(2048, n) for n in random.Random(1).choices(range(64, 257), k=64)],
 }
-GLUON_CONFIGS = [(64, 4, 3), (64, 4, 2), (128, 4, 2), (64, 8, 3), (128, 8, 2)]   # (block_n, warps, stages)
+GLUON_CONFIGS = [(64, 4, 3), (64, 4, 2), (32, 4, 3), (32, 4, 2), (128, 8, 2)]   # (block_n, warps, stages)
 
 
 def flash_attn_varlen():
