@@ -1,4 +1,6 @@
 """Launch choices of the Triton kernels (plain functions: no GPU needed)."""
+import pytest
+
 from nanovllm.kernels import pdl
 from nanovllm.kernels.triton_attention import decode_split_config, tile_size
 from nanovllm.kernels.triton_skinny import split_k_for
@@ -90,6 +92,13 @@ def test_compile_ahead_tells_launches_apart_by_what_triton_specialises_on():
         (True, False, True), (False, False, True), (False, False, True), (False, True, True), (False, True, True),
         (False, True, False)]
     assert [_specialized_on(v) for v in (True, 1e-6, None)] == [True, 1e-6, None]   # other values as they are
+    # TMA descriptors (the Gluon kernel's): by dtype, box and layout, not by the tensor they describe
+    gluon = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from triton.experimental.gluon import language as gl
+    layout = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
+    a, b = (torch.zeros(n, 128, dtype=torch.bfloat16) for n in (256, 512))
+    desc_a, desc_b = (gluon.TensorDescriptor.from_tensor(t, [64, 128], layout) for t in (a, b))
+    assert _specialized_on(desc_a) == _specialized_on(desc_b) == (torch.bfloat16, (64, 128), layout)
 
 
 def test_dry_run_calls_its_forwards_in_a_dry_pass_or_not_at_all(monkeypatch):
