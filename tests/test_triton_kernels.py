@@ -86,6 +86,30 @@ def test_store_kvcache(num_kv_heads, group, head_dim, cache_dtype):
         assert k_rows[:, -1].tolist() == [top, -top] and v_rows[:, 0].tolist() == [top, -top]
 
 
+@pytest.mark.parametrize("num_kv_heads, group, head_dim, page", [(2, 1, 16, 16), (2, 4, 64, 16), (8, 2, 128, 256),
+                                                                 (1, 7, 32, 32)])
+@pytest.mark.parametrize("seq_lens", [[1, 17, 300, 64, 1000, 5], [2048]])
+@pytest.mark.parametrize("cache_dtype", [DTYPE, FP8[0]])
+def test_decode_attention(num_kv_heads, group, head_dim, page, seq_lens, cache_dtype):
+    from nanovllm.kernels import triton_attention
+    gen = torch.Generator().manual_seed(sum(seq_lens) + head_dim)
+    seq_lens = seq_lens + [0]                      # a CUDA-graph padding row
+    k_cache, v_cache, tables, qsl = random_batch([max(n, 1) for n in seq_lens], [1] * len(seq_lens),
+                                                 num_kv_heads, head_dim, page, gen, cache_dtype)
+    q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen).to(DTYPE)
+    scale = head_dim ** -0.5
+    ref = torch_attention.paged_attention(q[:-1], k_cache, v_cache, tables, qsl[:-1], seq_lens[:-1], scale)
+    # (fused merge twice in a row: a counter left non-zero by the first call would break the second)
+    for num_splits, min_split, fuse_merge in ((1, 64, False), (3, 64, False), (16, 64, False), (16, 256, False),
+                                              (4, 512, False), (3, 64, True), (16, 64, True), (16, 64, True)):
+        out = triton_attention.decode_attention(
+            q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE),
+            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), scale, num_splits, min_split,
+            fuse_merge=fuse_merge).cpu()
+        assert rel_err(out[:-1], ref) < TOL, (num_splits, min_split, fuse_merge)
+        assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+
+
 PREFILL_SHAPES = [(2, 1, 16, 16), (2, 4, 64, 16), (8, 2, 128, 256), (1, 7, 32, 32)]
 
 
