@@ -52,8 +52,6 @@ def main():
             call = lambda: gluon_prefill.prefill_attention(*args, block_n=block_n, num_warps=warps, stages=stages)
             row.append(time_row(f"gluon {block_n},{warps},{stages}", call, ref, flops))
         if fa is not None:
-            cu_k = torch.tensor([0] + [sum(seq_lens[:i + 1]) for i in range(len(seq_lens))], dtype=torch.int32,
-                                device="cuda")
             for version in (3, 2):
                 call = lambda: fa(q, k, v, max_seqlen_q=max(new), cu_seqlens_q=qsl, max_seqlen_k=max(seq_lens),
                                   seqused_k=seq_lens_t, softmax_scale=D ** -0.5, causal=True, block_table=tables,
