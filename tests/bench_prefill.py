@@ -25,7 +25,11 @@ CASES = {
     "2 x (6144 cached + 2048 new)": [(6144, 2048)] * 2,
     "64 x (2048 cached + 64-256 new)": [(2048, n) for n in random.Random(1).choices(range(64, 257), k=64)],
 }
-GLUON_CONFIGS = [(64, 4, 3), (64, 4, 2), (32, 4, 3), (32, 4, 2), (128, 8, 2)]   # (block_n, warps, stages)
+GLUON_CONFIGS = {   # label: prefill_attention's keyword arguments
+    "gluon 64,4,3": dict(block_n=64, num_warps=4, stages=3),
+    "ws 128,2": dict(block_n=128, stages=2, warp_specialize=True),
+    "ws 128,3": dict(block_n=128, stages=3, warp_specialize=True),
+}
 
 
 def flash_attn_varlen():
@@ -48,9 +52,8 @@ def main():
         flops = 4 * H * D * sum(n * c + n * (n + 1) / 2 for c, n in seqs)
         ref = triton_attention.prefill_attention(*args)
         row = [f"{name:32}", time_row("triton", lambda: triton_attention.prefill_attention(*args), ref, flops)]
-        for block_n, warps, stages in GLUON_CONFIGS:
-            call = lambda: gluon_prefill.prefill_attention(*args, block_n=block_n, num_warps=warps, stages=stages)
-            row.append(time_row(f"gluon {block_n},{warps},{stages}", call, ref, flops))
+        for label, config in GLUON_CONFIGS.items():
+            row.append(time_row(label, lambda: gluon_prefill.prefill_attention(*args, **config), ref, flops))
         if fa is not None:
             for version in (3, 2):
                 call = lambda: fa(q, k, v, max_seqlen_q=max(new), cu_seqlens_q=qsl, max_seqlen_k=max(seq_lens),

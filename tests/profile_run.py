@@ -10,6 +10,8 @@
 
     PYTHONPATH=. python3 tests/profile_run.py [--model qwen3-0.6b] [--workload default] [--tp 2] [--profile-steps 200]
         [--top-k 20 --top-p 0.95] [--runs 2] [--no-profile] [--pause 5] [--cprofile | --cprofile-steps 3 8]
+        [--num-seqs 128 --min-input-len 6000 --max-input-len 8000 --min-output-len 16 --max-output-len 64
+         --max-model-len 8192]     (the long-prompt workload; the default workload's lengths otherwise)
 """
 import argparse
 import collections
@@ -108,11 +110,13 @@ def main():
                                           "(where a first run's host time goes)")
     p.add_argument("--pause", type=float, default=0.0, help="seconds the GPU sits idle before each host-view run "
                                                             "after the first (as before a process's first run)")
+    for flag, default in (("num-seqs", 256), ("min-input-len", 100), ("max-input-len", 1024),
+                          ("min-output-len", 100), ("max-output-len", 1024), ("max-model-len", 4096)):
+        p.add_argument(f"--{flag}", type=int, default=default, help="as bench.py's")
     args = p.parse_args()
     params = dict(top_k=args.top_k, top_p=args.top_p)
-    args.seed, args.num_seqs = 0, 256
-    args.min_input_len, args.max_input_len, args.min_output_len, args.max_output_len = 100, 1024, 100, 1024
-    llm = LLM(preset_dir(args.model), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
+    args.seed = 0
+    llm = LLM(preset_dir(args.model), load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len,
               tensor_parallel_size=args.tp)
     prompts, settings = make_workload(args, on_cpu=False)
     warm_up(llm, SamplingParams, args)

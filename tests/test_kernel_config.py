@@ -112,3 +112,16 @@ def test_dry_run_calls_its_forwards_in_a_dry_pass_or_not_at_all(monkeypatch):
     monkeypatch.setattr(compile_ahead, "AsyncCompileMode", None)
     calls.clear()
     assert compile_ahead.dry_run(forwards) is None and calls == []
+
+
+def test_sizing_step_holds_a_decode_and_the_longest_context_the_budget_allows():
+    from nanovllm.engine.model_runner import sizing_lens
+    assert sizing_lens(16384, 256, 4096) == [1] + [49] * 95 + [48] * 159 + [4096]
+    assert sizing_lens(16384, 512, 40960) == [1] * 511 + [15873]
+    assert sizing_lens(8192, 3, 4096) == [1, 4095, 4096]
+    assert sizing_lens(8192, 2, 4096) == [4096, 4096]   # no room for a one-token row: even, as before
+    assert sizing_lens(100, 1, 4096) == [100]
+    for args in ((16384, 256, 4096), (16384, 512, 40960), (300, 7, 64), (7, 7, 64), (16384, 5, 4096)):
+        lens = sizing_lens(*args)
+        assert sum(lens) == args[0] and len(lens) == args[1] and 1 == lens[0] <= min(lens)
+        assert max(lens) <= args[2]

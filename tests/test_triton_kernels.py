@@ -1,5 +1,6 @@
 """Triton attention kernels against the plain-torch reference, on fresh random inputs with odd
 sizes, partial last blocks, GQA ratios and padding slots. GPU only (or TRITON_INTERPRET=1 on the CPU)."""
+import functools
 import os
 
 import pytest
@@ -153,6 +154,55 @@ def test_gluon_prefill_attention(num_kv_heads, group, head_dim, page, num_warps,
     assert rel_err(out, ref) < TOL
     fp8_cache = args[1].to(FP8[0])
     assert not gluon_prefill.supports(args[0], fp8_cache)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon prefill kernel is for sm_90 GPUs (no interpreter)")
+@pytest.mark.parametrize("num_kv_heads, group, head_dim, page", PREFILL_SHAPES)
+@pytest.mark.parametrize("block_n, stages", [(128, 2), (128, 3), (64, 3)])
+def test_gluon_prefill_attention_warp_specialized(num_kv_heads, group, head_dim, page, block_n, stages):
+    """Two consumer warpgroups on 128-row tiles: chunks whose last tile has rows for one consumer
+    only (1, 33, 64, 130 new tokens), for both, and consumers needing different key tiles."""
+    from nanovllm.kernels import gluon_prefill
+    args, ref = prefill_case(num_kv_heads, group, head_dim, page, ctx=(0, 0, 48, 100, 7, 300, 0, 1500, 5),
+                             new=(1, 77, 33, 130, 1, 64, 1100, 700, 200))
+    out = gluon_prefill.prefill_attention(*args, block_n=block_n, stages=stages, warp_specialize=True).cpu()
+    assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("num_kv_heads, group, head_dim, page", PREFILL_SHAPES)
+def test_mixed_step_sends_decodes_to_the_decode_kernel(num_kv_heads, group, head_dim, page):
+    """A step of prompt chunks with one-token sequences between them (decodes, as the scheduler
+    mixes them): every prefill kernel with skip_decodes computes the other rows and leaves those
+    alone; the Triton backend gives them to the decode kernel, and the whole output equals the
+    reference's."""
+    from nanovllm.kernels import triton_attention
+    from nanovllm.layers.attention import AttentionMetadata, MixedDecodes, TritonBackend
+    new = (77, 1, 33, 1, 130, 1)
+    args, ref = prefill_case(num_kv_heads, group, head_dim, page, ctx=(0, 300, 48, 1500, 7, 0), new=new)
+    q, k_cache, v_cache, tables, qsl, seq_lens, max_query_len, scale = args
+    starts = qsl.tolist()
+    decodes = [i for i, n in enumerate(new) if n == 1]
+    rows = torch.tensor([starts[i] for i in decodes], device=DEVICE)
+    others = torch.ones(q.shape[0], dtype=torch.bool)
+    others[rows.cpu()] = False
+
+    prefills = [triton_attention.prefill_attention]
+    if HOPPER:
+        from nanovllm.kernels import gluon_prefill
+        prefills += [functools.partial(gluon_prefill.prefill_attention, **gluon_prefill.config_for(n))
+                     for n in (100, 5000)]
+    for prefill in prefills:
+        out = prefill(*args, skip_decodes=True).cpu()
+        assert rel_err(out[others], ref[others]) < TOL
+
+    meta = AttentionMetadata(slot_mapping=None, block_tables=tables, query_start_loc=qsl, seq_lens=seq_lens,
+                             query_start_loc_cpu=starts, seq_lens_cpu=seq_lens.tolist(), max_query_len=max_query_len,
+                             max_seq_len=max(seq_lens.tolist()),
+                             decodes=MixedDecodes(rows=rows, block_tables=tables[decodes], seq_lens=seq_lens[decodes],
+                                                  split=(4, 64)))
+    out = TritonBackend()(q, None, None, k_cache, v_cache, meta, scale).cpu()
+    assert rel_err(out, ref) < TOL
+    assert rel_err(out[~others], ref[~others]) < TOL
 
 
 # ---- fused element-wise kernels vs the torch modules ------------------------------------------

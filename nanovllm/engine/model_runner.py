@@ -17,7 +17,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import HostBatch, StepInputs, build_step, prompt_spans
 from nanovllm.engine.upload import upload
 from nanovllm.kernels import compile_ahead
-from nanovllm.layers.attention import Attention, AttentionMetadata, select_backend
+from nanovllm.layers.attention import Attention, AttentionMetadata, MixedDecodes, select_backend
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, token_logprobs
 from nanovllm.logger import init_logger
 from nanovllm.model.loader import init_dummy_weights, load_model
@@ -42,6 +42,20 @@ class PromptLogprobsChunk:
     logprobs: list[float]
     ranks: list[int]
     top: list[list[tuple[int, float]]] | None   # per token: (token id, logprob), best first
+
+
+def sizing_lens(num_tokens: int, num_seqs: int, max_len: int) -> list[int]:
+    """The sequence lengths of the KV-cache sizing's step (num_tokens over num_seqs sequences): the
+    last as long as max_len and the budget allow, the first a single token beside them (a mixed
+    step's decode), the rest even. So its dry pass also compiles the attention kernels of long
+    contexts and of mixed steps, which a run would otherwise compile in its first such step."""
+    if num_seqs == 1 or 1 + (num_seqs - 1) * max_len < num_tokens:   # (no room for the one-token row)
+        return [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+    longest = min(max_len, num_tokens - (num_seqs - 1))
+    rest, between = num_tokens - 1 - longest, num_seqs - 2
+    if between == 0:
+        return [1, num_tokens - 1]
+    return [1] + [rest // between + (i < rest % between) for i in range(between)] + [longest]
 
 
 def runner_device(config: Config, rank: int) -> torch.device:
@@ -213,16 +227,22 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * cfg.max_model_len)
         num_seqs = min(cfg.max_num_seqs, num_tokens)
-        lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        lens = sizing_lens(num_tokens, num_seqs, cfg.max_model_len)
         num_pages = -(-max(lens) // self.block_size)
         self._make_kv_cache(num_pages)   # every dummy sequence uses the same pages
-        positions = np.concatenate([np.arange(n) for n in lens])
-        batch = HostBatch(input_ids=np.zeros(num_tokens, np.int64), positions=positions,
-                          slot_mapping=positions.copy(),
-                          block_tables=np.tile(np.arange(num_pages, dtype=np.int32), (num_seqs, 1)),
-                          query_start_loc=np.concatenate([[0], np.cumsum(lens)]).tolist(), seq_lens=lens)
+
+        def host_batch(lens: list[int]) -> HostBatch:
+            positions = np.concatenate([np.arange(n) for n in lens])
+            return HostBatch(input_ids=np.zeros(num_tokens, np.int64), positions=positions,
+                             slot_mapping=positions.copy(),
+                             block_tables=np.tile(np.arange(num_pages, dtype=np.int32), (len(lens), 1)),
+                             query_start_loc=np.concatenate([[0], np.cumsum(lens)]).tolist(), seq_lens=lens)
+        batch = host_batch(lens)
         inputs = self._device_inputs(batch)
-        self._add_compile_ahead(compile_ahead.dry_run(lambda: self.model(*inputs)))   # its kernels compiled first
+        # Its kernels compiled first, and those of a step of short prompts (kernels chosen by length).
+        short = self._device_inputs(host_batch([num_tokens // num_seqs + (i < num_tokens % num_seqs)
+                                                for i in range(num_seqs)]))
+        self._add_compile_ahead(compile_ahead.dry_run(lambda: (self.model(*inputs), self.model(*short))))
         hidden = self.model(*inputs)
         logits = self.model.compute_logits(hidden[torch.tensor(batch.query_start_loc[1:]) - 1])
         # top_k without max_top_k or max_set_top_k sorts every row: the sampler's largest path
@@ -254,15 +274,20 @@ class ModelRunner:
     def _device_inputs(self, batch: HostBatch, pending: tuple[list[int], list[int]] | None = None):
         """-> input_ids, positions, AttentionMetadata on the device, uploaded in one copy.
         pending: (rows, sources), as DecodeGraphs.run takes them."""
-        max_query_len = max(b - a for a, b in zip(batch.query_start_loc, batch.query_start_loc[1:]))
+        qsl = batch.query_start_loc
+        max_query_len = max(b - a for a, b in zip(qsl, qsl[1:]))
         rows, sources = pending or ([], [])
+        decode_seqs = []       # one-token sequences in a step with prompt tokens
+        if max_query_len > 1 and self.backend.splits_mixed_steps:
+            decode_seqs = [i for i, (a, b) in enumerate(zip(qsl, qsl[1:])) if b - a == 1]
         arrays = [batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
-                  np.asarray(batch.query_start_loc, np.int32), np.asarray(batch.seq_lens, np.int32),
-                  np.asarray(rows, np.int64), np.asarray(sources, np.int64)]
+                  np.asarray(qsl, np.int32), np.asarray(batch.seq_lens, np.int32),
+                  np.asarray(rows, np.int64), np.asarray(sources, np.int64),
+                  np.asarray(decode_seqs, np.int64), np.asarray([qsl[i] for i in decode_seqs], np.int64)]
         if self.backend.needs_cu_seqlens_k:
             arrays.append(np.concatenate([[0], np.cumsum(batch.seq_lens)]).astype(np.int32))
-        input_ids, positions, slot_mapping, block_tables, query_start_loc, seq_lens, rows, sources, *cu_seqlens_k = (
-            upload(arrays, self.device))
+        (input_ids, positions, slot_mapping, block_tables, query_start_loc, seq_lens, rows, sources, decode_seqs_t,
+         decode_rows, *cu_seqlens_k) = upload(arrays, self.device)
         if pending:
             input_ids[rows] = self.last_sampled[sources]
         meta = AttentionMetadata(
@@ -272,6 +297,10 @@ class ModelRunner:
             cu_seqlens_k=cu_seqlens_k[0] if cu_seqlens_k else None)
         if max_query_len == 1 and self.device.type == "cuda":
             meta.decode_split = self.decode_split(len(batch.seq_lens))
+        if decode_seqs:
+            meta.decodes = MixedDecodes(rows=decode_rows, block_tables=block_tables.index_select(0, decode_seqs_t),
+                                        seq_lens=seq_lens.index_select(0, decode_seqs_t),
+                                        split=self.decode_split(len(decode_seqs)))
         return input_ids, positions, meta
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:

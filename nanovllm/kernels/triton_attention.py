@@ -307,16 +307,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 # ---- prefill ----------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["stride_bt"])
+# min_q_len (1, or 2 to skip one-token sequences) is not specialised on either: one variant for both.
+@triton.jit(do_not_specialize=["stride_bt", "min_q_len"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
                     out_ptr, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-                    stride_cb, stride_cr, stride_ch,
+                    stride_cb, stride_cr, stride_ch, min_q_len,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     tile, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if tile * BLOCK_M >= q_len:
+    if (tile * BLOCK_M >= q_len) | (q_len < min_q_len):
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len                                   # cached tokens before this chunk
@@ -363,9 +364,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                       max_query_len: int, scale: float, block_m: int = 64, block_n: int = 64,
-                      num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                      num_warps: int = 4, num_stages: int = 3, skip_decodes: bool = False) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim], sequences back to back; the new tokens' K/V are
-    already in the cache, after the sequence's seq_len - q_len cached ones."""
+    already in the cache, after the sequence's seq_len - q_len cached ones. skip_decodes: the rows
+    of one-token sequences are left unwritten (a mixed step's decodes, which decode_attention takes)."""
     num_tokens, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -375,7 +377,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     launch(_prefill_kernel, grid,
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), 2 if skip_decodes else 1,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=num_warps, num_stages=num_stages)
     return out

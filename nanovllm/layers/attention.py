@@ -1,5 +1,6 @@
 """Attention over the paged KV cache, the per-step metadata every attention layer reads, and
 the backends that compute it: plain torch (CPU, reference), our Triton kernels, flash-attn."""
+import functools
 import importlib.util
 from dataclasses import dataclass
 
@@ -28,12 +29,27 @@ class AttentionMetadata:
     # splits, fewest tokens per split).
     decode_split: tuple[int, int] | None = None
     cu_seqlens_k: torch.Tensor | None = None   # [num_seqs + 1] int32, flash-attn only
+    # A step with prompt tokens in which some sequences have one new token (decodes beside prefill
+    # chunks), for a backend that sends those to its decode kernel (splits_mixed_steps).
+    decodes: "MixedDecodes | None" = None
+
+
+@dataclass
+class MixedDecodes:
+    """The one-token sequences of a step that also computes prompt tokens. A prefill kernel would
+    give each of them a whole query tile (64-128 rows of products for one) and read its context
+    once per query head; the decode kernel reads it once per KV head, at the memory's pace."""
+    rows: torch.Tensor              # [n] int64, their token rows in the batch
+    block_tables: torch.Tensor      # [n, max_num_blocks] int32
+    seq_lens: torch.Tensor          # [n] int32
+    split: tuple[int, int]          # the decode kernel's split configuration for n sequences
 
 
 class TorchBackend:
     """Plain torch, one sequence at a time: the CPU path and the reference."""
     supports_cuda_graphs = False   # loops over host-side lists
     needs_cu_seqlens_k = False
+    splits_mixed_steps = False
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         if k is not None:
@@ -43,10 +59,12 @@ class TorchBackend:
 
 
 class TritonBackend:
-    """Our Triton kernels; prefill on Hopper GPUs through the Gluon kernel where it serves the inputs
-    (kernels/gluon_prefill.py: a 16-bit cache)."""
+    """Our Triton kernels; prefill on Hopper GPUs through the Gluon kernels where they serve the
+    inputs (kernels/gluon_prefill.py: a 16-bit cache). In a step that mixes prompt chunks with
+    decodes, the decodes go to the decode kernel (MixedDecodes)."""
     supports_cuda_graphs = True
     needs_cu_seqlens_k = False
+    splits_mixed_steps = True
 
     def __init__(self):
         from nanovllm.kernels import triton_attention
@@ -65,15 +83,23 @@ class TritonBackend:
                                                  scale, *meta.decode_split)
         prefill = self.kernels.prefill_attention
         if self.gluon_prefill is not None and self.gluon_prefill.supports(q, k_cache):
-            prefill = self.gluon_prefill.prefill_attention
-        return prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                       meta.max_query_len, scale)
+            prefill = functools.partial(self.gluon_prefill.prefill_attention,
+                                        **self.gluon_prefill.config_for(meta.max_seq_len))
+        d = meta.decodes
+        out = prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                      meta.max_query_len, scale, skip_decodes=d is not None)
+        if d is not None:
+            decoded = self.kernels.decode_attention(q.index_select(0, d.rows), k_cache, v_cache, d.block_tables,
+                                                    d.seq_lens, scale, *d.split)
+            out.index_copy_(0, d.rows, decoded)
+        return out
 
 
 class FlashAttnBackend:
     """flash-attn 2's paged kernels (they need block_size to be a multiple of 256)."""
     supports_cuda_graphs = True
     needs_cu_seqlens_k = True
+    splits_mixed_steps = False     # (its varlen kernel takes one-token sequences as they are)
 
     def __init__(self):
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
