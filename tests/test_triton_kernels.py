@@ -172,8 +172,8 @@ def test_gluon_prefill_attention_warp_specialized(num_kv_heads, group, head_dim,
 @pytest.mark.parametrize("num_kv_heads, group, head_dim, page", PREFILL_SHAPES)
 def test_mixed_step_sends_decodes_to_the_decode_kernel(num_kv_heads, group, head_dim, page):
     """A step of prompt chunks with one-token sequences between them (decodes, as the scheduler
-    mixes them): every prefill kernel with skip_decodes computes the other rows and leaves those
-    alone; the Triton backend gives them to the decode kernel, and the whole output equals the
+    mixes them): every prefill kernel with skip_decodes still computes the other rows right; the
+    Triton backend gives the one-token rows to the decode kernel, and the whole output equals the
     reference's."""
     from nanovllm.kernels import triton_attention
     from nanovllm.layers.attention import AttentionMetadata, MixedDecodes, TritonBackend
