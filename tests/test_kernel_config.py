@@ -120,6 +120,7 @@ def test_sizing_step_holds_a_decode_and_the_longest_context_the_budget_allows():
     assert sizing_lens(16384, 512, 40960) == [1] * 511 + [15873]
     assert sizing_lens(8192, 3, 4096) == [1, 4095, 4096]
     assert sizing_lens(8192, 2, 4096) == [4096, 4096]   # no room for a one-token row: even, as before
+    assert sizing_lens(100, 2, 4096) == [1, 99]
     assert sizing_lens(100, 1, 4096) == [100]
     for args in ((16384, 256, 4096), (16384, 512, 40960), (300, 7, 64), (7, 7, 64), (16384, 5, 4096)):
         lens = sizing_lens(*args)

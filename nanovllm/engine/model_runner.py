@@ -44,18 +44,20 @@ class PromptLogprobsChunk:
     top: list[list[tuple[int, float]]] | None   # per token: (token id, logprob), best first
 
 
+def even_split(total: int, parts: int) -> list[int]:
+    """total as parts lengths differing by at most one, the longer first ([] for no parts)."""
+    return [total // parts + (i < total % parts) for i in range(parts)] if parts else []
+
+
 def sizing_lens(num_tokens: int, num_seqs: int, max_len: int) -> list[int]:
     """The sequence lengths of the KV-cache sizing's step (num_tokens over num_seqs sequences): the
     last as long as max_len and the budget allow, the first a single token beside them (a mixed
     step's decode), the rest even. So its dry pass also compiles the attention kernels of long
     contexts and of mixed steps, which a run would otherwise compile in its first such step."""
     if num_seqs == 1 or 1 + (num_seqs - 1) * max_len < num_tokens:   # (no room for the one-token row)
-        return [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        return even_split(num_tokens, num_seqs)
     longest = min(max_len, num_tokens - (num_seqs - 1))
-    rest, between = num_tokens - 1 - longest, num_seqs - 2
-    if between == 0:
-        return [1, num_tokens - 1]
-    return [1] + [rest // between + (i < rest % between) for i in range(between)] + [longest]
+    return [1] + even_split(num_tokens - 1 - longest, num_seqs - 2) + [longest]
 
 
 def runner_device(config: Config, rank: int) -> torch.device:
@@ -240,8 +242,7 @@ class ModelRunner:
         batch = host_batch(lens)
         inputs = self._device_inputs(batch)
         # Its kernels compiled first, and those of a step of short prompts (kernels chosen by length).
-        short = self._device_inputs(host_batch([num_tokens // num_seqs + (i < num_tokens % num_seqs)
-                                                for i in range(num_seqs)]))
+        short = self._device_inputs(host_batch(even_split(num_tokens, num_seqs)))
         self._add_compile_ahead(compile_ahead.dry_run(lambda: (self.model(*inputs), self.model(*short))))
         hidden = self.model(*inputs)
         logits = self.model.compute_logits(hidden[torch.tensor(batch.query_start_loc[1:]) - 1])
