@@ -126,3 +126,12 @@ def test_sizing_step_holds_a_decode_and_the_longest_context_the_budget_allows():
         lens = sizing_lens(*args)
         assert sum(lens) == args[0] and len(lens) == args[1] and 1 == lens[0] <= min(lens)
         assert max(lens) <= args[2]
+
+
+def test_mixed_step_decodes():
+    """A mixed step's one-token sequences go to the decode kernel; the prefill kernel's configuration
+    follows the longest of the others, not a long decode's context."""
+    from nanovllm.engine.model_runner import mixed_step_decodes
+    assert mixed_step_decodes([0, 77, 78, 111, 112], [77, 5000, 81, 3000]) == ([1, 3], 81)
+    assert mixed_step_decodes([0, 1, 9], [7, 8]) == ([0], 8)
+    assert mixed_step_decodes([0, 4, 9], [4, 6000]) == ([], 6000)

@@ -199,7 +199,7 @@ def test_mixed_step_sends_decodes_to_the_decode_kernel(num_kv_heads, group, head
                              query_start_loc_cpu=starts, seq_lens_cpu=seq_lens.tolist(), max_query_len=max_query_len,
                              max_seq_len=max(seq_lens.tolist()),
                              decodes=MixedDecodes(rows=rows, block_tables=tables[decodes], seq_lens=seq_lens[decodes],
-                                                  split=(4, 64)))
+                                                  split=(4, 64), max_prefill_seq_len=137))
     out = TritonBackend()(q, None, None, k_cache, v_cache, meta, scale).cpu()
     assert rel_err(out, ref) < TOL
     assert rel_err(out[~others], ref[~others]) < TOL

@@ -60,6 +60,14 @@ def sizing_lens(num_tokens: int, num_seqs: int, max_len: int) -> list[int]:
     return [1] + even_split(num_tokens - 1 - longest, num_seqs - 2) + [longest]
 
 
+def mixed_step_decodes(query_start_loc: list[int], seq_lens: list[int]) -> tuple[list[int], int]:
+    """A step with prompt tokens -> (its one-token sequences, the longest of its other sequences):
+    the decode kernel takes the first, and the second picks the prefill kernel's configuration."""
+    decodes = [i for i, (a, b) in enumerate(zip(query_start_loc, query_start_loc[1:])) if b - a == 1]
+    longest = max(n for n, a, b in zip(seq_lens, query_start_loc, query_start_loc[1:]) if b - a > 1)
+    return decodes, longest
+
+
 def runner_device(config: Config, rank: int) -> torch.device:
     return torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
 
@@ -280,7 +288,7 @@ class ModelRunner:
         rows, sources = pending or ([], [])
         decode_seqs = []       # one-token sequences in a step with prompt tokens
         if max_query_len > 1 and self.backend.splits_mixed_steps:
-            decode_seqs = [i for i, (a, b) in enumerate(zip(qsl, qsl[1:])) if b - a == 1]
+            decode_seqs, max_prefill_seq_len = mixed_step_decodes(qsl, batch.seq_lens)
         arrays = [batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
                   np.asarray(qsl, np.int32), np.asarray(batch.seq_lens, np.int32),
                   np.asarray(rows, np.int64), np.asarray(sources, np.int64),
@@ -301,7 +309,8 @@ class ModelRunner:
         if decode_seqs:
             meta.decodes = MixedDecodes(rows=decode_rows, block_tables=block_tables.index_select(0, decode_seqs_t),
                                         seq_lens=seq_lens.index_select(0, decode_seqs_t),
-                                        split=self.decode_split(len(decode_seqs)))
+                                        split=self.decode_split(len(decode_seqs)),
+                                        max_prefill_seq_len=max_prefill_seq_len)
         return input_ids, positions, meta
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:

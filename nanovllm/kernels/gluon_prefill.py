@@ -58,6 +58,18 @@ def config_for(max_seq_len: int) -> dict:
     return dict(block_n=64, num_warps=4, stages=3)
 
 
+@gluon.constexpr_function
+def _mma_layout(num_warps, n):
+    """The register layout of a [rows, n] warpgroup MMA result, num_warps warps down the rows."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _page_of(table, i, num_tiles, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The cache page holding context tile i (0 past the last tile: never copied)."""
+    return gl.load(table + (i * BLOCK_N) // PAGE, mask=i < num_tiles, other=0)
+
+
 @gluon.jit
 def _load_page_tile(desc, bars, ring, i, page, kv_col, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, pred):
@@ -67,12 +79,6 @@ def _load_page_tile(desc, bars, ring, i, page, kv_col, PAGE: gl.constexpr, BLOCK
     mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(desc, [page * PAGE + (i * BLOCK_N) % PAGE, kv_col], bar, ring.index(slot),
                                     pred=pred)
-
-
-@gluon.jit
-def _page_of(table, i, num_tiles, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The cache page holding context tile i (0 past the last tile: never copied)."""
-    return gl.load(table + (i * BLOCK_N) // PAGE, mask=i < num_tiles, other=0)
 
 
 @gluon.jit
@@ -89,6 +95,71 @@ def _softmax_tile(s, m_i, l_i, n_start, q_pos, first_masked, qk_scale, s_layout:
     p = gl.exp2(s * qk_scale - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
     return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+
+
+# One warpgroup's walk over a query tile's keys, in three parts: the first tile, each next tile,
+# the last P V. A ring slot's `read` barrier (None: the caller refills the slot itself) is
+# arrived on as soon as the product that reads it is done.
+@gluon.jit
+def _first_tile(q_smem, k_tile, k_ready, k_read, q_pos, first_masked, qk_scale,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """S_0 = Q K_0^T and its softmax -> (p, m_i, l_i)."""
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    mbarrier.wait(k_ready, 0)
+    s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout),
+                      use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    if k_read is not None:
+        mbarrier.arrive(k_read)
+    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, q_pos, first_masked, qk_scale, s_layout, BLOCK_N)
+    return p, m_i, l_i
+
+
+@gluon.jit
+def _next_tile(q_smem, k_tile, k_ready, k_phase, k_read, v_prev, v_ready, v_phase, v_read, p, acc, m_i, l_i,
+               n_start, q_pos, first_masked, qk_scale, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
+               o_layout: gl.constexpr):
+    """S_j = Q K_j^T and O += P_(j-1) V_(j-1), issued together; the softmax of S_j runs while the
+    second product is still on the tensor cores; then O is rescaled -> (p, acc, m_i, l_i)."""
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    mbarrier.wait(k_ready, k_phase)
+    s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), gl.zeros(p.shape, gl.float32, layout=s_layout),
+                      use_acc=False, is_async=True)
+    mbarrier.wait(v_ready, v_phase)
+    acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_prev, acc, is_async=True)
+    s = warpgroup_mma_wait(1, deps=(s,))             # S_j done; P_(j-1) V_(j-1) may still run
+    if k_read is not None:
+        mbarrier.arrive(k_read)
+    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, n_start, q_pos, first_masked, qk_scale, s_layout, BLOCK_N)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    if v_read is not None:
+        mbarrier.arrive(v_read)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    return p, acc, m_i, l_i
+
+
+@gluon.jit
+def _last_pv(p, acc, v_tile, v_ready, v_phase, v_read, o_layout: gl.constexpr):
+    """O += P V of the last tile -> acc."""
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    mbarrier.wait(v_ready, v_phase)
+    acc = warpgroup_mma(gl.convert_layout(p.to(v_tile.dtype), p_layout), v_tile, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    if v_read is not None:
+        mbarrier.arrive(v_read)
+    return acc
+
+
+@gluon.jit
+def _store_rows(acc, l_i, out_ptr, q_start, row0, q_len, head, stride_ot, stride_oh,
+                BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, o_layout: gl.constexpr):
+    """Normalise and store query rows [row0, row0 + BLOCK_M) of the chunk (those below q_len)."""
+    out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+    offs_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    gl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
 
 
 @gluon.jit(do_not_specialize=["stride_bt", "min_q_len"])
@@ -109,13 +180,9 @@ def _prefill_kernel(q_desc, k_desc, v_desc, block_tables_ptr, query_start_loc_pt
         num_tiles = gl.cdiv(end, BLOCK_N)
         first_masked = (ctx_len + tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N   # keys before: seen by all
         table = block_tables_ptr + seq * stride_bt
-
         # S = Q K^T and O = P V as warpgroup MMAs; P goes from S's registers to the second product.
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        s_layout: gl.constexpr = _mma_layout(num_warps, BLOCK_N)
+        o_layout: gl.constexpr = _mma_layout(num_warps, HEAD_DIM)
         dtype: gl.constexpr = q_desc.dtype
 
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -139,18 +206,13 @@ def _prefill_kernel(q_desc, k_desc, v_desc, block_tables_ptr, query_start_loc_pt
             _load_page_tile(v_desc, v_bars, v_ring, i, page, kv_col, PAGE, BLOCK_N, STAGES, i < num_tiles)
 
         q_pos = ctx_len + tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         mbarrier.wait(q_bar, 0)
 
         # Tile 0: its scores and probabilities (its P V is issued in the next iteration).
         next_page = _page_of(table, STAGES, num_tiles, PAGE, BLOCK_N)
-        mbarrier.wait(k_bars.index(0), 0)
-        s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s,))
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, q_pos, first_masked, qk_scale, s_layout, BLOCK_N)
+        p, m_i, l_i = _first_tile(q_smem, k_ring.index(0), k_bars.index(0), None, q_pos, first_masked, qk_scale,
+                                  BLOCK_M, BLOCK_N, s_layout)
         _load_page_tile(k_desc, k_bars, k_ring, STAGES, next_page, kv_col, PAGE, BLOCK_N, STAGES,
                         STAGES < num_tiles)
         page_v = next_page      # the page of the V tile to copy next (it trails K's by one)
@@ -158,16 +220,10 @@ def _prefill_kernel(q_desc, k_desc, v_desc, block_tables_ptr, query_start_loc_pt
         for j in range(1, num_tiles):
             slot, prev = j % STAGES, (j - 1) % STAGES
             next_page = _page_of(table, j + STAGES, num_tiles, PAGE, BLOCK_N)   # (its latency hidden below)
-            mbarrier.wait(k_bars.index(slot), (j // STAGES) & 1)
-            s = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(v_bars.index(prev), ((j - 1) // STAGES) & 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            acc = warpgroup_mma(p_op, v_ring.index(prev), acc, is_async=True)
-            s = warpgroup_mma_wait(1, deps=(s,))             # S_j done; P_(j-1) V_(j-1) may still run
-            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j * BLOCK_N, q_pos, first_masked, qk_scale,
-                                               s_layout, BLOCK_N)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p, acc, m_i, l_i = _next_tile(q_smem, k_ring.index(slot), k_bars.index(slot), (j // STAGES) & 1, None,
+                                          v_ring.index(prev), v_bars.index(prev), ((j - 1) // STAGES) & 1, None,
+                                          p, acc, m_i, l_i, j * BLOCK_N, q_pos, first_masked, qk_scale,
+                                          BLOCK_N, s_layout, o_layout)
             # K's slot of tile j and V's of tile j - 1 are read: refill them.
             _load_page_tile(k_desc, k_bars, k_ring, j + STAGES, next_page, kv_col, PAGE, BLOCK_N, STAGES,
                             j + STAGES < num_tiles)
@@ -176,21 +232,14 @@ def _prefill_kernel(q_desc, k_desc, v_desc, block_tables_ptr, query_start_loc_pt
             page_v = next_page
 
         last = num_tiles - 1
-        mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_ring.index(last % STAGES), acc,
-                            is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-
+        acc = _last_pv(p, acc, v_ring.index(last % STAGES), v_bars.index(last % STAGES), (last // STAGES) & 1,
+                       None, o_layout)
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
-
-        out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-        offs_m = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        gl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-                 out.to(dtype), mask=(offs_m < q_len)[:, None])
+        _store_rows(acc, l_i, out_ptr, q_start, tile * BLOCK_M, q_len, head, stride_ot, stride_oh,
+                    BLOCK_M, HEAD_DIM, o_layout)
 
 
 # ---- two consumer warpgroups and a loader warp (FA3's shape) ------------------------------------
@@ -202,13 +251,11 @@ def _ws_loader(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_free, v_free,
     table = block_tables_ptr + seq * stride_bt
     for i in range(num_tiles):
         slot, phase = i % STAGES, (i // STAGES) & 1
-        row = gl.load(table + (i * BLOCK_N) // PAGE) * PAGE + (i * BLOCK_N) % PAGE
+        page = _page_of(table, i, num_tiles, PAGE, BLOCK_N)
         mbarrier.wait(k_free.index(slot), phase ^ 1)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(slot), k_ring.index(slot))
+        _load_page_tile(k_desc, k_ready, k_ring, i, page, kv_col, PAGE, BLOCK_N, STAGES, True)
         mbarrier.wait(v_free.index(slot), phase ^ 1)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(slot), v_ring.index(slot))
+        _load_page_tile(v_desc, v_ready, v_ring, i, page, kv_col, PAGE, BLOCK_N, STAGES, True)
 
 
 @gluon.jit
@@ -216,59 +263,34 @@ def _ws_consumer(q_desc, q_smem, q_bar, k_ring, v_ring, k_ready, v_ready, k_free
                  q_start, q_len, ctx_len, seq_len, tile, head, qk_scale, stride_ot, stride_oh,
                  C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """One warpgroup: query rows [C * 64, C * 64 + 64) of the 128-row tile, with `_prefill_kernel`'s
-    loop over the shared ring; it frees each slot once its product has read it."""
+    steps over the shared ring; it frees each slot once its product has read it."""
     BLOCK_M: gl.constexpr = 64
     row0 = tile * 2 * BLOCK_M + C * BLOCK_M
     all_tiles = gl.cdiv(gl.minimum(seq_len, ctx_len + (tile + 1) * 2 * BLOCK_M), BLOCK_N)
     num_tiles = gl.where(row0 < q_len, gl.cdiv(gl.minimum(seq_len, ctx_len + row0 + BLOCK_M), BLOCK_N), 0)
 
     if num_tiles > 0:
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        dtype: gl.constexpr = q_desc.dtype
+        s_layout: gl.constexpr = _mma_layout(4, BLOCK_N)
+        o_layout: gl.constexpr = _mma_layout(4, HEAD_DIM)
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_start + row0, head * HEAD_DIM], q_bar, q_smem)
         first_masked = (ctx_len + row0 + 1) // BLOCK_N * BLOCK_N
         q_pos = ctx_len + row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         mbarrier.wait(q_bar, 0)
 
-        mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s,))
-        mbarrier.arrive(k_free.index(0))
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, q_pos, first_masked, qk_scale, s_layout, BLOCK_N)
+        p, m_i, l_i = _first_tile(q_smem, k_ring.index(0), k_ready.index(0), k_free.index(0), q_pos, first_masked,
+                                  qk_scale, BLOCK_M, BLOCK_N, s_layout)
         for j in range(1, num_tiles):
             slot, prev = j % STAGES, (j - 1) % STAGES
-            mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
-            s = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_ring.index(prev), acc, is_async=True)
-            s = warpgroup_mma_wait(1, deps=(s,))             # S_j done; P_(j-1) V_(j-1) may still run
-            mbarrier.arrive(k_free.index(slot))
-            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j * BLOCK_N, q_pos, first_masked, qk_scale,
-                                               s_layout, BLOCK_N)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(v_free.index(prev))
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p, acc, m_i, l_i = _next_tile(q_smem, k_ring.index(slot), k_ready.index(slot), (j // STAGES) & 1,
+                                          k_free.index(slot), v_ring.index(prev), v_ready.index(prev),
+                                          ((j - 1) // STAGES) & 1, v_free.index(prev), p, acc, m_i, l_i,
+                                          j * BLOCK_N, q_pos, first_masked, qk_scale, BLOCK_N, s_layout, o_layout)
         last = num_tiles - 1
-        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_ring.index(last % STAGES), acc,
-                            is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(v_free.index(last % STAGES))
-
-        out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-        offs_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        gl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-                 out.to(dtype), mask=(offs_m < q_len)[:, None])
+        acc = _last_pv(p, acc, v_ring.index(last % STAGES), v_ready.index(last % STAGES), (last // STAGES) & 1,
+                       v_free.index(last % STAGES), o_layout)
+        _store_rows(acc, l_i, out_ptr, q_start, row0, q_len, head, stride_ot, stride_oh, BLOCK_M, HEAD_DIM, o_layout)
 
     # Tiles the other consumer needs and this one does not (the diagonal's last, or all of them
     # when the chunk ends before this consumer's rows): free each once it has landed.

@@ -43,6 +43,7 @@ class MixedDecodes:
     block_tables: torch.Tensor      # [n, max_num_blocks] int32
     seq_lens: torch.Tensor          # [n] int32
     split: tuple[int, int]          # the decode kernel's split configuration for n sequences
+    max_prefill_seq_len: int        # the longest of the step's other sequences (the prefill kernel's)
 
 
 class TorchBackend:
@@ -82,10 +83,10 @@ class TritonBackend:
             return self.kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                                  scale, *meta.decode_split)
         prefill = self.kernels.prefill_attention
-        if self.gluon_prefill is not None and self.gluon_prefill.supports(q, k_cache):
-            prefill = functools.partial(self.gluon_prefill.prefill_attention,
-                                        **self.gluon_prefill.config_for(meta.max_seq_len))
         d = meta.decodes
+        if self.gluon_prefill is not None and self.gluon_prefill.supports(q, k_cache):
+            longest = meta.max_seq_len if d is None else d.max_prefill_seq_len
+            prefill = functools.partial(self.gluon_prefill.prefill_attention, **self.gluon_prefill.config_for(longest))
         out = prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                       meta.max_query_len, scale, skip_decodes=d is not None)
         if d is not None:
