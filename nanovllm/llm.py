@@ -1,5 +1,4 @@
 """LLM: the offline entry point, vLLM's `LLM.generate` / `LLM.chat`."""
-import time
 import weakref
 
 from tqdm.auto import tqdm
@@ -119,21 +118,24 @@ class LLM:
         return list(priority)
 
     def _run_engine(self, num_requests: int, use_tqdm) -> dict[str, RequestOutput]:
+        """Step the engine until every request has finished. The progress bar counts finished
+        requests and, as vLLM's does, the prompt and output tokens of those per second so far."""
         engine = self.llm_engine
         outputs = {}
         progress_bar = use_tqdm if callable(use_tqdm) else tqdm
+        speed = "est. speed input: {:.2f} toks/s, output: {:.2f} toks/s"
         with progress_bar(total=num_requests, desc="Processed prompts", dynamic_ncols=True,
-                          disable=not use_tqdm) as pbar:
+                          postfix=speed.format(0, 0), disable=not use_tqdm) as pbar:
+            prompt_tokens = output_tokens = 0
             while engine.has_unfinished_requests():
-                start = time.perf_counter()
-                finished, stats = engine.step()
-                elapsed = time.perf_counter() - start
-                if use_tqdm:
-                    pbar.set_postfix({
-                        "Prefill": f"{stats.num_prefill_tokens / elapsed:.0f}tok/s",
-                        "Decode": f"{stats.num_decode_tokens / elapsed:.0f}tok/s"}, refresh=False)
+                finished, _ = engine.step()
                 for output in finished:
                     outputs[output.request_id] = output
+                    if use_tqdm:
+                        prompt_tokens += len(output.prompt_token_ids) * len(output.outputs)
+                        output_tokens += sum(len(o.token_ids) for o in output.outputs)
+                        elapsed = pbar.format_dict["elapsed"] or 1e-9
+                        pbar.postfix = speed.format(prompt_tokens / elapsed, output_tokens / elapsed)
                     pbar.update(1)
         return outputs
 

@@ -48,6 +48,30 @@ def test_input_forms_and_output_shape(llm, tokenizer):
     assert_idle(llm)
 
 
+def test_progress_bar_reports_token_speeds_as_vllm(llm):
+    """use_tqdm may be a tqdm-like class (as in vLLM); the bar counts finished requests, and its
+    postfix gives their prompt and output tokens per second, vLLM's wording."""
+    from tqdm import tqdm
+    bars = []
+
+    class Recorder(tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 5)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=Recorder)
+    (bar,) = bars
+    assert (bar.desc, bar.n, bar.total) == ("Processed prompts", 2, 2)
+    speeds = re.fullmatch(r"est\. speed input: ([\d.]+) toks/s, output: ([\d.]+) toks/s", bar.postfix)
+    assert speeds, bar.postfix
+    prompt_tokens, output_tokens = len(PROMPTS[0]) + len(PROMPTS[1]), 3 + 5
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == output_tokens
+    # Both rates divide by the same elapsed time.
+    assert float(speeds[1]) / float(speeds[2]) == pytest.approx(prompt_tokens / output_tokens, rel=0.01)
+    assert_idle(llm)
+
+
 def test_outputs_in_input_order_with_per_prompt_params(llm):
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in range(1, 9)]
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:8]], params, use_tqdm=False)
@@ -133,32 +157,6 @@ def test_set_tokenizer(qwen3_dir):
     assert decoded and out.outputs[0].text == out.outputs[0].text.upper()
     llm.set_tokenizer(original)
     assert llm.get_tokenizer() is original
-
-
-def test_use_tqdm_takes_a_progress_bar_class(llm):
-    """vLLM's use_tqdm may be a callable used in place of tqdm."""
-    made = []
-
-    class Bar:
-        def __init__(self, **kwargs):
-            made.append(kwargs["total"])
-            self.updates = 0
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            pass
-
-        def update(self, n):
-            self.updates += n
-
-        def set_postfix(self, *args, **kwargs):
-            pass
-
-    out = llm.generate([[1, 2], [3, 4, 5]], SamplingParams(max_tokens=2), use_tqdm=Bar)
-    assert len(out) == 2 and made == [2]
-    assert llm.reset_prefix_cache() is True
 
 
 def test_vllm_output_fields_for_what_nanovllm_does_not_do(llm):
