@@ -101,3 +101,57 @@ def _token_ids(index: int, ids) -> list[int]:
         if isinstance(t, bool) or not isinstance(t, int):
             raise ValueError(f"prompt {index}: token ids must be ints, got {t!r:.40} ({type(t).__name__}).")
     return ids
+
+
+class Tokenization(NamedTuple):
+    """vLLM's `tokenization_kwargs` of generate() and chat(): whether encoding a text prompt adds
+    the tokenizer's special tokens (a BOS, for models that have one), and where a prompt is cut."""
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None   # tokens to keep; None: all
+    truncation_side: str | None = None          # "left" keeps the last tokens, "right" the first;
+                                                # None: the tokenizer's side ("right" without one)
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict | None, max_model_len: int, add_special_tokens: bool) -> "Tokenization":
+        """The keys vLLM takes: truncate_prompt_tokens (-1: max_model_len), truncation_side,
+        add_special_tokens, and the HF pair truncation=True / "longest_first" with max_length
+        (default max_model_len). Any other key is a ValueError (vLLM logs and ignores them)."""
+        kwargs = dict(kwargs or {})
+        unknown = sorted(set(kwargs) - {"truncate_prompt_tokens", "truncation_side", "add_special_tokens",
+                                        "truncation", "max_length"})
+        if unknown:
+            raise ValueError(f"tokenization_kwargs: {', '.join(map(repr, unknown))} not supported; nanovllm takes "
+                             f"truncate_prompt_tokens, truncation_side, add_special_tokens, truncation, max_length.")
+        add_special_tokens = kwargs.get("add_special_tokens", add_special_tokens)
+        if not isinstance(add_special_tokens, bool):
+            raise ValueError(f"tokenization_kwargs: add_special_tokens must be a bool, got {add_special_tokens!r}.")
+        keep = kwargs.get("truncate_prompt_tokens")
+        max_length = kwargs.get("max_length", max_model_len)
+        truncation = kwargs.get("truncation")
+        if truncation in (True, "longest_first"):
+            keep = max_length
+        elif truncation == "do_not_truncate":
+            keep = None
+        elif truncation not in (None, False):
+            raise ValueError(f"tokenization_kwargs: truncation must be True, False, 'longest_first' or "
+                             f"'do_not_truncate', got {truncation!r}.")
+        if keep is not None:
+            if isinstance(keep, bool) or not isinstance(keep, int) or keep < -1:
+                raise ValueError(f"tokenization_kwargs: the tokens to keep (truncate_prompt_tokens or max_length) "
+                                 f"must be an int >= 0, or -1 for max_model_len; got {keep!r}.")
+            if keep > max_model_len:
+                raise ValueError(f"tokenization_kwargs: truncate_prompt_tokens={keep} cannot be greater than "
+                                 f"max_model_len={max_model_len}. Please request a smaller truncation size.")
+            keep = max_model_len if keep == -1 else keep
+        side = kwargs.get("truncation_side")
+        if side not in (None, "left", "right"):
+            raise ValueError(f"tokenization_kwargs: truncation_side must be 'left' or 'right', got {side!r}.")
+        return cls(add_special_tokens, keep, side)
+
+    def truncate(self, token_ids: list[int], tokenizer) -> list[int]:
+        """token_ids cut to truncate_prompt_tokens, on truncation_side (or the tokenizer's)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None or keep >= len(token_ids):
+            return token_ids
+        side = self.truncation_side or getattr(tokenizer, "truncation_side", None) or "right"
+        return token_ids[len(token_ids) - keep:] if side == "left" else token_ids[:keep]

@@ -6,7 +6,7 @@ from tqdm.auto import tqdm
 from nanovllm.beam_search import BeamSearchOutput, BeamSearchSequence, extend, ranked
 from nanovllm.config import Config
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.inputs import parse_prompts
+from nanovllm.inputs import Tokenization, parse_prompts
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -19,6 +19,7 @@ class LLM:
         # Tensor-parallel workers end with this object: close(), `with`, `del`, or interpreter exit.
         self._finalizer = weakref.finalize(self, self.llm_engine.close)
         self.closed = False
+        self._unclaimed: dict[str, RequestOutput] = {}   # finished enqueued requests not yet returned
 
     def close(self):
         self.closed = True
@@ -47,25 +48,47 @@ class LLM:
         return self.llm_engine.default_sampling_params()
 
     # ---- inputs -------------------------------------------------------------------------
-    def _encode(self, index: int, text: str) -> list[int]:
+    def _encode(self, index: int, text: str, add_special_tokens: bool = True) -> list[int]:
         tokenizer = self.llm_engine.tokenizer
         if tokenizer is None:
             raise ValueError(f"prompt {index} is a string, but the engine has no tokenizer "
                              f"(skip_tokenizer_init=True); pass {{'prompt_token_ids': [...]}} instead.")
-        return tokenizer.encode(text)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     # ---- generation ---------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm=True, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm=True, lora_request=None, priority: list[int] | None = None, *,
+                 tokenization_kwargs: dict | None = None, mm_processor_kwargs: dict | None = None
+                 ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in input order. priority: one int per prompt,
         lower first, with LLM(scheduling_policy="priority"). lora_request: vLLM's; only None.
-        use_tqdm: show a progress bar; a callable is used in place of tqdm (as in vLLM)."""
+        use_tqdm: show a progress bar; a callable is used in place of tqdm (as in vLLM).
+        tokenization_kwargs: as vLLM's (inputs.Tokenization): add_special_tokens, truncation."""
+        request_ids = self.enqueue(prompts, sampling_params, lora_request, priority,
+                                   tokenization_kwargs=tokenization_kwargs, mm_processor_kwargs=mm_processor_kwargs)
+        outputs = self._run_engine(use_tqdm)
+        result = [outputs.pop(request_id) for request_id in request_ids]
+        self._unclaimed.update(outputs)   # requests enqueued before this call: wait_for_completion's
+        return result
+
+    def enqueue(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                lora_request=None, priority: list[int] | None = None, use_tqdm=True, *,
+                tokenization_kwargs: dict | None = None, mm_processor_kwargs: dict | None = None) -> list[str]:
+        """Add requests without running them (vLLM's); -> their request ids. wait_for_completion()
+        runs them. generate()'s arguments; use_tqdm is accepted (no bar while adding)."""
         if self.closed:
             raise RuntimeError("this LLM is closed; create a new one.")
         if lora_request is not None:
             raise ValueError(f"lora_request is not supported (nanovllm runs the base model only), "
                              f"got {lora_request!r:.80}.")
-        parsed = parse_prompts(prompts, self._encode)
+        if mm_processor_kwargs is not None:
+            raise ValueError(f"mm_processor_kwargs is not supported: nanovllm runs text-only models, "
+                             f"got {mm_processor_kwargs!r:.80}.")
+        engine = self.llm_engine
+        tokenization = Tokenization.from_kwargs(tokenization_kwargs, engine.config.max_model_len,
+                                                add_special_tokens=True)
+        parsed = parse_prompts(prompts, lambda i, text: self._encode(i, text, tokenization.add_special_tokens))
+        parsed = [p._replace(token_ids=tokenization.truncate(p.token_ids, engine.tokenizer)) for p in parsed]
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -77,14 +100,13 @@ class LLM:
         elif len(sampling_params) != len(parsed):
             raise ValueError(f"sampling_params has {len(sampling_params)} entries but there are "
                              f"{len(parsed)} prompts; pass one SamplingParams or one per prompt.")
-        engine = self.llm_engine
         priority = self._check_priority(priority, len(parsed))
         # Validate the whole call before any request is added: a bad prompt leaves no trace.
         for i, (prompt, params) in enumerate(zip(parsed, sampling_params)):
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}.")
             keep = params.truncate_prompt_tokens
-            if keep is not None:   # the prompt's last tokens, as vLLM truncates
+            if keep is not None:   # the prompt's last tokens, as vLLM truncated by this field
                 max_model_len = engine.config.max_model_len
                 if keep > max_model_len:
                     raise ValueError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
@@ -92,19 +114,19 @@ class LLM:
                 keep = max_model_len if keep == -1 else keep
                 parsed[i] = prompt._replace(token_ids=prompt.token_ids[-keep:])
             engine.validate_request(i, parsed[i].token_ids, params)
-        request_ids = [engine.add_request(prompt.text, prompt.token_ids, params, rank, prompt.cache_salt)
-                       for prompt, params, rank in zip(parsed, sampling_params, priority)]
-        try:
-            outputs = self._run_engine(len(request_ids), use_tqdm)
-        except BaseException:
-            engine.abort_in_flight()
-            for request_id in request_ids:
-                engine.abort_request(request_id)
-            engine.block_manager.reset_prefix_cache()   # the interrupted step may not have written its K/V
-            if engine.workers is not None:
-                self.close()   # the ranks may be mid-collective: end them rather than risk a hang
-            raise
-        return [outputs[request_id] for request_id in request_ids]
+        return [engine.add_request(prompt.text, prompt.token_ids, params, rank, prompt.cache_salt)
+                for prompt, params, rank in zip(parsed, sampling_params, priority)]
+
+    def wait_for_completion(self, output_type=None, *, use_tqdm=True) -> list[RequestOutput]:
+        """Run every enqueued request to its end (vLLM's) -> their outputs, by request id.
+        output_type: vLLM's; RequestOutput (or None) only."""
+        if output_type not in (None, RequestOutput) and output_type != (RequestOutput,):
+            raise ValueError(f"output_type must be RequestOutput: nanovllm runs generative models only, "
+                             f"got {output_type!r}.")
+        outputs = self._run_engine(use_tqdm)
+        outputs.update(self._unclaimed)
+        self._unclaimed = {}
+        return sorted(outputs.values(), key=lambda output: int(output.request_id))
 
     def _check_priority(self, priority: list[int] | None, num_prompts: int) -> list[int]:
         if priority is None:
@@ -117,26 +139,37 @@ class LLM:
                              f"the scheduling policy is {policy!r}.")
         return list(priority)
 
-    def _run_engine(self, num_requests: int, use_tqdm) -> dict[str, RequestOutput]:
-        """Step the engine until every request has finished. The progress bar counts finished
-        requests and, as vLLM's does, the prompt and output tokens of those per second so far."""
+    def _run_engine(self, use_tqdm) -> dict[str, RequestOutput]:
+        """Step the engine until every request (enqueued ones too) has finished. The progress bar
+        counts finished requests and, as vLLM's does, their prompt and output tokens per second so
+        far. If a step raises (or on Ctrl-C), every unfinished request is dropped, so that the
+        engine is idle and whole for the next call."""
         engine = self.llm_engine
         outputs = {}
         progress_bar = use_tqdm if callable(use_tqdm) else tqdm
         speed = "est. speed input: {:.2f} toks/s, output: {:.2f} toks/s"
-        with progress_bar(total=num_requests, desc="Processed prompts", dynamic_ncols=True,
-                          postfix=speed.format(0, 0), disable=not use_tqdm) as pbar:
-            prompt_tokens = output_tokens = 0
-            while engine.has_unfinished_requests():
-                finished, _ = engine.step()
-                for output in finished:
-                    outputs[output.request_id] = output
-                    if use_tqdm:
-                        prompt_tokens += len(output.prompt_token_ids) * len(output.outputs)
-                        output_tokens += sum(len(o.token_ids) for o in output.outputs)
-                        elapsed = pbar.format_dict["elapsed"] or 1e-9
-                        pbar.postfix = speed.format(prompt_tokens / elapsed, output_tokens / elapsed)
-                    pbar.update(1)
+        try:
+            with progress_bar(total=len(engine.requests), desc="Processed prompts", dynamic_ncols=True,
+                              postfix=speed.format(0, 0), disable=not use_tqdm) as pbar:
+                prompt_tokens = output_tokens = 0
+                while engine.has_unfinished_requests():
+                    finished, _ = engine.step()
+                    for output in finished:
+                        outputs[output.request_id] = output
+                        if use_tqdm:
+                            prompt_tokens += len(output.prompt_token_ids) * len(output.outputs)
+                            output_tokens += sum(len(o.token_ids) for o in output.outputs)
+                            elapsed = pbar.format_dict["elapsed"] or 1e-9
+                            pbar.postfix = speed.format(prompt_tokens / elapsed, output_tokens / elapsed)
+                        pbar.update(1)
+        except BaseException:
+            engine.abort_in_flight()
+            for request_id in list(engine.requests):
+                engine.abort_request(request_id)
+            engine.block_manager.reset_prefix_cache()   # the interrupted step may not have written its K/V
+            if engine.workers is not None:
+                self.close()   # the ranks may be mid-collective: end them rather than risk a hang
+            raise
         return outputs
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -185,12 +218,15 @@ class LLM:
              use_tqdm=True, lora_request=None, chat_template: str | None = None,
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tokenization_kwargs: dict | None = None,
+             mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation ([{"role": ..., "content": ...}, ...]) or a list of them.
         continue_final_message: the reply continues the last (assistant) message instead of starting
         a new one; chat_template replaces the tokenizer's; tools go to the template. A content given
         as OpenAI-style parts ([{"type": "text", "text": ...}, ...]) reaches the template as one
-        string, the texts joined by newlines ("auto", "string"), or as the list itself ("openai")."""
+        string, the texts joined by newlines ("auto", "string"), or as the list itself ("openai").
+        tokenization_kwargs: as generate()'s, but the rendered text gets no special tokens unless
+        add_special_tokens=True (vLLM's default for chat)."""
         tokenizer = self.llm_engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat() needs a tokenizer, but the engine has none (skip_tokenizer_init=True).")
@@ -204,14 +240,19 @@ class LLM:
         _check_conversations(conversations)
         if chat_template_content_format != "openai":
             conversations = [[_with_string_content(m) for m in conversation] for conversation in conversations]
+        add_special_tokens = Tokenization.from_kwargs(tokenization_kwargs, self.llm_engine.config.max_model_len,
+                                                      add_special_tokens=False).add_special_tokens
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
                                                  add_generation_prompt=add_generation_prompt,
                                                  continue_final_message=continue_final_message, tools=tools,
                                                  **(chat_template_kwargs or {}))
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+            token_ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+        truncation = {k: v for k, v in (tokenization_kwargs or {}).items() if k != "add_special_tokens"}
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request, tokenization_kwargs=truncation,
+                             mm_processor_kwargs=mm_processor_kwargs)
 
 
 def _check_conversations(conversations):

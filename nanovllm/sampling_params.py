@@ -50,6 +50,14 @@ class SamplingParams:
     # True: the prompt is computed whole, no prefix-cache hits; None: True with prompt_logprobs (vLLM's)
     skip_reading_prefix_cache: bool | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE   # accepted; generate() returns finals
+    # vLLM's FlatLogprobs is a sequence of the same per-token dicts; ours are lists of them either way.
+    flat_logprobs: bool = False
+    skip_clone: bool = False                       # clone() then copies shallowly (vLLM's)
+    # vLLM's, not supported (a ValueError unless left at the default):
+    logprob_token_ids: list[int] | None = None     # logprobs of chosen ids: use logprobs=-1 and pick them
+    thinking_token_budget: int | None = None       # needs a reasoning parser
+    repetition_detection: object | None = None     # vLLM's RepetitionDetectionParams
+    routed_experts_prompt_start: int = 0           # MoE routing output, which nanovllm does not return
     # Normalised copies, filled in __post_init__.
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -75,8 +83,8 @@ class SamplingParams:
         return replace(self, logprobs=every(self.logprobs), prompt_logprobs=every(self.prompt_logprobs))
 
     def clone(self) -> "SamplingParams":
-        """A deep copy (vLLM's SamplingParams.clone)."""
-        return copy.deepcopy(self)
+        """A deep copy, or a shallow one with skip_clone (vLLM's SamplingParams.clone)."""
+        return copy.copy(self) if self.skip_clone else copy.deepcopy(self)
 
     @property
     def is_greedy(self) -> bool:
@@ -96,6 +104,13 @@ class SamplingParams:
                                                f"decoding), got {self.structured_outputs!r:.80}.")
         check(not self.logits_processors, f"logits_processors is not supported (per-request logits processors; "
                                           f"vLLM V1 refuses them too), got {self.logits_processors!r:.80}.")
+        unsupported = {"logprob_token_ids": (None, "use logprobs=-1 and read those ids' entries"),
+                       "thinking_token_budget": (None, "it needs a reasoning parser"),
+                       "repetition_detection": (None, "no repetition detection"),
+                       "routed_experts_prompt_start": (0, "nanovllm does not return MoE routing")}
+        for name, (default, why) in unsupported.items():
+            value = getattr(self, name)
+            check(value == default, f"{name} is not supported ({why}), got {value!r:.80}.")
         check_field_types(self)   # the types first: the checks below test values only
 
         check(self.n >= 1, f"n must be at least 1, got {self.n}.")

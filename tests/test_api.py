@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import make_prompts
-from nanovllm import LLM, BeamSearchParams, SamplingParams
+from nanovllm import LLM, BeamSearchParams, RequestOutput, SamplingParams
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import RequestOutputKind
@@ -70,6 +70,91 @@ def test_progress_bar_reports_token_speeds_as_vllm(llm):
     # Both rates divide by the same elapsed time.
     assert float(speeds[1]) / float(speeds[2]) == pytest.approx(prompt_tokens / output_tokens, rel=0.01)
     assert_idle(llm)
+
+
+@pytest.mark.parametrize("kwargs, kept", [
+    (dict(truncate_prompt_tokens=4), slice(0, 4)),                  # the tokenizer's side: right
+    (dict(truncate_prompt_tokens=4, truncation_side="left"), slice(-4, None)),
+    (dict(truncate_prompt_tokens=4, truncation_side="right"), slice(0, 4)),
+    (dict(truncation=True, max_length=5, truncation_side="left"), slice(-5, None)),
+    (dict(truncate_prompt_tokens=-1), slice(None)),                 # max_model_len: all of these
+    (dict(truncate_prompt_tokens=4, truncation="do_not_truncate"), slice(None)),
+    (dict(truncate_prompt_tokens=40), slice(None)),
+])
+def test_tokenization_kwargs_truncate_prompts(llm, tokenizer, kwargs, kept):
+    """vLLM's tokenization_kwargs cut text and token-id prompts alike, on truncation_side or the
+    tokenizer's own (HF's default: right, keeping the first tokens)."""
+    text = "Hello world! The quick brown fox jumps over the lazy dog."
+    ids = tokenizer.encode(text)
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    outs = llm.generate([text, ids], sp, use_tqdm=False, tokenization_kwargs=kwargs)
+    assert [o.prompt_token_ids for o in outs] == [ids[kept]] * 2
+    assert_idle(llm)
+
+
+def test_tokenization_kwargs_add_special_tokens(llm, tokenizer):
+    """add_special_tokens reaches the encoding of text prompts: True by default for generate(),
+    False for chat() (the template writes its own), as in vLLM."""
+    seen = []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def encode(self, text, **kwargs):
+            seen.append(kwargs.get("add_special_tokens"))
+            return tokenizer.encode(text, **kwargs)
+
+    original = llm.get_tokenizer()
+    llm.set_tokenizer(Recording())
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=1)
+        llm.generate(["Hello"], sp, use_tqdm=False)
+        llm.generate(["Hello"], sp, use_tqdm=False, tokenization_kwargs={"add_special_tokens": False})
+        chat = [{"role": "user", "content": "Hello"}]
+        llm.chat(chat, sp, use_tqdm=False)
+        llm.chat(chat, sp, use_tqdm=False, tokenization_kwargs={"add_special_tokens": True})
+    finally:
+        llm.set_tokenizer(original)
+    assert seen == [True, False, False, True]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tokenization_kwargs={"padding": "max_length"}), "tokenization_kwargs: 'padding' not supported"),
+    (dict(tokenization_kwargs={"truncation_side": "middle"}), "truncation_side must be 'left' or 'right', got 'middle'."),
+    (dict(tokenization_kwargs={"truncate_prompt_tokens": 300}),
+     "truncate_prompt_tokens=300 cannot be greater than max_model_len=256."),
+    (dict(tokenization_kwargs={"truncate_prompt_tokens": -3}), "must be an int >= 0, or -1 for max_model_len; got -3."),
+    (dict(tokenization_kwargs={"truncation": "only_first"}), "truncation must be True, False, 'longest_first'"),
+    (dict(tokenization_kwargs={"truncate_prompt_tokens": 0}), "prompt 0 is empty."),
+    (dict(mm_processor_kwargs={"fps": 2}), "mm_processor_kwargs is not supported: nanovllm runs text-only models"),
+])
+def test_bad_tokenization_kwargs(llm, kwargs, message):
+    with pytest.raises(ValueError) as e:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False, **kwargs)
+    assert message in str(e.value)
+    assert_idle(llm)
+
+
+def test_enqueue_then_wait_for_completion(llm):
+    """vLLM's enqueue() adds requests without running them; wait_for_completion() runs them and
+    returns their outputs by request id. A generate() in between runs them too, returns only its
+    own, and leaves the others for wait_for_completion()."""
+    sp = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 1, 2)]
+    first = llm.enqueue([{"prompt_token_ids": p} for p in PROMPTS[:3]], sp, use_tqdm=False)
+    assert len(first) == 3 and llm.llm_engine.has_unfinished_requests()
+    second = llm.enqueue([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    (between,) = llm.generate([PROMPTS[4]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                              use_tqdm=False)
+    assert len(between.outputs[0].token_ids) == 4 and between.request_id not in first + second
+    outs = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outs] == first + second
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 1, 2, 2]
+    assert [o.prompt_token_ids for o in outs] == PROMPTS[:4]
+    assert llm.wait_for_completion(RequestOutput, use_tqdm=False) == []
+    assert_idle(llm)
+    with pytest.raises(ValueError, match="output_type must be RequestOutput"):
+        llm.wait_for_completion(dict)
 
 
 def test_outputs_in_input_order_with_per_prompt_params(llm):
@@ -342,6 +427,12 @@ def test_sampler_kernels_warm_up_for_the_models_own_top_k_or_top_p(qwen3_dir, mo
     (dict(structured_outputs={"json": {}}), "structured_outputs is not supported (nanovllm has no guided decoding), "
                                             "got {'json': {}}."),
     (dict(extra_args=["x"]), "extra_args must be dict or None, got ['x']."),
+    (dict(logprob_token_ids=[3, 4]), "logprob_token_ids is not supported (use logprobs=-1 and read those ids' "
+                                     "entries), got [3, 4]."),
+    (dict(thinking_token_budget=64), "thinking_token_budget is not supported (it needs a reasoning parser), got 64."),
+    (dict(repetition_detection={"max_pattern_size": 4}), "repetition_detection is not supported"),
+    (dict(routed_experts_prompt_start=5), "routed_experts_prompt_start is not supported"),
+    (dict(flat_logprobs="yes"), "flat_logprobs must be bool, got 'yes'."),
 ])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError) as e:
@@ -388,6 +479,17 @@ def test_sampling_params_clone_is_deep():
     copy.logit_bias[3] = 2.0
     copy.stop_strings.append("y")
     assert params.logit_bias == {3: 1.0} and params.stop_strings == ["x"]
+    shallow = SamplingParams(logit_bias={3: 1.0}, skip_clone=True).clone()   # vLLM's skip_clone: shallow
+    assert shallow.logit_bias is not None and shallow.logit_bias is shallow.clone().logit_bias
+
+
+def test_flat_logprobs_gives_the_same_per_token_dicts(llm):
+    """vLLM's flat_logprobs=True returns a sequence of the same per-token dicts; so do we."""
+    params = dict(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    plain, flat = (llm.generate([PROMPTS[0][:6]], SamplingParams(**params, flat_logprobs=f), use_tqdm=False)[0]
+                   for f in (False, True))
+    assert flat.outputs[0].logprobs == plain.outputs[0].logprobs and len(flat.outputs[0].logprobs) == 3
+    assert flat.prompt_logprobs == plain.prompt_logprobs and flat.prompt_logprobs[0] is None
 
 
 @pytest.mark.parametrize("prompts, params, message", [
