@@ -27,6 +27,26 @@ DEFAULT_BLOCK_SIZE = 256
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
                    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
+# vLLM 0.26's LLM() arguments for what nanovllm does not do, accepted only at the value that asks
+# for nothing (vLLM's default): name -> (that value, what nanovllm lacks).
+IDLE_ARGUMENTS = {
+    "convert": ("auto", "nanovllm runs a model as the generative model it is"),
+    "data_parallel_size": (1, "tensor parallelism only"),
+    "offload_group_size": (0, "no CPU offloading"), "offload_num_in_group": (1, "no CPU offloading"),
+    "offload_prefetch_step": (1, "no CPU offloading"), "offload_params": (None, "no CPU offloading"),
+    "enable_return_routed_experts": (False, "MoE routing is not returned"),
+    "mm_processor_kwargs": (None, "text-only models"), "allowed_local_media_path": ("", "text-only models"),
+    "allowed_media_domains": (None, "text-only models"), "pooler_config": (None, "no pooling models"),
+    "structured_outputs_config": (None, "no guided decoding"), "profiler_config": (None, "no built-in profiler"),
+    "attention_config": (None, "choose the kernels with attention_backend"),
+    "compilation_config": (None, "the engine compiles and captures CUDA graphs its own way; enforce_eager=True "
+                                 "turns the graphs off"),
+    "quantization_config": (None, "checkpoints are loaded unquantized"),
+    "logits_processors": (None, "no custom logits processors"),
+    "spec_method": (None, "no speculative decoding"), "spec_model": (None, "no speculative decoding"),
+    "spec_tokens": (None, "no speculative decoding"),
+}
+
 
 @dataclass
 class Config:
@@ -41,6 +61,8 @@ class Config:
     hf_token: str | bool | None = None      # for gated or private hub models (True: the saved login)
     hf_overrides: dict | None = None        # attributes set on the model's HF config after loading it
                                             # (a dict attribute is updated with a dict)
+    chat_template: str | None = None        # LLM.chat's template when a call gives none: a Jinja template
+                                            # or a file holding one (the tokenizer's when None)
     # Where LLM.get_default_sampling_params() (generate without sampling params) takes its
     # defaults from: "auto" the model's generation_config.json, "vllm" none (SamplingParams'
     # own), or a folder holding a generation_config.json. override_generation_config sets some of
@@ -95,6 +117,9 @@ class Config:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":
+        for name, (idle, lack) in IDLE_ARGUMENTS.items():
+            if name in kwargs and kwargs.pop(name) != idle:
+                raise ValueError(f"{name} is not supported ({lack}); leave it at {idle!r}.")
         names = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(kwargs) - names)
         if unknown:
@@ -103,7 +128,7 @@ class Config:
         return cls(model=model, **kwargs)
 
     def __post_init__(self):
-        for name in ("model", "tokenizer", "download_dir"):   # a pathlib.Path is a path too
+        for name in ("model", "tokenizer", "download_dir", "chat_template"):   # a pathlib.Path is a path too
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
         check_field_types(self)
@@ -119,6 +144,8 @@ class Config:
         if self.block_size is None:
             self.block_size = DEFAULT_BLOCK_SIZE
         self._validate_scalars()
+        if self.chat_template is not None:
+            self.chat_template = load_chat_template(self.chat_template)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -268,3 +295,14 @@ class Config:
         if isinstance(config_dtype, str):
             config_dtype = DTYPES.get(config_dtype)
         return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def load_chat_template(template: str) -> str:
+    """A chat template given as a file path (read) or as the Jinja text itself (as vLLM takes it)."""
+    if os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in template or "{%" in template:
+        return template
+    raise ValueError(f"chat_template must be a Jinja template or the path of a file holding one; "
+                     f"{template!r:.80} is neither (no such file).")

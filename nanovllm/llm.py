@@ -222,11 +222,11 @@ class LLM:
              mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation ([{"role": ..., "content": ...}, ...]) or a list of them.
         continue_final_message: the reply continues the last (assistant) message instead of starting
-        a new one; chat_template replaces the tokenizer's; tools go to the template. A content given
-        as OpenAI-style parts ([{"type": "text", "text": ...}, ...]) reaches the template as one
-        string, the texts joined by newlines ("auto", "string"), or as the list itself ("openai").
-        tokenization_kwargs: as generate()'s, but the rendered text gets no special tokens unless
-        add_special_tokens=True (vLLM's default for chat)."""
+        a new one; chat_template replaces LLM(chat_template=...), which replaces the tokenizer's;
+        tools go to the template. A content given as OpenAI-style parts ([{"type": "text", "text":
+        ...}, ...]) reaches the template as one string, the texts joined by newlines ("auto",
+        "string"), or as the list itself ("openai"). tokenization_kwargs: as generate()'s, but the
+        rendered text gets no special tokens unless add_special_tokens=True (vLLM's default for chat)."""
         tokenizer = self.llm_engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat() needs a tokenizer, but the engine has none (skip_tokenizer_init=True).")
@@ -244,7 +244,8 @@ class LLM:
                                                       add_special_tokens=False).add_special_tokens
         prompts = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
+            text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                 chat_template=chat_template or self.llm_engine.config.chat_template,
                                                  add_generation_prompt=add_generation_prompt,
                                                  continue_final_message=continue_final_message, tools=tools,
                                                  **(chat_template_kwargs or {}))

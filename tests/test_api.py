@@ -7,6 +7,7 @@ import torch
 
 from conftest import make_prompts
 from nanovllm import LLM, BeamSearchParams, RequestOutput, SamplingParams
+from nanovllm.config import IDLE_ARGUMENTS
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import RequestOutputKind
@@ -592,6 +593,14 @@ def test_interrupted_generate_aborts_its_requests(llm, monkeypatch):
     (dict(hf_overrides="max_position_embeddings=8"), "hf_overrides must be dict or None, got 'max_position_embeddings=8'."),
     (dict(hf_overrides={"quantization_config": {"quant_method": "gptq"}}),
      "the checkpoint is quantized (quant_method 'gptq'); nanovllm loads unquantized checkpoints only."),
+    (dict(compilation_config={"cudagraph_capture_sizes": [1, 2]}),
+     "compilation_config is not supported (the engine compiles and captures CUDA graphs its own way; "
+     "enforce_eager=True turns the graphs off); leave it at None."),
+    (dict(data_parallel_size=2), "data_parallel_size is not supported (tensor parallelism only); leave it at 1."),
+    (dict(spec_method="ngram"), "spec_method is not supported (no speculative decoding); leave it at None."),
+    (dict(convert="embed"), "convert is not supported"),
+    (dict(chat_template="no template here"), "chat_template must be a Jinja template or the path of a file "
+                                             "holding one; 'no template here' is neither (no such file)."),
 ])
 def test_bad_engine_arguments(qwen3_dir, kwargs, message):
     with pytest.raises(ValueError) as e:
@@ -718,12 +727,30 @@ def test_vllm_engine_arguments_that_mean_our_behaviour_are_accepted(qwen3_dir):
               pipeline_parallel_size=1, distributed_executor_backend="mp", disable_log_stats=True,
               enable_lora=False, speculative_config=None, runner="generate", model_impl="vllm",
               enable_expert_parallel=False, enable_sleep_mode=False, logprobs_mode="raw_logprobs", hf_token=None,
-              block_size=16, num_gpu_blocks_override=16)
+              block_size=16, num_gpu_blocks_override=16, **{name: idle for name, (idle, _) in IDLE_ARGUMENTS.items()})
     assert llm.llm_engine.block_manager.num_blocks == 16
     defaults = LLM(qwen3_dir, block_size=None, max_num_batched_tokens=None, num_kvcache_blocks=4).llm_engine.config
     assert (defaults.block_size, defaults.max_num_batched_tokens) == (256, 16384)   # vLLM's None: our defaults
     out = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [3, 3]
+
+
+def test_chat_template_from_llm_argument(qwen3_dir, tmp_path):
+    """LLM(chat_template=...) (the text, or a file holding it) renders chat() conversations unless a
+    call gives its own template; without either the tokenizer's is used."""
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    chat = [{"role": "user", "content": "Hi"}]
+    sp = SamplingParams(temperature=0, max_tokens=1)
+    sizes = dict(block_size=16, num_kvcache_blocks=16)
+    for given in (template, str(path), path):
+        llm = LLM(qwen3_dir, chat_template=given, **sizes)
+        assert llm.llm_engine.config.chat_template == template
+        assert llm.chat(chat, sp, use_tqdm=False)[0].prompt == "<user>Hi"
+        assert llm.chat(chat, sp, use_tqdm=False, chat_template="[{{ messages[0]['content'] }}]")[0].prompt == "[Hi]"
+    own = LLM(qwen3_dir, **sizes).chat(chat, sp, use_tqdm=False)[0].prompt
+    assert own.startswith("<|im_start|>user\nHi<|im_end|>")
 
 
 def test_hf_overrides_change_the_model_config(qwen3_dir):
