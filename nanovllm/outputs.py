@@ -35,7 +35,8 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None      # "stop" or "length"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it; None for EOS
-    lora_request: None = field(default=None, repr=False)   # vLLM's field; no LoRA here
+    lora_request: None = field(default=None, repr=False)     # vLLM's field; no LoRA here
+    routed_experts: None = field(default=None, repr=False)   # vLLM's; MoE routing is not returned
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -49,7 +50,8 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0            # prompt tokens found in the prefix cache
+    num_cache_creation_tokens: int = 0    # prompt tokens computed and written to the prefix cache
     metrics: RequestMetrics | None = field(default=None, repr=False)
     # vLLM's fields for what nanovllm does not do (LoRA, encoder-decoder models, multimodal
     # inputs, KV transfer), at their empty values, so that scripts reading them run
@@ -58,3 +60,4 @@ class RequestOutput:
     encoder_prompt_token_ids: None = field(default=None, repr=False)
     multi_modal_placeholders: dict = field(default_factory=dict, repr=False)
     kv_transfer_params: None = field(default=None, repr=False)
+    ec_transfer_params: None = field(default=None, repr=False)

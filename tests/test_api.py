@@ -122,7 +122,8 @@ def test_tokenization_kwargs_add_special_tokens(llm, tokenizer):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(tokenization_kwargs={"padding": "max_length"}), "tokenization_kwargs: 'padding' not supported"),
-    (dict(tokenization_kwargs={"truncation_side": "middle"}), "truncation_side must be 'left' or 'right', got 'middle'."),
+    (dict(tokenization_kwargs={"truncation_side": "middle"}),
+     "truncation_side must be 'left' or 'right', got 'middle'."),
     (dict(tokenization_kwargs={"truncate_prompt_tokens": 300}),
      "truncate_prompt_tokens=300 cannot be greater than max_model_len=256."),
     (dict(tokenization_kwargs={"truncate_prompt_tokens": -3}), "must be an int >= 0, or -1 for max_model_len; got -3."),
@@ -248,8 +249,22 @@ def test_set_tokenizer(qwen3_dir):
 def test_vllm_output_fields_for_what_nanovllm_does_not_do(llm):
     """Scripts written for vLLM read these; they hold vLLM's empty values."""
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0]
-    assert (out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids, out.kv_transfer_params) == (None,) * 4
-    assert out.multi_modal_placeholders == {} and out.outputs[0].lora_request is None
+    assert (out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids, out.kv_transfer_params,
+            out.ec_transfer_params) == (None,) * 5
+    assert out.multi_modal_placeholders == {}
+    assert (out.outputs[0].lora_request, out.outputs[0].routed_experts) == (None, None)
+
+
+def test_prefix_cache_hits_and_writes_per_request(llm):
+    """num_cached_tokens: the prompt tokens found in the prefix cache; num_cache_creation_tokens (vLLM
+    0.26): those the request computed and left there, its full 16-token blocks past the hit."""
+    prompt = [7, 7, 7] + list(range(200, 237))          # 40 tokens: two full blocks and 8 more
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    first, again = (llm.generate([prompt], sp, use_tqdm=False)[0] for _ in range(2))
+    assert (first.num_cached_tokens, first.num_cache_creation_tokens) == (0, 32)
+    assert (again.num_cached_tokens, again.num_cache_creation_tokens) == (32, 0)
+    longer = llm.generate([prompt + list(range(240, 250))], sp, use_tqdm=False)[0]   # 50 tokens: 3 blocks
+    assert (longer.num_cached_tokens, longer.num_cache_creation_tokens) == (32, 16)
 
 
 def test_token_ids_from_numpy_and_torch(llm):

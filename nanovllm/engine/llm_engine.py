@@ -298,8 +298,7 @@ class LLMEngine:
             runner.graphs = None
         self.workers.close()
 
-    @staticmethod
-    def _make_output(request: Request) -> RequestOutput:
+    def _make_output(self, request: Request) -> RequestOutput:
         outputs = [CompletionOutput(
             index=seq.index, text=seq.output_text, token_ids=seq.output_token_ids,
             cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs,
@@ -307,5 +306,14 @@ class LLMEngine:
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids, prompt_logprobs=request.seqs[0].prompt_logprobs,
-            outputs=outputs, finished=True,
-            num_cached_tokens=request.seqs[0].num_cached_tokens, metrics=request.metrics)
+            outputs=outputs, finished=True, num_cached_tokens=request.seqs[0].num_cached_tokens,
+            num_cache_creation_tokens=self._num_cache_creation_tokens(request), metrics=request.metrics)
+
+    def _num_cache_creation_tokens(self, request: Request) -> int:
+        """The prompt tokens this request computed and left in the prefix cache (vLLM's count): its
+        full prompt blocks past its own cache hit; 0 without prefix caching."""
+        if not self.config.enable_prefix_caching:
+            return 0
+        block_size = self.config.block_size
+        full = len(request.prompt_token_ids) // block_size * block_size
+        return max(0, full - request.seqs[0].num_cached_tokens)
