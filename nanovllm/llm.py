@@ -47,6 +47,13 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         return self.llm_engine.default_sampling_params()
 
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """The processes that run the model: tensor_parallel_size (no pipeline or data parallelism)."""
+        return self.llm_engine.config.tensor_parallel_size
+
+    def reset_mm_cache(self) -> None:
+        """vLLM's; a text-only engine keeps no multimodal cache, so there is nothing to clear."""
+
     # ---- inputs -------------------------------------------------------------------------
     def _encode(self, index: int, text: str, add_special_tokens: bool = True) -> list[int]:
         tokenizer = self.llm_engine.tokenizer
@@ -227,6 +234,27 @@ class LLM:
         ...}, ...]) reaches the template as one string, the texts joined by newlines ("auto",
         "string"), or as the list itself ("openai"). tokenization_kwargs: as generate()'s, but the
         rendered text gets no special tokens unless add_special_tokens=True (vLLM's default for chat)."""
+        prompts, truncation = self._render_chat(messages, chat_template, chat_template_content_format,
+                                                add_generation_prompt, continue_final_message, tools,
+                                                chat_template_kwargs, tokenization_kwargs)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request, tokenization_kwargs=truncation,
+                             mm_processor_kwargs=mm_processor_kwargs)
+
+    def enqueue_chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                     use_tqdm=True, lora_request=None, priority: list[int] | None = None,
+                     mm_processor_kwargs: dict | None = None, **chat_options) -> list[str]:
+        """chat() without running the requests (vLLM's): -> their request ids, for
+        wait_for_completion(). chat_options: chat()'s template and tokenization arguments."""
+        prompts, truncation = self._render_chat(messages, **chat_options)
+        return self.enqueue(prompts, sampling_params, lora_request, priority, use_tqdm,
+                            tokenization_kwargs=truncation, mm_processor_kwargs=mm_processor_kwargs)
+
+    def _render_chat(self, messages, chat_template: str | None = None, chat_template_content_format: str = "auto",
+                     add_generation_prompt: bool = True, continue_final_message: bool = False,
+                     tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+                     tokenization_kwargs: dict | None = None) -> tuple[list[dict], dict]:
+        """The conversations as token-id prompts (with their text), and the tokenization_kwargs
+        left to apply to them (the truncation)."""
         tokenizer = self.llm_engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat() needs a tokenizer, but the engine has none (skip_tokenizer_init=True).")
@@ -252,9 +280,7 @@ class LLM:
             token_ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         truncation = {k: v for k, v in (tokenization_kwargs or {}).items() if k != "add_special_tokens"}
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request, tokenization_kwargs=truncation,
-                             mm_processor_kwargs=mm_processor_kwargs)
-
+        return prompts, truncation
 
 def _check_conversations(conversations):
     """Each conversation a list of messages, each a dict with a string "role"."""

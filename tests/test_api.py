@@ -159,6 +159,25 @@ def test_enqueue_then_wait_for_completion(llm):
         llm.wait_for_completion(dict)
 
 
+def test_enqueue_chat_renders_as_chat(llm):
+    """enqueue_chat() queues what chat() would run, with chat()'s template options."""
+    conversations = [[{"role": "user", "content": "Hello"}], [{"role": "user", "content": "Bye"}]]
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    expected = llm.chat(conversations, sp, use_tqdm=False, add_generation_prompt=False)
+    ids = llm.enqueue_chat(conversations, sp, add_generation_prompt=False,
+                           tokenization_kwargs={"truncate_prompt_tokens": 4, "truncation_side": "left"})
+    outs = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outs] == ids
+    assert [o.prompt_token_ids for o in outs] == [e.prompt_token_ids[-4:] for e in expected]
+    assert [o.prompt for o in outs] == [e.prompt for e in expected]
+    assert_idle(llm)
+
+
+def test_world_size_and_mm_cache(llm):
+    assert llm.get_world_size() == llm.get_world_size(include_dp=False) == 1
+    assert llm.reset_mm_cache() is None
+
+
 def test_outputs_in_input_order_with_per_prompt_params(llm):
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in range(1, 9)]
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:8]], params, use_tqdm=False)

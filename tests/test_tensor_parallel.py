@@ -75,6 +75,9 @@ def test_two_engines_at_once_and_close(qwen3_dir):
     a = LLM(qwen3_dir, tensor_parallel_size=2, **SMALL)
     b = LLM(qwen3_dir, tensor_parallel_size=2, **SMALL)
     assert greedy(a, PROMPTS[:4]) == greedy(b, PROMPTS[:4])
+    assert a.get_world_size() == 2
+    ids = b.enqueue(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))   # vLLM's queueing
+    assert [o.request_id for o in b.wait_for_completion(use_tqdm=False)] == ids
     pids = worker_pids(a) + worker_pids(b)
     watchdogs = [a.llm_engine.workers.watchdog, b.llm_engine.workers.watchdog]
     a.close()
