@@ -179,21 +179,36 @@ class LLM:
             raise
         return outputs
 
-    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's beam search (beam_search.py): one generate() call per output token, over every
-        live beam of every prompt. -> one BeamSearchOutput per prompt, in input order."""
+        live beam of every prompt, or of concurrency_limit prompts at a time. -> one
+        BeamSearchOutput per prompt, in input order. lora_request: vLLM's; only None."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
+        if lora_request is not None:
+            raise ValueError(f"lora_request is not supported (nanovllm runs the base model only), "
+                             f"got {lora_request!r:.80}.")
+        if concurrency_limit is not None and (isinstance(concurrency_limit, bool)
+                                              or not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be a positive int or None, got {concurrency_limit!r}.")
         engine = self.llm_engine
         if 2 * params.beam_width > engine.config.logprobs_cap:
             raise ValueError(f"beam_width must be at most max_logprobs / 2 = {engine.config.logprobs_cap // 2} "
                              f"(each step asks for 2 x beam_width logprobs), got {params.beam_width}.")
         parsed = parse_prompts(prompts, self._encode)
-        step = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
-                              ignore_eos=True)
         whole = SamplingParams(max_tokens=params.max_tokens, ignore_eos=True)
         for i, prompt in enumerate(parsed):
             engine.validate_request(i, prompt.token_ids, whole)
+        limit = concurrency_limit or max(len(parsed), 1)
+        return [output for start in range(0, len(parsed), limit)
+                for output in self._beam_search(parsed[start:start + limit], params, use_tqdm)]
+
+    def _beam_search(self, parsed: list, params: BeamSearchParams, use_tqdm: bool) -> list[BeamSearchOutput]:
+        """beam_search over these prompts, all at once."""
+        engine = self.llm_engine
+        step = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
+                              ignore_eos=True)
         eos = engine.eos_token_ids
         live = [[BeamSearchSequence(prompt.token_ids)] for prompt in parsed]
         salts = [{"cache_salt": p.cache_salt} if p.cache_salt is not None else {} for p in parsed]

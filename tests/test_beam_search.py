@@ -45,6 +45,23 @@ def test_beams_equal_the_search_on_hf_logprobs(llm, qwen3_dir, width, length_pen
             assert beam.text == tokenizer.decode(beam.tokens)
 
 
+def test_concurrency_limit_runs_prompts_in_groups_with_the_same_beams(llm):
+    """vLLM's concurrency_limit: at most that many prompts' beams at a time; the beams found are
+    those of the search over all prompts at once, in input order."""
+    prompts = [{"prompt_token_ids": p} for p in make_prompts()[:5]]
+    params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    together = llm.beam_search(prompts, params)
+    seen = []
+    real_generate = llm.generate
+    llm.generate = lambda beams, *args, **kwargs: seen.append(len(beams)) or real_generate(beams, *args, **kwargs)
+    try:
+        grouped = llm.beam_search(prompts, params, concurrency_limit=2)
+    finally:
+        del llm.generate
+    assert [[b.tokens for b in o.sequences] for o in grouped] == [[b.tokens for b in o.sequences] for o in together]
+    assert max(seen) <= 2 * params.beam_width and len(seen) == 3 * params.max_tokens   # groups of 2, 2, 1
+
+
 def test_greedy_is_beam_width_one(llm):
     prompt = make_prompts()[3]
     greedy = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
@@ -92,6 +109,10 @@ def test_bad_beam_search_calls_leave_engine_usable(llm):
         llm.beam_search([[5, 6], list(range(3, 300))], BeamSearchParams(beam_width=2, max_tokens=2))
     with pytest.raises(ValueError, match="params must be a BeamSearchParams"):
         llm.beam_search([[5, 6]], {"beam_width": 2})
+    with pytest.raises(ValueError, match="concurrency_limit must be a positive int or None, got 0"):
+        llm.beam_search([[5, 6]], BeamSearchParams(beam_width=2, max_tokens=2), concurrency_limit=0)
+    with pytest.raises(ValueError, match="lora_request is not supported"):
+        llm.beam_search([[5, 6]], BeamSearchParams(beam_width=2, max_tokens=2), lora_request="adapter")
     out = llm.beam_search([[5, 6]], BeamSearchParams(beam_width=2, max_tokens=2, ignore_eos=True))
     assert len(out) == 1 and len(out[0].sequences) == 2
     # beams stop at max_model_len (256): a 253-token prompt gets 3 of its 8 tokens
