@@ -8,6 +8,13 @@ from nanovllm.utils.validation import check_field_types
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
+# vLLM 0.26's fields for what nanovllm does not do: name -> (the default, the only value taken; why).
+UNSUPPORTED_FIELDS = {
+    "logprob_token_ids": (None, "ask for logprobs=-1, with LLM(max_logprobs=-1), and read those ids' entries"),
+    "thinking_token_budget": (None, "it needs a reasoning parser"),
+    "repetition_detection": (None, "no repetition detection"),
+    "routed_experts_prompt_start": (0, "nanovllm does not return MoE routing"),
+}
 
 
 class RequestOutputKind(Enum):
@@ -104,11 +111,7 @@ class SamplingParams:
                                                f"decoding), got {self.structured_outputs!r:.80}.")
         check(not self.logits_processors, f"logits_processors is not supported (per-request logits processors; "
                                           f"vLLM V1 refuses them too), got {self.logits_processors!r:.80}.")
-        unsupported = {"logprob_token_ids": (None, "use logprobs=-1 and read those ids' entries"),
-                       "thinking_token_budget": (None, "it needs a reasoning parser"),
-                       "repetition_detection": (None, "no repetition detection"),
-                       "routed_experts_prompt_start": (0, "nanovllm does not return MoE routing")}
-        for name, (default, why) in unsupported.items():
+        for name, (default, why) in UNSUPPORTED_FIELDS.items():
             value = getattr(self, name)
             check(value == default, f"{name} is not supported ({why}), got {value!r:.80}.")
         check_field_types(self)   # the types first: the checks below test values only

@@ -462,8 +462,8 @@ def test_sampler_kernels_warm_up_for_the_models_own_top_k_or_top_p(qwen3_dir, mo
     (dict(structured_outputs={"json": {}}), "structured_outputs is not supported (nanovllm has no guided decoding), "
                                             "got {'json': {}}."),
     (dict(extra_args=["x"]), "extra_args must be dict or None, got ['x']."),
-    (dict(logprob_token_ids=[3, 4]), "logprob_token_ids is not supported (use logprobs=-1 and read those ids' "
-                                     "entries), got [3, 4]."),
+    (dict(logprob_token_ids=[3, 4]), "logprob_token_ids is not supported (ask for logprobs=-1, with "
+                                     "LLM(max_logprobs=-1), and read those ids' entries), got [3, 4]."),
     (dict(thinking_token_budget=64), "thinking_token_budget is not supported (it needs a reasoning parser), got 64."),
     (dict(repetition_detection={"max_pattern_size": 4}), "repetition_detection is not supported"),
     (dict(routed_experts_prompt_start=5), "routed_experts_prompt_start is not supported"),
