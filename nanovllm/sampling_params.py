@@ -82,6 +82,23 @@ class SamplingParams:
         if self.is_greedy:
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
+    @classmethod
+    def from_optional(cls, **kwargs) -> "SamplingParams":
+        """vLLM's constructor for settings from an API request: None for n, a penalty, temperature
+        or top_p means its default; logit_bias keys may be numeric strings, and each bias is
+        clamped to [-100, 100]."""
+        for name in ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p"):
+            if name in kwargs and kwargs[name] is None:
+                del kwargs[name]
+        bias = kwargs.get("logit_bias")
+        if isinstance(bias, dict):
+            bad = [token for token in bias if not _is_int_like(token)]
+            if bad:
+                raise ValueError(f"logit_bias contains key(s) that cannot be converted to integer token IDs: {bad!r}")
+            kwargs["logit_bias"] = {int(token): min(100.0, max(-100.0, b)) if isinstance(b, (int, float)) else b
+                                    for token, b in bias.items()}
+        return cls(**kwargs)
+
     def with_vocab_size(self, vocab_size: int) -> "SamplingParams":
         """These params with logprobs / prompt_logprobs of -1 (vLLM's "every token") as vocab_size."""
         if -1 not in (self.logprobs, self.prompt_logprobs):
@@ -162,6 +179,14 @@ class SamplingParams:
               f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}.")
 
 
+def _is_int_like(token) -> bool:
+    try:
+        int(token)
+    except (TypeError, ValueError):
+        return False
+    return not isinstance(token, bool)
+
+
 @dataclass
 class BeamSearchParams:
     """LLM.beam_search's parameters (vLLM's names and defaults). include_stop_str_in_output is
@@ -172,8 +197,12 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    structured_outputs: object | None = None   # vLLM's; only None (no guided decoding)
 
     def __post_init__(self):
+        if self.structured_outputs is not None:
+            raise ValueError(f"structured_outputs is not supported (nanovllm has no guided decoding), "
+                             f"got {self.structured_outputs!r:.80}.")
         check_field_types(self)   # the types first: the checks below test values only
         for name in ("beam_width", "max_tokens"):
             value = getattr(self, name)

@@ -507,6 +507,22 @@ def test_fast_detokenizing_gives_what_tokenizer_decode_gives(llm, monkeypatch, s
     assert skip_special_tokens or any("<|im_start|>" in text or "<|im_end|>" in text for text in fast)
 
 
+def test_sampling_params_from_optional():
+    """vLLM's from_optional: None means the default for n, the penalties, temperature and top_p;
+    logit_bias keys may be numeric strings and biases are clamped to [-100, 100]."""
+    params = SamplingParams.from_optional(n=None, temperature=None, top_p=None, presence_penalty=None,
+                                          frequency_penalty=None, repetition_penalty=None, max_tokens=5,
+                                          logit_bias={"7": 250.0, 3: -1000, 4: 0.5})
+    assert (params.n, params.temperature, params.top_p, params.max_tokens) == (1, 1.0, 1.0, 5)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert params.logit_bias == {7: 100.0, 3: -100.0, 4: 0.5}
+    with pytest.raises(ValueError, match=r"logit_bias contains key\(s\) that cannot be converted to integer "
+                                         r"token IDs: \['a'\]"):
+        SamplingParams.from_optional(logit_bias={"a": 1.0})
+    with pytest.raises(ValueError, match="temperature must be non-negative, got -1"):
+        SamplingParams.from_optional(temperature=-1.0)
+
+
 def test_sampling_params_clone_is_deep():
     params = SamplingParams(temperature=0.5, stop=["x"], logit_bias={3: 1.0})
     copy = params.clone()
