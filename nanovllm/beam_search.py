@@ -10,8 +10,10 @@ final EOS (vLLM's rule).
 """
 from dataclasses import dataclass, field
 
+from tqdm.auto import tqdm
+
 from nanovllm.outputs import Logprob
-from nanovllm.sampling_params import BeamSearchParams
+from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 @dataclass
@@ -59,3 +61,35 @@ def extend(beams: list[BeamSearchSequence], step_logprobs: list[dict[int, Logpro
             else:
                 live.append(child)
     return ranked(live, params, eos_token_ids), finished
+
+
+def search(generate, prompts: list, params: BeamSearchParams, eos_token_ids: set[int], max_model_len: int,
+           tokenizer, use_tqdm: bool) -> list[BeamSearchOutput]:
+    """Beam search over these prompts (inputs.Prompt, validated), all at once; generate is
+    LLM.generate. -> one BeamSearchOutput per prompt, in order."""
+    step = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
+                          ignore_eos=True)
+    live = [[BeamSearchSequence(prompt.token_ids)] for prompt in prompts]
+    salts = [{"cache_salt": p.cache_salt} if p.cache_salt is not None else {} for p in prompts]
+    finished = [[] for _ in prompts]
+    for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm):
+        for i, prompt_beams in enumerate(live):   # beams at max_model_len end here
+            finished[i] += [b for b in prompt_beams if len(b.tokens) >= max_model_len]
+            live[i] = [b for b in prompt_beams if len(b.tokens) < max_model_len]
+        beams = [{"prompt_token_ids": b.tokens, **salts[i]} for i, prompt_beams in enumerate(live)
+                 for b in prompt_beams]
+        if not beams:
+            break
+        outputs = iter(generate(beams, step, use_tqdm=False))
+        for i, prompt_beams in enumerate(live):
+            tops = [next(outputs).outputs[0].logprobs[0] for _ in prompt_beams]
+            live[i], done = extend(prompt_beams, tops, params, eos_token_ids)
+            finished[i] += done
+    results = []
+    for prompt_live, prompt_finished in zip(live, finished):
+        top = ranked(prompt_finished + prompt_live, params, eos_token_ids)
+        for beam in top:   # the ones that did not end with EOS ran out of tokens
+            beam.finish_reason = beam.finish_reason or "length"
+            beam.text = None if tokenizer is None else tokenizer.decode(beam.tokens)
+        results.append(BeamSearchOutput(top))
+    return results

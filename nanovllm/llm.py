@@ -3,7 +3,8 @@ import weakref
 
 from tqdm.auto import tqdm
 
-from nanovllm.beam_search import BeamSearchOutput, BeamSearchSequence, extend, ranked
+from nanovllm.beam_search import BeamSearchOutput, search
+from nanovllm.chat import render_chat
 from nanovllm.config import Config
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.inputs import Tokenization, parse_prompts
@@ -202,39 +203,8 @@ class LLM:
             engine.validate_request(i, prompt.token_ids, whole)
         limit = concurrency_limit or max(len(parsed), 1)
         return [output for start in range(0, len(parsed), limit)
-                for output in self._beam_search(parsed[start:start + limit], params, use_tqdm)]
-
-    def _beam_search(self, parsed: list, params: BeamSearchParams, use_tqdm: bool) -> list[BeamSearchOutput]:
-        """beam_search over these prompts, all at once."""
-        engine = self.llm_engine
-        step = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
-                              ignore_eos=True)
-        eos = engine.eos_token_ids
-        live = [[BeamSearchSequence(prompt.token_ids)] for prompt in parsed]
-        salts = [{"cache_salt": p.cache_salt} if p.cache_salt is not None else {} for p in parsed]
-        finished = [[] for _ in parsed]
-        for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm):
-            for i, prompt_beams in enumerate(live):   # beams at max_model_len end here
-                finished[i] += [b for b in prompt_beams if len(b.tokens) >= engine.config.max_model_len]
-                live[i] = [b for b in prompt_beams if len(b.tokens) < engine.config.max_model_len]
-            beams = [{"prompt_token_ids": b.tokens, **salts[i]} for i, prompt_beams in enumerate(live)
-                     for b in prompt_beams]
-            if not beams:
-                break
-            outputs = iter(self.generate(beams, step, use_tqdm=False))
-            for i, prompt_beams in enumerate(live):
-                tops = [next(outputs).outputs[0].logprobs[0] for _ in prompt_beams]
-                live[i], done = extend(prompt_beams, tops, params, eos)
-                finished[i] += done
-        tokenizer = engine.tokenizer
-        results = []
-        for prompt_live, prompt_finished in zip(live, finished):
-            top = ranked(prompt_finished + prompt_live, params, eos)
-            for beam in top:   # the ones that did not end with EOS ran out of tokens
-                beam.finish_reason = beam.finish_reason or "length"
-                beam.text = None if tokenizer is None else tokenizer.decode(beam.tokens)
-            results.append(BeamSearchOutput(top))
-        return results
+                for output in search(self.generate, parsed[start:start + limit], params, engine.eos_token_ids,
+                                     engine.config.max_model_len, engine.tokenizer, use_tqdm)]
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm=True, lora_request=None, chat_template: str | None = None,
@@ -270,54 +240,10 @@ class LLM:
                      tokenization_kwargs: dict | None = None) -> tuple[list[dict], dict]:
         """The conversations as token-id prompts (with their text), and the tokenization_kwargs
         left to apply to them (the truncation)."""
-        tokenizer = self.llm_engine.tokenizer
-        if tokenizer is None:
-            raise ValueError("chat() needs a tokenizer, but the engine has none (skip_tokenizer_init=True).")
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-        if chat_template_content_format not in ("auto", "string", "openai"):
-            raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', "
-                             f"got {chat_template_content_format!r}.")
-        one = isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
-        conversations = [messages] if one else messages
-        _check_conversations(conversations)
-        if chat_template_content_format != "openai":
-            conversations = [[_with_string_content(m) for m in conversation] for conversation in conversations]
-        add_special_tokens = Tokenization.from_kwargs(tokenization_kwargs, self.llm_engine.config.max_model_len,
-                                                      add_special_tokens=False).add_special_tokens
-        prompts = []
-        for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                 chat_template=chat_template or self.llm_engine.config.chat_template,
-                                                 add_generation_prompt=add_generation_prompt,
-                                                 continue_final_message=continue_final_message, tools=tools,
-                                                 **(chat_template_kwargs or {}))
-            token_ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+        config = self.llm_engine.config
+        tokenization = Tokenization.from_kwargs(tokenization_kwargs, config.max_model_len, add_special_tokens=False)
+        prompts = render_chat(self.llm_engine.tokenizer, messages, chat_template or config.chat_template,
+                              chat_template_content_format, add_generation_prompt, continue_final_message, tools,
+                              chat_template_kwargs, tokenization.add_special_tokens)
         truncation = {k: v for k, v in (tokenization_kwargs or {}).items() if k != "add_special_tokens"}
         return prompts, truncation
-
-def _check_conversations(conversations):
-    """Each conversation a list of messages, each a dict with a string "role"."""
-    if not isinstance(conversations, list) or not all(isinstance(c, list) for c in conversations):
-        raise ValueError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, or a list of such "
-                         f"lists; got {conversations!r:.80}.")
-    for conversation in conversations:
-        for message in conversation:
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise ValueError(f"each message must be a dict with a 'role' string, got {message!r:.80}.")
-
-
-def _with_string_content(message: dict) -> dict:
-    """message with its content parts (OpenAI style) joined into one string; text parts only."""
-    content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    texts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if kind != "text":
-            raise ValueError(f"message content part of type {kind!r} is not supported: nanovllm runs "
-                             f"text-only models (parts of type 'text' only).")
-        texts.append(part["text"])
-    return {**message, "content": "\n".join(texts)}
