@@ -39,9 +39,9 @@ class LLM:
         """Use another tokenizer for text prompts, chat and detokenizing (vLLM's set_tokenizer)."""
         self.llm_engine.tokenizer = self.llm_engine.output_processor.tokenizer = tokenizer
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget the cached prompt blocks; True once done (vLLM's return value; nothing runs
-        between generate calls, so it always succeeds)."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget the cached prompt blocks; True once done (vLLM's return value). Nothing runs
+        between calls and there is no KV connector, so vLLM's two options change nothing here."""
         self.llm_engine.block_manager.reset_prefix_cache()
         return True
 

@@ -159,6 +159,19 @@ def test_enqueue_then_wait_for_completion(llm):
         llm.wait_for_completion(dict)
 
 
+def test_reset_prefix_cache(llm):
+    """After reset_prefix_cache() (vLLM's options accepted) a prompt computed before is a miss."""
+    prompt = [9, 9] + list(range(150, 180))            # 32 tokens: two full 16-token blocks
+    sp = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate([prompt], sp, use_tqdm=False)
+    assert llm.generate([prompt], sp, use_tqdm=False)[0].num_cached_tokens == 16   # the last block is recomputed
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate([prompt], sp, use_tqdm=False)[0].num_cached_tokens == 0
+    assert llm.reset_prefix_cache(reset_running_requests=True, reset_connector=False) is True
+    assert llm.generate([prompt], sp, use_tqdm=False)[0].num_cached_tokens == 0
+    assert_idle(llm)
+
+
 def test_enqueue_chat_renders_as_chat(llm):
     """enqueue_chat() queues what chat() would run, with chat()'s template options."""
     conversations = [[{"role": "user", "content": "Hello"}], [{"role": "user", "content": "Bye"}]]
