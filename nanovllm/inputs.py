@@ -116,7 +116,7 @@ class Tokenization(NamedTuple):
         """The keys vLLM takes: truncate_prompt_tokens (-1: max_model_len), truncation_side,
         add_special_tokens, and the HF pair truncation=True / "longest_first" with max_length
         (default max_model_len). Any other key is a ValueError (vLLM logs and ignores them)."""
-        kwargs = dict(kwargs or {})
+        kwargs = kwargs or {}
         unknown = sorted(set(kwargs) - {"truncate_prompt_tokens", "truncation_side", "add_special_tokens",
                                         "truncation", "max_length"})
         if unknown:

@@ -86,9 +86,7 @@ class LLM:
         runs them. generate()'s arguments; use_tqdm is accepted (no bar while adding)."""
         if self.closed:
             raise RuntimeError("this LLM is closed; create a new one.")
-        if lora_request is not None:
-            raise ValueError(f"lora_request is not supported (nanovllm runs the base model only), "
-                             f"got {lora_request!r:.80}.")
+        _check_no_lora(lora_request)
         if mm_processor_kwargs is not None:
             raise ValueError(f"mm_processor_kwargs is not supported: nanovllm runs text-only models, "
                              f"got {mm_processor_kwargs!r:.80}.")
@@ -187,9 +185,7 @@ class LLM:
         BeamSearchOutput per prompt, in input order. lora_request: vLLM's; only None."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
-        if lora_request is not None:
-            raise ValueError(f"lora_request is not supported (nanovllm runs the base model only), "
-                             f"got {lora_request!r:.80}.")
+        _check_no_lora(lora_request)
         if concurrency_limit is not None and (isinstance(concurrency_limit, bool)
                                               or not isinstance(concurrency_limit, int) or concurrency_limit < 1):
             raise ValueError(f"concurrency_limit must be a positive int or None, got {concurrency_limit!r}.")
@@ -247,3 +243,10 @@ class LLM:
                               chat_template_kwargs, tokenization.add_special_tokens)
         truncation = {k: v for k, v in (tokenization_kwargs or {}).items() if k != "add_special_tokens"}
         return prompts, truncation
+
+
+def _check_no_lora(lora_request):
+    """vLLM's lora_request argument: only None (no LoRA adapters here)."""
+    if lora_request is not None:
+        raise ValueError(f"lora_request is not supported (nanovllm runs the base model only), "
+                         f"got {lora_request!r:.80}.")
