@@ -52,6 +52,19 @@ class LLM:
         """The processes that run the model: tensor_parallel_size (no pipeline or data parallelism)."""
         return self.llm_engine.config.tensor_parallel_size
 
+    def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """vLLM's: run `method` on every tensor-parallel rank -> the results by rank. method: the name
+        of a ModelRunner method, or a function called as method(runner, *args, **kwargs); with
+        tensor_parallel_size > 1 it and its arguments are pickled to the workers (so a module-level
+        function, not a lambda). timeout: seconds to wait for the workers (TimeoutError)."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func) -> list:
+        """vLLM's: func(model) on every rank (the model is this rank's shard) -> the results by rank.
+        Return small values: tensors come back through pickling."""
+        return self.collective_rpc("apply_model", args=(func,))
+
     def reset_mm_cache(self) -> None:
         """vLLM's; a text-only engine keeps no multimodal cache, so there is nothing to clear."""
 

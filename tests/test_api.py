@@ -172,6 +172,24 @@ def test_reset_prefix_cache(llm):
     assert_idle(llm)
 
 
+def test_apply_model_and_collective_rpc(llm):
+    """vLLM's apply_model(func) runs func on the model and collective_rpc(method) a runner method or
+    a function of the runner, each returning one result per rank; an unknown method is refused."""
+    assert llm.apply_model(lambda model: type(model).__name__) == ["QwenForCausalLM"]
+    assert llm.apply_model(lambda model: model.model.layers[0].self_attn.num_kv_heads) == [2]
+    assert llm.collective_rpc(lambda runner, a, b=0: (runner.num_kvcache_blocks, a + b), args=(1,),
+                              kwargs={"b": 2}) == [(64, 3)]
+    assert llm.collective_rpc("apply_model", args=(lambda model: model.lm_head.weight.shape[0],)) == [
+        llm.llm_engine.config.hf_config.vocab_size]
+    for name in ("no_such_method", "_device_inputs", "num_kvcache_blocks"):
+        with pytest.raises(ValueError, match=f"method '{name}' is not implemented"):
+            llm.collective_rpc(name)
+    with pytest.raises(ZeroDivisionError):
+        llm.apply_model(lambda model: 1 / 0)
+    assert len(llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)) == 1
+    assert_idle(llm)
+
+
 def test_enqueue_chat_renders_as_chat(llm):
     """enqueue_chat() queues what chat() would run, with chat()'s template options."""
     conversations = [[{"role": "user", "content": "Hello"}], [{"role": "user", "content": "Bye"}]]

@@ -146,6 +146,42 @@ def test_bad_input_keeps_workers(qwen3_dir):
         assert len(greedy(llm, PROMPTS[:2])) == 2
 
 
+def _tp_rank_and_shard(model):
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    return qkv.tp_rank, tuple(qkv.weight.shape)
+
+
+def _runner_rank_plus(runner, offset, rank_1_sleeps_s=0.0):
+    if runner.tp.rank == 1:
+        time.sleep(rank_1_sleeps_s)
+    return runner.tp.rank + offset
+
+
+def _fail_on_rank_1(runner):
+    if runner.tp.rank == 1:
+        raise KeyError("rank 1 fails")
+    return "ok"
+
+
+def test_apply_model_and_collective_rpc_reach_every_rank(qwen3_dir):
+    """apply_model and collective_rpc run on both ranks and return their results by rank; a lambda
+    cannot be sent to a worker (ValueError), a worker's exception reaches the caller, a call that
+    times out raises TimeoutError, and in every case the engine goes on working."""
+    with LLM(qwen3_dir, tensor_parallel_size=2, **SMALL) as llm:
+        (rank0, shard0), (rank1, shard1) = llm.apply_model(_tp_rank_and_shard)
+        assert (rank0, rank1) == (0, 1) and shard0 == shard1
+        assert llm.collective_rpc(_runner_rank_plus, args=(10,)) == [10, 11]
+        assert llm.collective_rpc("apply_model", args=(_tp_rank_and_shard,))[1][0] == 1
+        with pytest.raises(ValueError, match="must be picklable"):
+            llm.apply_model(lambda model: 0)
+        with pytest.raises(KeyError, match="rank 1 fails"):
+            llm.collective_rpc(_fail_on_rank_1)
+        with pytest.raises(TimeoutError, match="worker rank 1 did not answer in time"):
+            llm.collective_rpc(_runner_rank_plus, args=(0,), kwargs={"rank_1_sleeps_s": 1.0}, timeout=0.2)
+        assert llm.collective_rpc(_runner_rank_plus, args=(5,)) == [5, 6]   # the late answer is dropped
+        assert greedy(llm, PROMPTS[:2]) == greedy(llm, PROMPTS[:2])
+
+
 def test_killed_worker_is_named(qwen3_dir):
     llm = LLM(qwen3_dir, tensor_parallel_size=2, **SMALL)
     greedy(llm, PROMPTS[:2])

@@ -14,7 +14,7 @@ from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stat_logger import StatLogger
-from nanovllm.engine.tp_workers import TPWorkers
+from nanovllm.engine.tp_workers import TPWorkers, resolve_method, run_method
 from nanovllm.layers.sampler import SamplerOutput
 from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -281,6 +281,23 @@ class LLMEngine:
                 request.metrics.finished_time = now
                 finished.append(self._make_output(self.requests.pop(seq.request_id)))
         return finished
+
+    def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """method (a ModelRunner method's name, or a function taking the runner first) on every
+        rank -> the results by rank. Workers get the call first, so that a method that uses the
+        group's collectives finds every rank in it."""
+        kwargs = kwargs or {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if isinstance(method, str):
+            resolve_method(self.model_runner, method)       # an unknown name is refused before any rank runs
+        number = self.workers.start_rpc(method, args, kwargs) if self.workers is not None else None
+        try:
+            results = [run_method(self.model_runner, method, args, kwargs)]
+        finally:
+            if number is not None:
+                results_of_workers = self.workers.finish_rpc(number, deadline)
+        return results if number is None else results + results_of_workers
 
     def abort_in_flight(self):
         self.in_flight = None

@@ -411,6 +411,10 @@ class ModelRunner:
                          for i in range(0, len(prompt_rows), PROMPT_LOGITS_ROWS)]
         return logits, prompt_logits
 
+    def apply_model(self, func):
+        """func(this rank's model): vLLM's worker method behind LLM.apply_model."""
+        return func(self.model)
+
     def copy_to_host(self, sampled: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:
         """Start copying the sampler's outputs to the host; the event marks when they are there."""
         if self.device.type == "cpu":

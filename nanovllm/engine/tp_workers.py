@@ -5,6 +5,11 @@ ModelRunner on their shard and mirror rank 0's steps. Control messages go throug
 worker (no port or shared-memory name to clash, any message size); tensors move through the
 group's collectives (gloo on the CPU, NCCL on CUDA), set up over a TCPStore on a free port.
 
+vLLM's collective_rpc (a method of every rank's ModelRunner, or a function called with it) is
+sent to the workers as pickled bytes before rank 0 runs its own part, and each worker answers on
+its pipe with the call's number, so that an answer that comes after its call timed out is
+recognised and dropped.
+
 A step message is the flattened batch (new token ids, positions, slots) and the block-table
 changes (engine/block_table_sync.py), never the sequences. Workers end on close(), on `del`, at
 interpreter exit, or when the pipe to rank 0 closes; a dead worker is reported by rank, instead
@@ -17,6 +22,7 @@ releases the symmetric-memory all-reduce's kernels that wait for the dead peer.
 """
 import multiprocessing as mp
 import multiprocessing.connection
+import pickle
 import signal
 import threading
 import time
@@ -28,6 +34,21 @@ JOIN_TIMEOUT_S = 5.0
 
 class WorkerDiedError(RuntimeError):
     pass
+
+
+def run_method(runner, method, args: tuple, kwargs: dict):
+    """One rank's part of collective_rpc: `method` names a public ModelRunner method, or is a
+    function called with the runner first (vLLM passes its worker)."""
+    if isinstance(method, str):
+        return resolve_method(runner, method)(*args, **kwargs)
+    return method(runner, *args, **kwargs)
+
+
+def resolve_method(runner, name: str):
+    func = getattr(runner, name, None) if not name.startswith("_") else None
+    if not callable(func):
+        raise ValueError(f"collective_rpc: method {name!r} is not implemented by the model runner.")
+    return func
 
 
 class TPWorkers:
@@ -46,6 +67,7 @@ class TPWorkers:
             self.conns.append(parent_end)
             self.procs.append(proc)
         self.closed = False
+        self.rpc_count = 0              # collective_rpc calls sent so far (their answers carry it)
         self.group = self.watchdog = None
         self.dead = threading.Event()   # set by the watchdog when a worker exits
         self.abort_on_death = True      # the engine turns it off when the model runs CUDA graphs
@@ -103,6 +125,46 @@ class TPWorkers:
             except (BrokenPipeError, ConnectionResetError, EOFError):
                 raise WorkerDiedError(f"tensor-parallel worker rank {rank} is gone; the engine is closed.") from None
 
+    def start_rpc(self, method, args: tuple, kwargs: dict) -> int:
+        """Send a collective_rpc call to every worker -> its number, for finish_rpc."""
+        try:
+            call = pickle.dumps((method, args, kwargs))
+        except Exception as e:
+            raise ValueError(f"collective_rpc: {method!r:.80} and its arguments must be picklable to reach the "
+                             f"tensor-parallel workers ({type(e).__name__}: {e}); pass a method name or a "
+                             f"module-level function.") from None
+        self.rpc_count += 1
+        self.send(("rpc", (self.rpc_count, call)))
+        return self.rpc_count
+
+    def finish_rpc(self, number: int, deadline: float | None) -> list:
+        """The workers' results of call `number`, by rank. A worker's exception is raised here once
+        every worker has answered; TimeoutError if one has not answered by `deadline`
+        (time.monotonic())."""
+        results, error = [], None
+        for rank, conn in enumerate(self.conns, 1):
+            while True:
+                left_s = None if deadline is None else deadline - time.monotonic()
+                if not conn.poll(0.1 if left_s is None else min(0.1, max(0.0, left_s))):
+                    self.check_alive()
+                    if left_s is not None and left_s <= 0:
+                        raise TimeoutError(f"collective_rpc: tensor-parallel worker rank {rank} did not answer "
+                                           f"in time.")
+                    continue
+                try:
+                    answer, ok, value = conn.recv()
+                except (EOFError, OSError):
+                    self.check_alive(grace_s=5.0)
+                    raise WorkerDiedError(f"tensor-parallel worker rank {rank} is gone; the engine is closed.") from None
+                if answer == number:    # (an earlier call's late answer is dropped)
+                    break
+            results.append(value)
+            if not ok and error is None:
+                error = value
+        if error is not None:
+            raise error
+        return results
+
     def any_dead(self) -> bool:
         return self.dead.is_set() or any(proc.exitcode is not None for proc in self.procs)
 
@@ -155,3 +217,18 @@ def worker_main(config, eos_token_ids, rank: int, port: int, conn):
             break
         if command == "step":
             runner.run_worker_step(payload)
+        elif command == "rpc":
+            _answer_rpc(conn, runner, *payload)
+
+
+def _answer_rpc(conn, runner, number: int, call: bytes):
+    """Run a collective_rpc call and send (number, ok, result or exception) back to rank 0."""
+    try:
+        answer = (number, True, run_method(runner, *pickle.loads(call)))
+    except Exception as e:
+        answer = (number, False, e)
+    try:
+        conn.send(answer)
+    except Exception as e:          # a result or exception that does not pickle
+        conn.send((number, False, RuntimeError(f"collective_rpc: the answer of tensor-parallel worker rank "
+                                               f"{runner.tp.rank} could not be sent: {type(e).__name__}: {e}")))
