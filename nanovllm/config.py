@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from nanovllm.engine.profiler import ProfilerConfig
 from nanovllm.layers.rotary import max_positions, rope_settings
 from nanovllm.utils.hub import check_directory_or_hub_id, resolve_model_path
 from nanovllm.utils.validation import check_field_types
@@ -37,7 +38,7 @@ IDLE_ARGUMENTS = {
     "enable_return_routed_experts": (False, "MoE routing is not returned"),
     "mm_processor_kwargs": (None, "text-only models"), "allowed_local_media_path": ("", "text-only models"),
     "allowed_media_domains": (None, "text-only models"), "pooler_config": (None, "no pooling models"),
-    "structured_outputs_config": (None, "no guided decoding"), "profiler_config": (None, "no built-in profiler"),
+    "structured_outputs_config": (None, "no guided decoding"),
     "attention_config": (None, "choose the kernels with attention_backend"),
     "compilation_config": (None, "the engine compiles and captures CUDA graphs its own way; enforce_eager=True "
                                  "turns the graphs off"),
@@ -69,6 +70,9 @@ class Config:
     # GENERATION_FIELDS on top (with "vllm": alone).
     generation_config: str = "auto"
     override_generation_config: dict | None = None
+    # LLM.start_profile() / stop_profile(): vLLM's ProfilerConfig, or a dict of its fields
+    # (engine/profiler.py); None: profiling off
+    profiler_config: object = None
     dtype: str | torch.dtype = "auto"       # "auto", a name in DTYPES, or one of their torch dtypes
     quantization: str | None = None         # only None: checkpoints are loaded unquantized
     device: str = "auto"
@@ -144,6 +148,7 @@ class Config:
         if self.block_size is None:
             self.block_size = DEFAULT_BLOCK_SIZE
         self._validate_scalars()
+        self.profiler_config = ProfilerConfig.parse(self.profiler_config)
         if self.chat_template is not None:
             self.chat_template = load_chat_template(self.chat_template)
         if self.device == "auto":

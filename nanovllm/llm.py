@@ -65,6 +65,15 @@ class LLM:
         Return small values: tensors come back through pickling."""
         return self.collective_rpc("apply_model", args=(func,))
 
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """vLLM's: start the profiler that LLM(profiler_config=...) set up, on every rank; trace files
+        are named <profile_prefix>_tp<rank>... (engine/profiler.py). RuntimeError without one."""
+        self.collective_rpc("start_profile", args=(profile_prefix,))
+
+    def stop_profile(self) -> None:
+        """vLLM's: stop the profiler on every rank and write its traces."""
+        self.collective_rpc("stop_profile")
+
     def reset_mm_cache(self) -> None:
         """vLLM's; a text-only engine keeps no multimodal cache, so there is nothing to clear."""
 

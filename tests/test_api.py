@@ -1,5 +1,8 @@
 """The public API: vLLM's input forms and output shapes, bad input, and recovery after errors."""
+import json
+import os
 import re
+import types
 
 import numpy as np
 import pytest
@@ -188,6 +191,31 @@ def test_apply_model_and_collective_rpc(llm):
         llm.apply_model(lambda model: 1 / 0)
     assert len(llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)) == 1
     assert_idle(llm)
+
+
+def test_start_and_stop_profile_write_a_trace(qwen3_dir, tmp_path):
+    """vLLM's profiler_config (a dict, or an object with its fields) and start_profile(prefix) /
+    stop_profile(): a torch trace and the table of ops by time per rank. Without a profiler
+    start_profile is a RuntimeError; a second start or a stop without start is ignored, as vLLM
+    does."""
+    settings = types.SimpleNamespace(profiler="torch", torch_profiler_dir=str(tmp_path / "traces"),
+                                     torch_profiler_use_gzip=False, delay_iterations=0)
+    llm = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=32, profiler_config=settings)
+    llm.start_profile("run1")
+    llm.start_profile()                                  # ignored (a warning)
+    llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3), use_tqdm=False)
+    llm.stop_profile()
+    llm.stop_profile()                                   # ignored (a warning)
+    files = sorted(os.listdir(tmp_path / "traces"))
+    assert len(files) == 2 and files[0] == "profiler_out_0.txt"
+    assert files[1].startswith("run1_tp0.") and files[1].endswith(".pt.trace.json")
+    with open(tmp_path / "traces" / files[1]) as f:
+        assert any("QwenForCausalLM" in e.get("name", "") or "aten::" in e.get("name", "")
+                   for e in json.load(f)["traceEvents"])
+    plain = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=32)
+    with pytest.raises(RuntimeError, match="Profiling is not enabled"):
+        plain.start_profile()
+    assert len(plain.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)) == 1
 
 
 def test_enqueue_chat_renders_as_chat(llm):
@@ -682,6 +710,13 @@ def test_interrupted_generate_aborts_its_requests(llm, monkeypatch):
     (dict(convert="embed"), "convert is not supported"),
     (dict(chat_template="no template here"), "chat_template must be a Jinja template or the path of a file "
                                              "holding one; 'no template here' is neither (no such file)."),
+    (dict(profiler_config={"profiler": "nvtx"}), "profiler_config.profiler must be 'torch', 'cuda' or None, got 'nvtx'."),
+    (dict(profiler_config={"profiler": "torch"}), "profiler_config.torch_profiler_dir must be set when profiler is 'torch'."),
+    (dict(profiler_config={"torch_profiler_dir": "/tmp/t"}), "torch_profiler_dir is only applicable when profiler is "
+                                                             "'torch', got profiler=None."),
+    (dict(profiler_config={"profiler": "torch", "torch_profiler_dir": "/tmp/t", "max_iterations": 3}),
+     "profiler_config.max_iterations is not supported (only 0)"),
+    (dict(profiler_config={"profilr": "torch"}), "profiler_config: unknown field 'profilr'."),
 ])
 def test_bad_engine_arguments(qwen3_dir, kwargs, message):
     with pytest.raises(ValueError) as e:

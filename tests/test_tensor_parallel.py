@@ -163,11 +163,18 @@ def _fail_on_rank_1(runner):
     return "ok"
 
 
-def test_apply_model_and_collective_rpc_reach_every_rank(qwen3_dir):
+def test_apply_model_and_collective_rpc_reach_every_rank(qwen3_dir, tmp_path):
     """apply_model and collective_rpc run on both ranks and return their results by rank; a lambda
     cannot be sent to a worker (ValueError), a worker's exception reaches the caller, a call that
-    times out raises TimeoutError, and in every case the engine goes on working."""
-    with LLM(qwen3_dir, tensor_parallel_size=2, **SMALL) as llm:
+    times out raises TimeoutError, and in every case the engine goes on working. start_profile /
+    stop_profile go through it: each rank writes its trace."""
+    profiler = {"profiler": "torch", "torch_profiler_dir": str(tmp_path)}
+    with LLM(qwen3_dir, tensor_parallel_size=2, profiler_config=profiler, **SMALL) as llm:
+        llm.start_profile()
+        greedy(llm, PROMPTS[:1])
+        llm.stop_profile()
+        traces = sorted(name.split(".")[0] for name in os.listdir(tmp_path) if ".pt.trace.json" in name)
+        assert traces == ["tp0", "tp1"] and os.path.exists(tmp_path / "profiler_out_1.txt")
         (rank0, shard0), (rank1, shard1) = llm.apply_model(_tp_rank_and_shard)
         assert (rank0, rank1) == (0, 1) and shard0 == shard1
         assert llm.collective_rpc(_runner_rank_plus, args=(10,)) == [10, 11]

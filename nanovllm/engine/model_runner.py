@@ -19,6 +19,7 @@ from nanovllm.engine.upload import upload
 from nanovllm.kernels import compile_ahead
 from nanovllm.layers.attention import Attention, AttentionMetadata, MixedDecodes, select_backend
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, token_logprobs
+from nanovllm.engine.profiler import ProfilerConfig, RankProfiler
 from nanovllm.logger import init_logger
 from nanovllm.model.loader import init_dummy_weights, load_model
 from nanovllm.model.qwen3 import QwenForCausalLM
@@ -91,6 +92,7 @@ class ModelRunner:
         hf = config.hf_config
         self.vocab_size = hf.vocab_size
         self.timings: dict[str, float] = {}
+        self.profiler = RankProfiler(config.profiler_config or ProfilerConfig(), tp.rank, self.device)
         start = time.perf_counter()
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
@@ -410,6 +412,12 @@ class ModelRunner:
         prompt_logits = [logits_of(prompt_rows[i:i + PROMPT_LOGITS_ROWS])
                          for i in range(0, len(prompt_rows), PROMPT_LOGITS_ROWS)]
         return logits, prompt_logits
+
+    def start_profile(self, prefix: str | None = None):
+        self.profiler.start(prefix)
+
+    def stop_profile(self):
+        self.profiler.stop()
 
     def apply_model(self, func):
         """func(this rank's model): vLLM's worker method behind LLM.apply_model."""
