@@ -74,6 +74,11 @@ class LLM:
         """vLLM's: stop the profiler on every rank and write its traces."""
         self.collective_rpc("stop_profile")
 
+    def get_metrics(self) -> list:
+        """vLLM's: the engine's metrics now (nanovllm/metrics.py: Counter, Gauge and Histogram objects
+        with vLLM's names and labels). Kept only with LLM(..., disable_log_stats=False)."""
+        return self.llm_engine.get_metrics()
+
     def reset_mm_cache(self) -> None:
         """vLLM's; a text-only engine keeps no multimodal cache, so there is nothing to clear."""
 

@@ -218,6 +218,37 @@ def test_start_and_stop_profile_write_a_trace(qwen3_dir, tmp_path):
     assert len(plain.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)) == 1
 
 
+def test_get_metrics_counts_what_ran(qwen3_dir):
+    """get_metrics() with stat logging on (vLLM's names, labels and types): token and request
+    counters, queue and KV-cache gauges, per-request histograms; an aborted request counts as
+    "abort". With stat logging off (the default) it is a RuntimeError."""
+    from nanovllm.metrics import Counter, Gauge, Histogram
+    llm = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=64, disable_log_stats=False)
+    prompts = PROMPTS[:3]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    first = llm.enqueue([PROMPTS[3]], SamplingParams(max_tokens=4))
+    llm.llm_engine.abort_request(first[0])
+    metrics = {(m.name, m.labels.get("finished_reason")): m for m in llm.get_metrics()}
+    assert all(m.labels["model_name"] == qwen3_dir and m.labels["engine"] == "0" for m in metrics.values())
+    value = lambda name, reason=None: metrics[name, reason].value
+    assert value("vllm:prompt_tokens") == sum(map(len, prompts)) and value("vllm:generation_tokens") == 12
+    assert [value("vllm:request_success", r) for r in ("stop", "length", "abort", "error")] == [0, 3, 1, 0]
+    assert value("vllm:num_requests_running") == value("vllm:num_requests_waiting") == 0
+    assert value("vllm:kv_cache_usage_perc") == 0.0 and value("vllm:num_preemptions") == 0
+    assert value("vllm:prefix_cache_queries") == sum(map(len, prompts)) and value("vllm:prefix_cache_hits") == 0
+    tokens = metrics["vllm:request_prompt_tokens", None]
+    assert isinstance(tokens, Histogram) and tokens.count == 4 and tokens.sum == sum(map(len, PROMPTS[:4]))
+    assert tokens.buckets["+Inf"] == 4 and tokens.buckets["1.0"] == sum(len(p) == 1 for p in PROMPTS[:4]) and list(tokens.buckets)[:3] == ["1.0", "2.0", "5.0"]
+    generated = metrics["vllm:request_generation_tokens", None]
+    assert (generated.count, generated.sum, generated.buckets["5.0"], generated.buckets["2.0"]) == (4, 12, 4, 1)
+    ttft = metrics["vllm:time_to_first_token_seconds", None]
+    assert ttft.count == 3 and 0 < ttft.sum and ttft.buckets["2560.0"] == 3
+    assert isinstance(metrics["vllm:prompt_tokens", None], Counter)
+    assert isinstance(metrics["vllm:num_requests_running", None], Gauge)
+    with pytest.raises(RuntimeError, match="disable_log_stats=False"):
+        LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=16).get_metrics()
+
+
 def test_enqueue_chat_renders_as_chat(llm):
     """enqueue_chat() queues what chat() would run, with chat()'s template options."""
     conversations = [[{"role": "user", "content": "Hello"}], [{"role": "user", "content": "Bye"}]]

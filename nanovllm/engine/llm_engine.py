@@ -16,6 +16,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stat_logger import StatLogger
 from nanovllm.engine.tp_workers import TPWorkers, resolve_method, run_method
 from nanovllm.layers.sampler import SamplerOutput
+from nanovllm.metrics import EngineMetrics, Metric
 from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.heap import freeze_heap, unfreeze_heap
@@ -79,6 +80,7 @@ class LLMEngine:
                                    config.max_model_len, config.enable_chunked_prefill, config.scheduling_policy)
         self.async_scheduling = config.async_scheduling
         self.stat_logger = None if config.disable_log_stats else StatLogger()
+        self.metrics = None if config.disable_log_stats else EngineMetrics(config.model, config.max_model_len)
         self.in_flight: InFlightStep | None = None
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 config.max_model_len)
@@ -183,9 +185,12 @@ class LLMEngine:
     def abort_request(self, request_id: str):
         request = self.requests.pop(request_id, None)
         if request is not None:
-            for seq in request.seqs:
-                if not seq.is_finished:
-                    self.scheduler.finish(seq)
+            aborted = [seq for seq in request.seqs if not seq.is_finished]
+            for seq in aborted:
+                self.scheduler.finish(seq)
+            if self.metrics is not None:
+                self.metrics.record_finished(["abort"] * len(aborted), len(request.prompt_token_ids),
+                                             sum(len(seq.output_token_ids) for seq in request.seqs), request.metrics)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -265,6 +270,8 @@ class LLMEngine:
             if seq.is_finished:   # stopped, or aborted, while this step ran
                 continue
             request = self.requests[seq.request_id]
+            if self.metrics is not None:
+                self.metrics.record_tokens(0 if request.metrics.first_token_time else len(request.prompt_token_ids), 1)
             request.metrics.first_token_time = request.metrics.first_token_time or now
             request.metrics.last_token_time = now
             num_pending = seq.pop_pending()     # this step's token first, then any later ones
@@ -275,12 +282,22 @@ class LLMEngine:
             if seq.finish_reason is None:
                 for _ in range(num_pending - 1):
                     seq.append_pending()
+                if self.metrics is not None:
+                    self.metrics.record_tokens(0, num_pending - 1)
                 continue
             self.scheduler.finish(seq)
             if request.is_finished:
                 request.metrics.finished_time = now
                 finished.append(self._make_output(self.requests.pop(seq.request_id)))
         return finished
+
+    def get_metrics(self) -> list[Metric]:
+        if self.metrics is None:
+            raise RuntimeError("get_metrics() needs stat logging: LLM(..., disable_log_stats=False).")
+        scheduler, blocks = self.scheduler, self.block_manager
+        return self.metrics.snapshot(len(scheduler.running), len(scheduler.waiting),
+                                     1 - blocks.num_free_blocks / blocks.num_blocks, scheduler.num_preemptions,
+                                     scheduler.num_prefix_cache_queries, scheduler.num_prefix_cache_hits)
 
     def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
                        kwargs: dict | None = None) -> list:
@@ -316,6 +333,9 @@ class LLMEngine:
         self.workers.close()
 
     def _make_output(self, request: Request) -> RequestOutput:
+        if self.metrics is not None:
+            self.metrics.record_finished([seq.finish_reason for seq in request.seqs], len(request.prompt_token_ids),
+                                         sum(len(seq.output_token_ids) for seq in request.seqs), request.metrics)
         outputs = [CompletionOutput(
             index=seq.index, text=seq.output_text, token_ids=seq.output_token_ids,
             cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs,
