@@ -265,7 +265,6 @@ class Config:
               f"model_impl must be 'auto' or 'vllm' (nanovllm runs its own model code), got {self.model_impl!r}.")
         check(not self.enable_expert_parallel, "enable_expert_parallel=True is not supported: MoE experts are "
                                                "split across tensor-parallel ranks like the dense MLP.")
-        check(not self.enable_sleep_mode, "enable_sleep_mode=True is not supported (no sleep/wake_up).")
         check(self.logprobs_mode == "raw_logprobs",
               f"logprobs_mode must be 'raw_logprobs' (logprobs of the model's raw distribution, vLLM's "
               f"default), got {self.logprobs_mode!r}.")

@@ -79,6 +79,17 @@ class LLM:
         with vLLM's names and labels). Kept only with LLM(..., disable_log_stats=False)."""
         return self.llm_engine.get_metrics()
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode, with LLM(enable_sleep_mode=True): free the GPU memory of the weights
+        and the KV cache until wake_up(); level 1 keeps the weights in host memory, level 2 forgets
+        them. Requests cannot run meanwhile; the prefix cache is emptied."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's: allocate "weights" and/or "kv_cache" again (None: both). After a level-2 sleep:
+        wake_up(["weights"]), collective_rpc("reload_weights"), then wake_up(["kv_cache"])."""
+        self.llm_engine.wake_up(tags)
+
     def reset_mm_cache(self) -> None:
         """vLLM's; a text-only engine keeps no multimodal cache, so there is nothing to clear."""
 
@@ -113,6 +124,7 @@ class LLM:
         runs them. generate()'s arguments; use_tqdm is accepted (no bar while adding)."""
         if self.closed:
             raise RuntimeError("this LLM is closed; create a new one.")
+        self.llm_engine.check_awake()
         _check_no_lora(lora_request)
         if mm_processor_kwargs is not None:
             raise ValueError(f"mm_processor_kwargs is not supported: nanovllm runs text-only models, "

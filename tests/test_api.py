@@ -249,6 +249,70 @@ def test_get_metrics_counts_what_ran(qwen3_dir):
         LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=16).get_metrics()
 
 
+def _freed(runner) -> tuple[bool, bool]:
+    """Whether the runner's weights and KV cache have no memory (sleep mode frees their storages)."""
+    weight = runner.model.model.layers[0].mlp.down_proj.weight
+    return weight.untyped_storage().nbytes() == 0, runner.kv_cache.untyped_storage().nbytes() == 0
+
+
+def test_sleep_and_wake_up(qwen3_dir):
+    """vLLM's sleep mode: sleep(level=1) frees the weights (kept in host memory) and the KV cache,
+    wake_up() brings them back and the same tokens follow; level 2 forgets the weights, which
+    collective_rpc("reload_weights") loads again. The prefix cache is emptied; while asleep no
+    request is taken; wake_up(tags) wakes one kind of memory at a time. Bad levels and tags are
+    ValueErrors; sleeping with unfinished requests, or without enable_sleep_mode, RuntimeErrors."""
+    llm = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=32, enable_sleep_mode=True)
+    engine, runner = llm.llm_engine, llm.llm_engine.model_runner
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    def tokens():
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    expected = tokens()
+    long_prompt = {"prompt_token_ids": list(range(100, 140))}
+    llm.generate([long_prompt], params, use_tqdm=False)
+    assert llm.generate([long_prompt], params, use_tqdm=False)[0].num_cached_tokens == 32
+    llm.sleep()
+    assert engine.is_sleeping() and _freed(runner) == (True, True)
+    assert runner.hibernations["weights"].backups is not None     # level 1 keeps them on the host
+    with pytest.raises(RuntimeError, match=r"the engine is sleeping \(weights and kv_cache freed\); call wake_up"):
+        llm.generate(PROMPTS, params, use_tqdm=False)
+    assert not engine.requests
+    llm.sleep(level=2)                                   # already asleep: a warning, nothing freed again
+    for tags in ("weights", ["weights", "kv"]):
+        with pytest.raises(ValueError, match=re.escape(f"tags must be a list of 'weights', 'kv_cache', got {tags!r}.")):
+            llm.wake_up(tags)
+    llm.wake_up(["weights"])
+    assert engine.is_sleeping() and _freed(runner) == (False, True)
+    llm.wake_up(["weights"])                             # not asleep: a warning
+    llm.wake_up(["kv_cache"])
+    assert not engine.is_sleeping() and _freed(runner) == (False, False)
+    assert llm.generate([long_prompt], params, use_tqdm=False)[0].num_cached_tokens == 0
+    assert tokens() == expected
+    llm.wake_up()                                        # not asleep: a warning
+
+    llm.sleep(level=2)
+    assert runner.hibernations["weights"].backups is None
+    llm.wake_up(tags=["weights"])
+    llm.collective_rpc("reload_weights")
+    llm.wake_up(tags=["kv_cache"])
+    assert tokens() == expected
+    llm.sleep(level=2)
+    with pytest.raises(RuntimeError, match=re.escape("wake_up(tags=['weights']) before reload_weights()")):
+        llm.collective_rpc("reload_weights")
+    llm.wake_up()
+    llm.collective_rpc("reload_weights")
+    assert tokens() == expected
+
+    with pytest.raises(ValueError, match="level must be 1 or 2, got 3."):
+        llm.sleep(level=3)
+    llm.enqueue([PROMPTS[0]], params)
+    with pytest.raises(RuntimeError, match=r"cannot sleep with 1 unfinished request\(s\)"):
+        llm.sleep()
+    assert [o.outputs[0].token_ids for o in llm.wait_for_completion()] == expected[:1]
+    plain = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=32)
+    with pytest.raises(RuntimeError, match="Sleep mode is not enabled: create the LLM with enable_sleep_mode=True."):
+        plain.sleep()
+
+
 def test_enqueue_chat_renders_as_chat(llm):
     """enqueue_chat() queues what chat() would run, with chat()'s template options."""
     conversations = [[{"role": "user", "content": "Hello"}], [{"role": "user", "content": "Bye"}]]
@@ -715,7 +779,6 @@ def test_interrupted_generate_aborts_its_requests(llm, monkeypatch):
     (dict(model_impl="transformers"), "model_impl must be 'auto' or 'vllm' (nanovllm runs its own model code), "
                                       "got 'transformers'."),
     (dict(enable_expert_parallel=True), "enable_expert_parallel=True is not supported: MoE experts are split"),
-    (dict(enable_sleep_mode=True), "enable_sleep_mode=True is not supported (no sleep/wake_up)."),
     (dict(logprobs_mode="processed_logprobs"), "logprobs_mode must be 'raw_logprobs' (logprobs of the model's raw "
                                                "distribution, vLLM's default), got 'processed_logprobs'."),
     (dict(num_gpu_blocks_override=8, num_kvcache_blocks=9), "num_gpu_blocks_override (8) and num_kvcache_blocks (9) "

@@ -151,6 +151,38 @@ def test_kv_cache_is_sized_from_memory(gpu_model_dir):
     assert set(runner.timings) >= {"load_s", "kv_cache_s", "cuda_graphs_s", "compile_ahead_s"}
 
 
+def test_sleep_gives_memory_back_and_wakes_up_to_the_same_tokens(gpu_model_dir):
+    """Sleep mode on the GPU: sleep(level=1) returns the weights' and the KV cache's memory to the
+    driver, and after wake_up the decode graphs (captured again when an address moved) give the
+    same greedy tokens; so does a level-2 sleep followed by reload_weights."""
+    llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
+              enable_sleep_mode=True)
+    runner = llm.llm_engine.model_runner
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    def tokens():
+        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp,
+                                                             use_tqdm=False)]
+    expected = tokens()
+    weight = runner.model.model.embed_tokens.weight
+    freed_bytes = (runner.kv_cache.numel() * runner.kv_cache.element_size()
+                   + sum(p.numel() * p.element_size() for p in runner.model.parameters()))
+    free_before, graphs_before = torch.cuda.mem_get_info()[0], runner.graphs
+    addresses = weight.data_ptr(), runner.kv_cache.data_ptr()
+    llm.sleep(level=1)
+    assert torch.cuda.mem_get_info()[0] - free_before >= 0.95 * freed_bytes
+    hog = torch.empty(4 << 20, dtype=torch.uint8, device="cuda")   # may take a freed address
+    llm.wake_up()
+    moved = (weight.data_ptr(), runner.kv_cache.data_ptr()) != addresses
+    assert runner.graphs is not None and (runner.graphs is not graphs_before) == moved
+    assert tokens() == expected
+    del hog
+    llm.sleep(level=2)
+    llm.wake_up(tags=["weights"])
+    llm.collective_rpc("reload_weights")
+    llm.wake_up(tags=["kv_cache"])
+    assert tokens() == expected
+
+
 def test_lm_head_sees_only_the_warmed_row_counts(gpu_model_dir):
     """The LM head runs at the graph buckets' row counts (warmed at start-up), whatever the number
     of rows that sample: prompt steps, shrinking decode batches, eager and graphed steps."""

@@ -189,6 +189,28 @@ def test_apply_model_and_collective_rpc_reach_every_rank(qwen3_dir, tmp_path):
         assert greedy(llm, PROMPTS[:2]) == greedy(llm, PROMPTS[:2])
 
 
+def _storages_freed(runner) -> tuple[bool, bool]:
+    weight = runner.model.model.layers[0].self_attn.qkv_proj.weight
+    return weight.untyped_storage().nbytes() == 0, runner.kv_cache.untyped_storage().nbytes() == 0
+
+
+def test_sleep_and_wake_up_on_every_rank(qwen3_dir):
+    """sleep / wake_up reach the workers: each rank frees and refills its own shard and cache, and
+    the same tokens follow (level 1, then level 2 with reload_weights)."""
+    with LLM(qwen3_dir, tensor_parallel_size=2, enable_sleep_mode=True, **SMALL) as llm:
+        expected = greedy(llm, PROMPTS[:2])
+        llm.sleep(level=1)
+        assert llm.collective_rpc(_storages_freed) == [(True, True), (True, True)]
+        llm.wake_up(["weights"])
+        assert llm.collective_rpc(_storages_freed) == [(False, True), (False, True)]
+        llm.wake_up(["kv_cache"])
+        assert greedy(llm, PROMPTS[:2]) == expected
+        llm.sleep(level=2)
+        llm.wake_up()
+        llm.collective_rpc("reload_weights")
+        assert greedy(llm, PROMPTS[:2]) == expected
+
+
 def test_killed_worker_is_named(qwen3_dir):
     llm = LLM(qwen3_dir, tensor_parallel_size=2, **SMALL)
     greedy(llm, PROMPTS[:2])

@@ -13,13 +13,17 @@ from nanovllm.engine.model_runner import ModelRunner, runner_device
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sleep import SLEEP_TAGS
 from nanovllm.engine.stat_logger import StatLogger
 from nanovllm.engine.tp_workers import TPWorkers, resolve_method, run_method
 from nanovllm.layers.sampler import SamplerOutput
+from nanovllm.logger import init_logger
 from nanovllm.metrics import EngineMetrics, Metric
 from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.heap import freeze_heap, unfreeze_heap
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -155,6 +159,7 @@ class LLMEngine:
     def add_request(self, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0, cache_salt: str | None = None) -> str:
         """cache_salt: the request's blocks hit in the prefix cache only for requests with the same salt."""
+        self.check_awake()
         request_id = str(next(self._request_ids))
         params = params.with_vocab_size(self.config.hf_config.vocab_size)
         request = Request(request_id, prompt, list(prompt_token_ids), params)
@@ -315,6 +320,55 @@ class LLMEngine:
             if number is not None:
                 results_of_workers = self.workers.finish_rpc(number, deadline)
         return results if number is None else results + results_of_workers
+
+    # ---- sleep mode (engine/sleep.py) -----------------------------------------------------
+    def sleep(self, level: int = 1):
+        """vLLM's: free the weights' and the KV cache's memory on every rank; level 1 keeps the
+        weights in host memory, level 2 forgets them. The prefix cache is emptied, and no request
+        runs until wake_up()."""
+        if not self.config.enable_sleep_mode:
+            raise RuntimeError("Sleep mode is not enabled: create the LLM with enable_sleep_mode=True.")
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}.")
+        if self.is_sleeping():
+            logger.warning("The engine is already sleeping.")
+            return
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"cannot sleep with {len(self.requests)} unfinished request(s): run them "
+                               f"(LLM.wait_for_completion) or abort them first.")
+        if self.in_flight is not None:   # a launched step whose sequences have all finished
+            self._resolve(self.in_flight)
+            self.in_flight = None
+        self.block_manager.reset_prefix_cache()
+        start = time.perf_counter()
+        freed = self.collective_rpc("sleep", kwargs={"level": level})[0]
+        logger.info(f"It took {time.perf_counter() - start:.2f} seconds to fall asleep (level {level}); "
+                    f"{freed / 2**30:.2f} GiB of weights and KV cache freed on each rank.")
+
+    def wake_up(self, tags: list[str] | None = None):
+        """vLLM's: allocate the tagged memory again on every rank ("weights", "kv_cache"; None:
+        both). After a level-2 sleep, load the weights with collective_rpc("reload_weights")."""
+        if tags is not None and (isinstance(tags, str) or any(tag not in SLEEP_TAGS for tag in tags)):
+            raise ValueError(f"tags must be a list of {', '.join(map(repr, SLEEP_TAGS))}, got {tags!r}.")
+        sleeping = self.model_runner.sleeping_tags
+        if not sleeping:
+            logger.warning("The engine is not sleeping.")
+            return
+        awake = [tag for tag in tags or () if tag not in sleeping]
+        if awake:
+            logger.warning(f"Tag {awake[0]!r} is not in the sleeping tags {sleeping}.")
+            return
+        start = time.perf_counter()
+        self.collective_rpc("wake_up", kwargs={"tags": tags})
+        logger.info(f"It took {time.perf_counter() - start:.2f} seconds to wake up {tags or sleeping}.")
+
+    def is_sleeping(self) -> bool:
+        return bool(self.model_runner.sleeping_tags)
+
+    def check_awake(self):
+        if self.is_sleeping():
+            raise RuntimeError(f"the engine is sleeping ({' and '.join(self.model_runner.sleeping_tags)} freed); "
+                               f"call wake_up() before generating.")
 
     def abort_in_flight(self):
         self.in_flight = None

@@ -13,6 +13,7 @@ from nanovllm.engine.block_table_sync import BlockTableReceiver, BlockTableSende
 from nanovllm.engine.cuda_graph import DecodeGraphs, graph_buckets
 from nanovllm.engine.sampling_inputs import build_sampling_metadata
 from nanovllm.engine.scheduler import SchedulerOutput
+from nanovllm.engine.sleep import SLEEP_TAGS, Hibernation
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import HostBatch, StepInputs, build_step, prompt_spans
 from nanovllm.engine.upload import upload
@@ -102,10 +103,7 @@ class ModelRunner:
                 self.model = QwenForCausalLM(hf, tp)
         finally:
             torch.set_default_dtype(default_dtype)
-        if config.load_format == "dummy":
-            init_dummy_weights(self.model, config.seed + tp.rank)
-        else:
-            load_model(self.model, config.model_path, hf.tie_word_embeddings)
+        self._load_weights()
         self.timings["load_s"] = time.perf_counter() - start
         self.backend = select_backend(config.attention_backend, self.device, config.block_size,
                                       config.kv_cache_torch_dtype.itemsize == 1)
@@ -124,12 +122,11 @@ class ModelRunner:
         if (self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs
                 and self.model.supports_cuda_graphs):
             start = time.perf_counter()
-            self.graphs = DecodeGraphs(
-                self.model, min(config.max_num_seqs, MAX_GRAPH_BATCH_SIZE), self.max_blocks_per_seq,
-                hf.hidden_size, config.torch_dtype, self.device,
-                self.decode_split)
+            self.graphs = self._capture_graphs()
             self.timings["cuda_graphs_s"] = time.perf_counter() - start
             self._add_compile_ahead(self.graphs.compile_s)
+        self.hibernations: dict[str, Hibernation] | None = None   # sleep mode's, made by the first sleep()
+        self.graphs_stale = False   # a woken storage moved since the graphs were captured
         # the LM head computes the logits of n rows for logits_bucket(n) rows (see there)
         self.logits_buckets = graph_buckets(config.max_num_seqs) if self.device.type == "cuda" else []
         if self.logits_buckets:
@@ -144,6 +141,18 @@ class ModelRunner:
                 self.timings["sampler_warm_up_s"] = time.perf_counter() - start
         if tp.rank == 0:
             self._log_startup()
+
+    def _load_weights(self):
+        cfg = self.config
+        if cfg.load_format == "dummy":
+            init_dummy_weights(self.model, cfg.seed + self.tp.rank)
+        else:
+            load_model(self.model, cfg.model_path, cfg.hf_config.tie_word_embeddings)
+
+    def _capture_graphs(self) -> DecodeGraphs:
+        cfg = self.config
+        return DecodeGraphs(self.model, min(cfg.max_num_seqs, MAX_GRAPH_BATCH_SIZE), self.max_blocks_per_seq,
+                            cfg.hf_config.hidden_size, cfg.torch_dtype, self.device, self.decode_split)
 
     def _add_compile_ahead(self, seconds: float | None):
         """Counts a dry pass's seconds (None: none ran) into the start-up's compile_ahead_s."""
@@ -412,6 +421,52 @@ class ModelRunner:
         prompt_logits = [logits_of(prompt_rows[i:i + PROMPT_LOGITS_ROWS])
                          for i in range(0, len(prompt_rows), PROMPT_LOGITS_ROWS)]
         return logits, prompt_logits
+
+    # ---- sleep mode (engine/sleep.py) ---------------------------------------------------------
+    def sleep(self, level: int = 1) -> int:
+        """Free the memory of the KV cache and of the weights; level 1 keeps a host copy of the
+        weights, level 2 forgets them (reload_weights() once they are awake) -> the bytes freed."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)   # no kernel may still be reading what is freed
+        if self.hibernations is None:
+            self.hibernations = {"weights": Hibernation(self.model.parameters()),
+                                 "kv_cache": Hibernation([self.kv_cache])}
+        freed = 0
+        for tag, memory in self.hibernations.items():
+            if not memory.asleep:
+                memory.sleep(keep=tag == "weights" and level == 1)
+                freed += memory.nbytes
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
+
+    def wake_up(self, tags: list[str] | None = None):
+        """Allocate the tagged memory again ("weights", "kv_cache"; None: both). The KV cache comes
+        back zeroed; once both are awake, the CUDA graphs are captured again if an address moved."""
+        for tag in tags or SLEEP_TAGS:
+            memory = self.hibernations[tag] if self.hibernations else None
+            if memory is not None and memory.asleep:
+                self.graphs_stale |= memory.wake_up()
+                if tag == "kv_cache":
+                    self.kv_cache.zero_()
+        if self.graphs is not None and self.graphs_stale and not self.sleeping_tags:
+            self.graphs.reset()
+            self.graphs = None
+            torch.cuda.empty_cache()
+            self.graphs = self._capture_graphs()
+            self.graphs_stale = False
+
+    @property
+    def sleeping_tags(self) -> list[str]:
+        return [tag for tag, memory in (self.hibernations or {}).items() if memory.asleep]
+
+    def reload_weights(self):
+        """Load the weights again from the model's files (load_format="dummy": draw them again), as
+        vLLM's collective_rpc("reload_weights") does after a level-2 sleep."""
+        if "weights" in self.sleeping_tags:
+            raise RuntimeError("the weights are asleep: wake_up(tags=['weights']) before reload_weights().")
+        with torch.no_grad():
+            self._load_weights()
 
     def start_profile(self, prefix: str | None = None):
         self.profiler.start(prefix)
