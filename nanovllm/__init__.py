@@ -1,10 +1,12 @@
 """nanovllm: a small, readable, fast LLM inference engine with vLLM's offline API."""
 from nanovllm.beam_search import BeamSearchOutput, BeamSearchSequence
+from nanovllm.engine.arg_utils import EngineArgs
+from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.inputs import PromptType, TextPrompt, TokensPrompt
 from nanovllm.llm import LLM
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "BeamSearchParams",
-           "BeamSearchOutput", "BeamSearchSequence", "TextPrompt", "TokensPrompt", "PromptType"]
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "TextPrompt", "TokensPrompt", "PromptType"]
 __version__ = "0.1.0"

@@ -6,7 +6,7 @@ from tqdm.auto import tqdm
 from nanovllm.beam_search import BeamSearchOutput, search
 from nanovllm.chat import render_chat
 from nanovllm.config import Config
-from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.llm_engine import LLMEngine, check_no_lora
 from nanovllm.inputs import Tokenization, parse_prompts
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import BeamSearchParams, SamplingParams
@@ -93,14 +93,6 @@ class LLM:
     def reset_mm_cache(self) -> None:
         """vLLM's; a text-only engine keeps no multimodal cache, so there is nothing to clear."""
 
-    # ---- inputs -------------------------------------------------------------------------
-    def _encode(self, index: int, text: str, add_special_tokens: bool = True) -> list[int]:
-        tokenizer = self.llm_engine.tokenizer
-        if tokenizer is None:
-            raise ValueError(f"prompt {index} is a string, but the engine has no tokenizer "
-                             f"(skip_tokenizer_init=True); pass {{'prompt_token_ids': [...]}} instead.")
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
     # ---- generation ---------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm=True, lora_request=None, priority: list[int] | None = None, *,
@@ -125,15 +117,12 @@ class LLM:
         if self.closed:
             raise RuntimeError("this LLM is closed; create a new one.")
         self.llm_engine.check_awake()
-        _check_no_lora(lora_request)
+        check_no_lora(lora_request)
         if mm_processor_kwargs is not None:
             raise ValueError(f"mm_processor_kwargs is not supported: nanovllm runs text-only models, "
                              f"got {mm_processor_kwargs!r:.80}.")
         engine = self.llm_engine
-        tokenization = Tokenization.from_kwargs(tokenization_kwargs, engine.config.max_model_len,
-                                                add_special_tokens=True)
-        parsed = parse_prompts(prompts, lambda i, text: self._encode(i, text, tokenization.add_special_tokens))
-        parsed = [p._replace(token_ids=tokenization.truncate(p.token_ids, engine.tokenizer)) for p in parsed]
+        parsed = engine.parse_prompts(prompts, tokenization_kwargs)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -146,20 +135,9 @@ class LLM:
             raise ValueError(f"sampling_params has {len(sampling_params)} entries but there are "
                              f"{len(parsed)} prompts; pass one SamplingParams or one per prompt.")
         priority = self._check_priority(priority, len(parsed))
-        # Validate the whole call before any request is added: a bad prompt leaves no trace.
-        for i, (prompt, params) in enumerate(zip(parsed, sampling_params)):
-            if not isinstance(params, SamplingParams):
-                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}.")
-            keep = params.truncate_prompt_tokens
-            if keep is not None:   # the prompt's last tokens, as vLLM truncated by this field
-                max_model_len = engine.config.max_model_len
-                if keep > max_model_len:
-                    raise ValueError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
-                                     f"({max_model_len}). Please, select a smaller truncation size.")
-                keep = max_model_len if keep == -1 else keep
-                parsed[i] = prompt._replace(token_ids=prompt.token_ids[-keep:])
-            engine.validate_request(i, parsed[i].token_ids, params)
-        return [engine.add_request(prompt.text, prompt.token_ids, params, rank, prompt.cache_salt)
+        # Check the whole call before any request is added: a bad prompt leaves no trace.
+        parsed = [engine.check_request(i, prompt, params) for i, (prompt, params) in enumerate(zip(parsed, sampling_params))]
+        return [engine.add_tokens(prompt.text, prompt.token_ids, params, rank, prompt.cache_salt)
                 for prompt, params, rank in zip(parsed, sampling_params, priority)]
 
     def wait_for_completion(self, output_type=None, *, use_tqdm=True) -> list[RequestOutput]:
@@ -198,7 +176,7 @@ class LLM:
                               postfix=speed.format(0, 0), disable=not use_tqdm) as pbar:
                 prompt_tokens = output_tokens = 0
                 while engine.has_unfinished_requests():
-                    finished, _ = engine.step()
+                    finished, _ = engine.run_step()
                     for output in finished:
                         outputs[output.request_id] = output
                         if use_tqdm:
@@ -224,7 +202,7 @@ class LLM:
         BeamSearchOutput per prompt, in input order. lora_request: vLLM's; only None."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
-        _check_no_lora(lora_request)
+        check_no_lora(lora_request)
         if concurrency_limit is not None and (isinstance(concurrency_limit, bool)
                                               or not isinstance(concurrency_limit, int) or concurrency_limit < 1):
             raise ValueError(f"concurrency_limit must be a positive int or None, got {concurrency_limit!r}.")
@@ -232,7 +210,7 @@ class LLM:
         if 2 * params.beam_width > engine.config.logprobs_cap:
             raise ValueError(f"beam_width must be at most max_logprobs / 2 = {engine.config.logprobs_cap // 2} "
                              f"(each step asks for 2 x beam_width logprobs), got {params.beam_width}.")
-        parsed = parse_prompts(prompts, self._encode)
+        parsed = parse_prompts(prompts, self.llm_engine.encode)
         whole = SamplingParams(max_tokens=params.max_tokens, ignore_eos=True)
         for i, prompt in enumerate(parsed):
             engine.validate_request(i, prompt.token_ids, whole)
@@ -282,10 +260,3 @@ class LLM:
                               chat_template_kwargs, tokenization.add_special_tokens)
         truncation = {k: v for k, v in (tokenization_kwargs or {}).items() if k != "add_special_tokens"}
         return prompts, truncation
-
-
-def _check_no_lora(lora_request):
-    """vLLM's lora_request argument: only None (no LoRA adapters here)."""
-    if lora_request is not None:
-        raise ValueError(f"lora_request is not supported (nanovllm runs the base model only), "
-                         f"got {lora_request!r:.80}.")

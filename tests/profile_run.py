@@ -60,7 +60,7 @@ def run_steps(llm, prompts, settings, on_step=None, host_profile_steps=(),
     fields of every request (top_k, top_p)."""
     engine = llm.llm_engine
     for ids, (max_tokens, temperature) in zip(prompts, settings):
-        engine.add_request(None, ids, SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
+        engine.add_tokens(None, ids, SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
                                                      **params))
     steps = []
     waits = EventWaits()
@@ -70,7 +70,7 @@ def run_steps(llm, prompts, settings, on_step=None, host_profile_steps=(),
         with waits:
             if host_profile:
                 host_profile.enable()
-            _, stats = engine.step()
+            _, stats = engine.run_step()
             if host_profile:
                 host_profile.disable()
         elapsed = time.perf_counter() - start

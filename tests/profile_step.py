@@ -39,30 +39,30 @@ def main():
     llm.generate(prompts[:2], SamplingParams(max_tokens=2), use_tqdm=False)
     engine = llm.llm_engine
     for p in prompts:
-        engine.add_request(None, p["prompt_token_ids"], SamplingParams(max_tokens=64, ignore_eos=True))
-    engine.step()                                     # the prefill steps
+        engine.add_tokens(None, p["prompt_token_ids"], SamplingParams(max_tokens=64, ignore_eos=True))
+    engine.run_step()                                     # the prefill steps
     while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
+        engine.run_step()
     torch.cuda.synchronize()
     t = time.perf_counter()
     n = 0
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(10):
-            engine.step()
+            engine.run_step()
             n += 1
     print(f"engine decode step, batch 256: {(time.perf_counter() - t) / n * 1000:.3f} ms (under the profiler)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
     while engine.has_unfinished_requests():
-        engine.step()
+        engine.run_step()
     # Host time of a step without the profiler: the same decode loop, timed.
     for p in prompts:
-        engine.add_request(None, p["prompt_token_ids"], SamplingParams(max_tokens=64, ignore_eos=True))
+        engine.add_tokens(None, p["prompt_token_ids"], SamplingParams(max_tokens=64, ignore_eos=True))
     while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
+        engine.run_step()
     torch.cuda.synchronize()
     t, n = time.perf_counter(), 0
     while engine.has_unfinished_requests() and n < 40:
-        engine.step()
+        engine.run_step()
         n += 1
     print(f"engine decode step, batch 256: {(time.perf_counter() - t) / n * 1000:.3f} ms (no profiler)")
 

@@ -738,7 +738,7 @@ def test_request_larger_than_the_whole_cache_is_rejected(qwen3_dir):
 
 def test_interrupted_generate_aborts_its_requests(llm, monkeypatch):
     engine = llm.llm_engine
-    real_step, calls = engine.step, []
+    real_step, calls = engine.run_step, []
 
     def step():
         calls.append(1)
@@ -746,7 +746,7 @@ def test_interrupted_generate_aborts_its_requests(llm, monkeypatch):
             raise KeyboardInterrupt
         return real_step()
 
-    monkeypatch.setattr(engine, "step", step)
+    monkeypatch.setattr(engine, "run_step", step)
     with pytest.raises(KeyboardInterrupt):
         llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=20), use_tqdm=False)
     monkeypatch.undo()

@@ -113,7 +113,7 @@ def test_worker_killed_mid_generate_is_named(tp_model_dir, enforce_eager, custom
               enforce_eager=enforce_eager, disable_custom_all_reduce=not custom_all_reduce)
     engine = llm.llm_engine
     assert (engine.workers.group.custom_all_reduce is not None) == custom_all_reduce
-    real_step, calls, pid = engine.step, [], engine.workers.procs[0].pid
+    real_step, calls, pid = engine.run_step, [], engine.workers.procs[0].pid
 
     def step():
         calls.append(1)
@@ -121,7 +121,7 @@ def test_worker_killed_mid_generate_is_named(tp_model_dir, enforce_eager, custom
             os.kill(pid, signal.SIGKILL)
         return real_step()
 
-    engine.step = step
+    engine.run_step = step
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="worker rank 1"):
         llm.generate([[1, 2, 3, i] for i in range(32)], SamplingParams(max_tokens=900, ignore_eos=True),

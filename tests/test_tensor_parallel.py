@@ -105,7 +105,7 @@ def test_exception_in_generate_ends_workers(qwen3_dir, monkeypatch):
     llm = LLM(qwen3_dir, tensor_parallel_size=2, **SMALL)
     pids = worker_pids(llm)
     engine = llm.llm_engine
-    real_step, calls = engine.step, []
+    real_step, calls = engine.run_step, []
 
     def step():
         calls.append(1)
@@ -113,7 +113,7 @@ def test_exception_in_generate_ends_workers(qwen3_dir, monkeypatch):
             raise RuntimeError("boom")
         return real_step()
 
-    monkeypatch.setattr(engine, "step", step)
+    monkeypatch.setattr(engine, "run_step", step)
     with pytest.raises(RuntimeError, match="boom"):
         llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert not any(alive(pid) for pid in pids)

@@ -8,14 +8,17 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from nanovllm.config import GENERATION_FIELDS, Config
 from nanovllm.distributed import SINGLE
+from nanovllm.engine.arg_utils import EngineArgs
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.model_runner import ModelRunner, runner_device
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.sleep import SLEEP_TAGS
+from nanovllm.engine.streaming import OutputStreamer
 from nanovllm.engine.stat_logger import StatLogger
 from nanovllm.engine.tp_workers import TPWorkers, resolve_method, run_method
+from nanovllm.inputs import Prompt, PromptType, Tokenization, parse_prompts
 from nanovllm.layers.sampler import SamplerOutput
 from nanovllm.logger import init_logger
 from nanovllm.metrics import EngineMetrics, Metric
@@ -90,7 +93,15 @@ class LLMEngine:
                                                 config.max_model_len)
         self.requests: dict[str, Request] = {}
         self._request_ids = count()
+        self.just_finished: list[Request] = []   # the requests the latest step finished
+        self.streamer: OutputStreamer | None = None   # step()'s, made by its first call
         freeze_heap()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, usage_context=None, stat_loggers=None,
+                         enable_multiprocessing: bool = False) -> "LLMEngine":
+        """vLLM's way to make an engine without the LLM facade (then add_request / step)."""
+        return cls(engine_args.create_engine_config())
 
     def _load_generation_config(self) -> GenerationConfig | None:
         """The model's generation_config.json, or config.generation_config's folder's; None with
@@ -122,6 +133,36 @@ class LLMEngine:
                                  if fields.get(key) is not None})
 
     # ---- requests -----------------------------------------------------------------------
+    def encode(self, index: int, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"prompt {index} is a string, but the engine has no tokenizer "
+                             f"(skip_tokenizer_init=True); pass {{'prompt_token_ids': [...]}} instead.")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def parse_prompts(self, prompts, tokenization_kwargs: dict | None = None) -> list[Prompt]:
+        """Any of vLLM's prompt forms (inputs.py) -> Prompts, tokenized and truncated as
+        tokenization_kwargs say (inputs.Tokenization)."""
+        tokenization = Tokenization.from_kwargs(tokenization_kwargs, self.config.max_model_len,
+                                                add_special_tokens=True)
+        parsed = parse_prompts(prompts, lambda i, text: self.encode(i, text, tokenization.add_special_tokens))
+        return [p._replace(token_ids=tokenization.truncate(p.token_ids, self.tokenizer)) for p in parsed]
+
+    def check_request(self, index: int, prompt: Prompt, params: SamplingParams) -> Prompt:
+        """The prompt as it will run (truncated to params.truncate_prompt_tokens); ValueError if
+        the request could never run. Changes nothing."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params[{index}] must be a SamplingParams, got {type(params).__name__}.")
+        keep = params.truncate_prompt_tokens
+        if keep is not None:   # the prompt's last tokens, as vLLM truncated by this field
+            max_model_len = self.config.max_model_len
+            if keep > max_model_len:
+                raise ValueError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+                                 f"({max_model_len}). Please, select a smaller truncation size.")
+            keep = max_model_len if keep == -1 else keep
+            prompt = prompt._replace(token_ids=prompt.token_ids[-keep:])
+        self.validate_request(index, prompt.token_ids, params)
+        return prompt
+
     def validate_request(self, index: int, prompt_token_ids: list[int], params: SamplingParams):
         """Raise ValueError if this request could never run. Changes nothing."""
         cfg = self.config
@@ -156,13 +197,39 @@ class LLMEngine:
             raise ValueError(f"Requested prompt logprobs of {params.prompt_logprobs}, which is greater "
                              f"than max allowed: {cfg.logprobs_cap}.")
 
-    def add_request(self, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, priority: int = 0, cache_salt: str | None = None) -> str:
-        """cache_salt: the request's blocks hit in the prefix cache only for requests with the same salt."""
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None, lora_request=None, tokenization_kwargs: dict | None = None,
+                    trace_headers=None, priority: int = 0) -> str:
+        """vLLM's LLMEngine.add_request: one prompt in any of vLLM's forms, under the caller's
+        request id; step() then reports it. A bad request is a ValueError and adds nothing."""
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str, got {request_id!r:.80}.")
+        if request_id in self.requests:
+            raise ValueError(f"Request id {request_id} already running.")
+        check_no_lora(lora_request)
+        if not isinstance(priority, int) or (priority and self.config.scheduling_policy != "priority"):
+            raise ValueError(f"priority {priority!r:.80} needs scheduling_policy='priority' and an int; "
+                             f"the scheduling policy is {self.config.scheduling_policy!r}.")
         self.check_awake()
-        request_id = str(next(self._request_ids))
+        [prompt] = self.parse_prompts([prompt], tokenization_kwargs)
+        prompt = self.check_request(0, prompt, params)
+        return self.add_tokens(prompt.text, prompt.token_ids, params, priority, prompt.cache_salt,
+                               request_id, arrival_time)
+
+    def add_tokens(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                   priority: int = 0, cache_salt: str | None = None, request_id: str | None = None,
+                   arrival_time: float | None = None) -> str:
+        """Add a checked request (check_request) -> its id (the next number when none is given).
+        cache_salt: the request's blocks hit in the prefix cache only for requests with the same salt."""
+        self.check_awake()
+        if request_id is None:
+            request_id = str(next(self._request_ids))
+            while request_id in self.requests:   # taken by a caller of add_request
+                request_id = str(next(self._request_ids))
         params = params.with_vocab_size(self.config.hf_config.vocab_size)
         request = Request(request_id, prompt, list(prompt_token_ids), params)
+        if arrival_time is not None:
+            request.metrics.arrival_time = arrival_time
         bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
         for index in range(params.n):
             child_params = params
@@ -187,7 +254,15 @@ class LLMEngine:
                 sequences.append(spaced)
         return sequences
 
-    def abort_request(self, request_id: str):
+    def abort_request(self, request_ids: str | list[str]):
+        """End these requests (vLLM's takes a list of ids; one id is taken too); unknown ids are
+        skipped. Their outputs are dropped."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self._abort(request_id)
+        if self.streamer is not None:
+            self.streamer.forget(self.requests)
+
+    def _abort(self, request_id: str):
         request = self.requests.pop(request_id, None)
         if request is not None:
             aborted = [seq for seq in request.seqs if not seq.is_finished]
@@ -200,8 +275,22 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
     # ---- the step -----------------------------------------------------------------------
-    def step(self) -> tuple[list[RequestOutput], StepStats]:
+    def step(self) -> list[RequestOutput]:
+        """vLLM's LLMEngine.step: run one step -> a RequestOutput for each request with new
+        output, as its SamplingParams.output_kind asks (engine/streaming.py)."""
+        if self.streamer is None:
+            self.streamer = OutputStreamer(self._make_output)
+        finished, _ = self.run_step()
+        return self.streamer.outputs(self.requests.values(), self.just_finished, finished)
+
+    def run_step(self) -> tuple[list[RequestOutput], StepStats]:
         """Schedule and launch one batch; return the requests that finished.
 
         With async scheduling the host reads a step's sampled tokens only after it has launched
@@ -210,6 +299,7 @@ class LLMEngine:
         one token of work. Requests with penalties or multi-token bad words need every output
         token on the host, so the engine reads the pending step first whenever one is in it."""
         finished = []
+        self.just_finished = []
         if self.in_flight is not None and any(s.needs_output_ids_on_host for s in self.in_flight.seqs):
             finished += self._resolve(self.in_flight)
             self.in_flight = None
@@ -293,7 +383,12 @@ class LLMEngine:
             self.scheduler.finish(seq)
             if request.is_finished:
                 request.metrics.finished_time = now
-                finished.append(self._make_output(self.requests.pop(seq.request_id)))
+                if self.metrics is not None:
+                    self.metrics.record_finished([seq.finish_reason for seq in request.seqs],
+                                                 len(request.prompt_token_ids),
+                                                 sum(len(seq.output_token_ids) for seq in request.seqs), request.metrics)
+                self.just_finished.append(self.requests.pop(seq.request_id))
+                finished.append(self._make_output(request))
         return finished
 
     def get_metrics(self) -> list[Metric]:
@@ -386,18 +481,16 @@ class LLMEngine:
             runner.graphs = None
         self.workers.close()
 
-    def _make_output(self, request: Request) -> RequestOutput:
-        if self.metrics is not None:
-            self.metrics.record_finished([seq.finish_reason for seq in request.seqs], len(request.prompt_token_ids),
-                                         sum(len(seq.output_token_ids) for seq in request.seqs), request.metrics)
+    def _make_output(self, request: Request, seqs: list[Sequence] | None = None) -> RequestOutput:
+        """request's output so far, of all its sequences or of seqs: the tokens the host has read."""
         outputs = [CompletionOutput(
-            index=seq.index, text=seq.output_text, token_ids=seq.output_token_ids,
+            index=seq.index, text=seq.output_text, token_ids=seq.token_ids[seq.num_prompt_tokens:seq.num_resolved_tokens],
             cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason) for seq in request.seqs]
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason) for seq in seqs or request.seqs]
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids, prompt_logprobs=request.seqs[0].prompt_logprobs,
-            outputs=outputs, finished=True, num_cached_tokens=request.seqs[0].num_cached_tokens,
+            outputs=outputs, finished=request.is_finished, num_cached_tokens=request.seqs[0].num_cached_tokens,
             num_cache_creation_tokens=self._num_cache_creation_tokens(request), metrics=request.metrics)
 
     def _num_cache_creation_tokens(self, request: Request) -> int:
@@ -408,3 +501,10 @@ class LLMEngine:
         block_size = self.config.block_size
         full = len(request.prompt_token_ids) // block_size * block_size
         return max(0, full - request.seqs[0].num_cached_tokens)
+
+
+def check_no_lora(lora_request):
+    """vLLM's lora_request argument: only None (no LoRA adapters here)."""
+    if lora_request is not None:
+        raise ValueError(f"lora_request is not supported (nanovllm runs the base model only), "
+                         f"got {lora_request!r:.80}.")

@@ -1,0 +1,160 @@
+"""vLLM's engine API without the LLM facade: EngineArgs (from code or the command line),
+LLMEngine.from_engine_args, add_request(request_id, prompt, params), step() streaming each
+request's outputs as its output_kind asks, abort_request."""
+import pytest
+
+from conftest import make_prompts
+from nanovllm import LLM, EngineArgs, LLMEngine, SamplingParams
+from nanovllm.sampling_params import RequestOutputKind
+from nanovllm.utils.argparse_utils import FlexibleArgumentParser
+
+PROMPTS = make_prompts()
+SETTINGS = dict(dtype="float32", block_size=16, num_kvcache_blocks=64, max_model_len=256)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def engine(qwen3_dir, request):
+    return LLMEngine.from_engine_args(EngineArgs(model=qwen3_dir, async_scheduling=request.param, **SETTINGS))
+
+
+def run_to_end(engine) -> list:
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    return outputs
+
+
+def assert_idle(engine):
+    assert not engine.has_unfinished_requests() and engine.get_num_unfinished_requests() == 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.streamer.sent
+
+
+def test_the_vllm_engine_example_runs(qwen3_dir, tokenizer):
+    """vLLM's offline LLMEngine example: engine arguments from the command line (either flag
+    spelling), requests added while stepping, finished outputs printed; the tokens are those
+    LLM.generate gives."""
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", qwen3_dir, "--dtype", "float32", "--block_size", "16",
+                              "--num-kvcache-blocks=64", "--no-enable-prefix-caching", "--max-model-len", "256",
+                              "--hf-overrides", '{"rms_norm_eps": 1e-06}'])
+    engine_args = EngineArgs.from_cli_args(args)
+    assert (engine_args.block_size, engine_args.enable_prefix_caching, engine_args.max_num_seqs) == (16, False, 512)
+    engine = LLMEngine.from_engine_args(engine_args)
+    assert engine.config.hf_config.rms_norm_eps == 1e-6 and not engine.config.enable_prefix_caching
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    pending = [("Hello world", params), (PROMPTS[1], params), ({"prompt_token_ids": PROMPTS[2]}, params)]
+    finished, request_id = {}, 0
+    while pending or engine.has_unfinished_requests():
+        if pending:
+            prompt, sampling_params = pending.pop(0)
+            engine.add_request(str(request_id), prompt, sampling_params)
+            request_id += 1
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    assert sorted(finished) == ["0", "1", "2"]
+    expected = LLM(qwen3_dir, **SETTINGS).generate(["Hello world", PROMPTS[1], PROMPTS[2]], params, use_tqdm=False)
+    assert [finished[str(i)].outputs[0].token_ids for i in range(3)] == [o.outputs[0].token_ids for o in expected]
+    assert finished["0"].prompt == "Hello world" and finished["0"].prompt_token_ids == tokenizer.encode("Hello world")
+    assert engine.get_tokenizer() is engine.tokenizer
+
+
+def test_output_kinds_stream_as_in_vllm(engine):
+    """CUMULATIVE: an output per new token, each the completion so far; DELTA: only the new
+    token and text each time, adding up to the completion; FINAL_ONLY: one output at the end."""
+    kinds = {"cumulative": RequestOutputKind.CUMULATIVE, "delta": RequestOutputKind.DELTA,
+             "final": RequestOutputKind.FINAL_ONLY}
+    for name, kind in kinds.items():
+        engine.add_request(name, {"prompt_token_ids": PROMPTS[3]},
+                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1, output_kind=kind))
+    by_request = {name: [] for name in kinds}
+    for output in run_to_end(engine):
+        by_request[output.request_id].append(output)
+    final = by_request["final"]
+    assert len(final) == 1 and final[0].finished
+    tokens, text = final[0].outputs[0].token_ids, final[0].outputs[0].text
+    assert len(tokens) == 8
+
+    cumulative = by_request["cumulative"]
+    assert [len(o.outputs[0].token_ids) for o in cumulative] == list(range(1, 9))
+    assert [o.finished for o in cumulative] == [False] * 7 + [True]
+    assert all(o.outputs[0].token_ids == tokens[:i + 1] and len(o.outputs[0].logprobs) == i + 1
+               for i, o in enumerate(cumulative))
+    assert cumulative[-1].outputs[0].text == text and cumulative[-1].outputs[0].finish_reason == "length"
+
+    delta = by_request["delta"]
+    assert [o.outputs[0].token_ids for o in delta] == [[t] for t in tokens]
+    assert "".join(o.outputs[0].text for o in delta) == text
+    assert all(len(o.outputs[0].logprobs) == 1 for o in delta) and delta[-1].finished
+    assert_idle(engine)
+
+
+def test_stop_string_is_never_streamed(engine):
+    """With a stop string, the last characters that could begin it are held back until the
+    completion ends, so the streamed text never shows what the stop string cuts."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.add_request("free", {"prompt_token_ids": PROMPTS[4]}, params)
+    [free] = [o for o in run_to_end(engine) if o.finished]
+    text = free.outputs[0].text
+    cut = next(i for i in range(6, len(text) - 3) if text.index(text[i:i + 3]) == i)   # its first occurrence
+    stop = text[cut:cut + 3]
+    engine.add_request("stopped", {"prompt_token_ids": PROMPTS[4]},
+                       SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop],
+                                      output_kind=RequestOutputKind.DELTA))
+    deltas = [o.outputs[0].text for o in run_to_end(engine)]
+    assert "".join(deltas) == text[:cut] and all(stop not in d for d in deltas) and len(deltas) > 2
+    assert_idle(engine)
+
+
+def test_n_completions_stream_one_by_one(engine):
+    """As in vLLM, with n > 1 each completion streams as its own output (its index tells which);
+    FINAL_ONLY gives them together."""
+    streamed = SamplingParams(n=2, seed=3, temperature=1.0, max_tokens=5, ignore_eos=True)
+    engine.add_request("streamed", {"prompt_token_ids": PROMPTS[5]}, streamed)
+    engine.add_request("together", {"prompt_token_ids": PROMPTS[5]},
+                       SamplingParams(n=2, seed=3, temperature=1.0, max_tokens=5, ignore_eos=True,
+                                      output_kind=RequestOutputKind.FINAL_ONLY))
+    outputs = run_to_end(engine)
+    [together] = [o for o in outputs if o.request_id == "together"]
+    streamed_outputs = [o for o in outputs if o.request_id == "streamed"]
+    assert all(len(o.outputs) == 1 for o in streamed_outputs)
+    last = {o.outputs[0].index: o.outputs[0].token_ids for o in streamed_outputs}
+    assert last == {c.index: c.token_ids for c in together.outputs} and len(last) == 2
+    assert streamed_outputs[-1].finished and not streamed_outputs[0].finished
+    assert_idle(engine)
+
+
+def test_bad_requests_and_aborts_leave_the_engine_usable(engine):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("a", PROMPTS[0], params)
+    with pytest.raises(ValueError, match="Request id a already running."):
+        engine.add_request("a", PROMPTS[1], params)
+    for request_id, prompt, kwargs, message in [
+            (7, PROMPTS[1], {}, "request_id must be a str, got 7."),
+            ("b", [1, 10 ** 6], {}, "prompt 0: token id 1000000 is out of vocabulary"),
+            ("b", PROMPTS[1], {"lora_request": object()}, "lora_request is not supported"),
+            ("b", PROMPTS[1], {"priority": 1}, "priority 1 needs scheduling_policy='priority'"),
+            ("b", PROMPTS[1], {"tokenization_kwargs": {"padding": True}}, "tokenization_kwargs: 'padding' not supported")]:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(request_id, prompt, params, **kwargs)
+    with pytest.raises(ValueError, match="sampling_params\\[0\\] must be a SamplingParams"):
+        engine.add_request("b", PROMPTS[1], {"max_tokens": 3})
+    assert list(engine.requests) == ["a"]
+    engine.add_request("c", PROMPTS[2], params)
+    engine.step()
+    engine.abort_request(["a", "no-such-id"])
+    assert engine.get_num_unfinished_requests() == 1
+    outputs = run_to_end(engine)
+    assert {o.request_id for o in outputs} == {"c"} and outputs[-1].finished
+    assert_idle(engine)
+
+
+def test_engine_args_read_as_config_defaults_and_are_checked(qwen3_dir):
+    args = EngineArgs(model=qwen3_dir, max_num_seqs=8)
+    assert (args.model, args.max_num_seqs, args.gpu_memory_utilization) == (qwen3_dir, 8, 0.9)
+    with pytest.raises(AttributeError, match="EngineArgs has no argument 'no_such_arg'"):
+        args.no_such_arg
+    with pytest.raises(ValueError, match="unexpected keyword argument\\(s\\): max_num_seq\\b"):
+        LLMEngine.from_engine_args(EngineArgs(model=qwen3_dir, max_num_seq=8))
+    assert EngineArgs().model == "Qwen/Qwen3-0.6B"
