@@ -42,8 +42,7 @@ class LLM:
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Forget the cached prompt blocks; True once done (vLLM's return value). Nothing runs
         between calls and there is no KV connector, so vLLM's two options change nothing here."""
-        self.llm_engine.block_manager.reset_prefix_cache()
-        return True
+        return self.llm_engine.reset_prefix_cache()
 
     def get_default_sampling_params(self) -> SamplingParams:
         return self.llm_engine.default_sampling_params()
@@ -68,11 +67,11 @@ class LLM:
     def start_profile(self, profile_prefix: str | None = None) -> None:
         """vLLM's: start the profiler that LLM(profiler_config=...) set up, on every rank; trace files
         are named <profile_prefix>_tp<rank>... (engine/profiler.py). RuntimeError without one."""
-        self.collective_rpc("start_profile", args=(profile_prefix,))
+        self.llm_engine.start_profile(profile_prefix)
 
     def stop_profile(self) -> None:
         """vLLM's: stop the profiler on every rank and write its traces."""
-        self.collective_rpc("stop_profile")
+        self.llm_engine.stop_profile()
 
     def get_metrics(self) -> list:
         """vLLM's: the engine's metrics now (nanovllm/metrics.py: Counter, Gauge and Histogram objects
@@ -92,6 +91,22 @@ class LLM:
 
     def reset_mm_cache(self) -> None:
         """vLLM's; a text-only engine keeps no multimodal cache, so there is nothing to clear."""
+
+    # vLLM's pooling-model entry points: not for a generative model
+    def encode(self, *args, **kwargs):
+        _refuse_pooling("encode")
+
+    def embed(self, *args, **kwargs):
+        _refuse_pooling("embed")
+
+    def classify(self, *args, **kwargs):
+        _refuse_pooling("classify")
+
+    def score(self, *args, **kwargs):
+        _refuse_pooling("score")
+
+    def reward(self, *args, **kwargs):
+        _refuse_pooling("reward")
 
     # ---- generation ---------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -260,3 +275,8 @@ class LLM:
                               chat_template_kwargs, tokenization.add_special_tokens)
         truncation = {k: v for k, v in (tokenization_kwargs or {}).items() if k != "add_special_tokens"}
         return prompts, truncation
+
+
+def _refuse_pooling(method: str):
+    raise ValueError(f"LLM.{method}() is for pooling models (embeddings, classifiers, scores); nanovllm runs "
+                     f"generative models only: use generate() or chat().")

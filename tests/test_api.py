@@ -327,6 +327,12 @@ def test_enqueue_chat_renders_as_chat(llm):
     assert_idle(llm)
 
 
+@pytest.mark.parametrize("method", ["encode", "embed", "classify", "score", "reward"])
+def test_pooling_entry_points_say_generative_only(llm, method):
+    with pytest.raises(ValueError, match=f"LLM.{method}\\(\\) is for pooling models .* generative models only"):
+        getattr(llm, method)(["Hello"])
+
+
 def test_world_size_and_mm_cache(llm):
     assert llm.get_world_size() == llm.get_world_size(include_dp=False) == 1
     assert llm.reset_mm_cache() is None
@@ -574,8 +580,8 @@ def test_generation_config_and_its_overrides(qwen3_dir, tmp_path):
 
 
 def test_sampler_kernels_warm_up_for_the_models_own_top_k_or_top_p(qwen3_dir, monkeypatch):
-    """The top-k/top-p kernels are compiled at start-up with the defaults' top_k and top_p when
-    the generation config (or its override) sets a top_k or a top_p, and not otherwise."""
+    """The sampler's kernels are compiled at start-up, with the defaults' top_k and top_p when
+    the generation config (or its override) sets a top_k or a top_p (the plain path otherwise)."""
     from nanovllm.layers.sampler import Sampler
     calls = []
     monkeypatch.setattr(Sampler, "warm_up", lambda self, *args: calls.append(args) or False)
@@ -584,7 +590,7 @@ def test_sampler_kernels_warm_up_for_the_models_own_top_k_or_top_p(qwen3_dir, mo
     LLM(qwen3_dir, generation_config="vllm", override_generation_config={"top_p": 0.9}, **sizes)
     assert [args[2:] for args in calls] == [(8, 20, 0.95), (8, 0, 0.9)]
     LLM(qwen3_dir, generation_config="vllm", override_generation_config={"temperature": 0.7}, **sizes)
-    assert len(calls) == 2
+    assert calls[2][2:] == (8, 0, 1.0)
 
 
 @pytest.mark.parametrize("kwargs, message", [

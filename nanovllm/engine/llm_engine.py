@@ -465,6 +465,16 @@ class LLMEngine:
             raise RuntimeError(f"the engine is sleeping ({' and '.join(self.model_runner.sleeping_tags)} freed); "
                                f"call wake_up() before generating.")
 
+    def reset_prefix_cache(self) -> bool:
+        self.block_manager.reset_prefix_cache()
+        return True
+
+    def start_profile(self, profile_prefix: str | None = None):
+        self.collective_rpc("start_profile", args=(profile_prefix,))
+
+    def stop_profile(self):
+        self.collective_rpc("stop_profile")
+
     def abort_in_flight(self):
         self.in_flight = None
 

@@ -79,8 +79,9 @@ class ModelRunner:
                  sampling_defaults: SamplingParams | None = None):
         """tp: this rank's tensor-parallel group. workers: on rank 0 with tensor parallelism,
         the TPWorkers that mirror every step. sampling_defaults: the requests' default
-        SamplingParams (the model's generation config); with a top_k, the sampler's top-k
-        kernels are compiled at start-up (Qwen3's own defaults are top_k 20, top_p 0.95)."""
+        SamplingParams (the model's generation config): the sampler's kernels are compiled at
+        start-up for the model's dtype, with its top_k / top_p if it sets them (Qwen3's own
+        defaults are top_k 20, top_p 0.95)."""
         self.config = config
         self.tp, self.workers = tp, workers
         self.table_sender = BlockTableSender() if workers is not None else None
@@ -133,8 +134,7 @@ class ModelRunner:
             start = time.perf_counter()
             self._warm_up_logits(hf.hidden_size, config.torch_dtype)
             self.timings["logits_warm_up_s"] = time.perf_counter() - start
-        if self.sampler is not None and sampling_defaults is not None and (
-                sampling_defaults.top_k > 0 or sampling_defaults.top_p < 1.0):
+        if self.sampler is not None and sampling_defaults is not None:
             start = time.perf_counter()
             if self.sampler.warm_up(self.vocab_size, config.torch_dtype, config.max_num_seqs,
                                     sampling_defaults.top_k, sampling_defaults.top_p):
