@@ -8,9 +8,9 @@ from nanovllm.utils.validation import check_field_types
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROB_TOKEN_IDS = 128   # vLLM's limit on logprob_token_ids
 # vLLM 0.26's fields for what nanovllm does not do: name -> (the default, the only value taken; why).
 UNSUPPORTED_FIELDS = {
-    "logprob_token_ids": (None, "ask for logprobs=-1, with LLM(max_logprobs=-1), and read those ids' entries"),
     "thinking_token_budget": (None, "it needs a reasoning parser"),
     "repetition_detection": (None, "no repetition detection"),
     "routed_experts_prompt_start": (0, "nanovllm does not return MoE routing"),
@@ -42,6 +42,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True   # passed to the tokenizer's decode (fast tokenizers ignore it)
     logprobs: int | None = None         # top-N logprobs per output token (0: the sampled token only; -1: all)
+    # The logprobs of exactly these ids (and the sampled token's) per output token, in place of the top-N
+    logprob_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token (0: the prompt token only; -1: all)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -61,7 +63,6 @@ class SamplingParams:
     flat_logprobs: bool = False
     skip_clone: bool = False                       # clone() then copies shallowly (vLLM's)
     # vLLM's, not supported (a ValueError unless left at the default):
-    logprob_token_ids: list[int] | None = None     # logprobs of chosen ids: use logprobs=-1 and pick them
     thinking_token_budget: int | None = None       # needs a reasoning parser
     repetition_detection: object | None = None     # vLLM's RepetitionDetectionParams
     routed_experts_prompt_start: int = 0           # MoE routing output, which nanovllm does not return
@@ -98,6 +99,11 @@ class SamplingParams:
             kwargs["logit_bias"] = {int(token): min(100.0, max(-100.0, b)) if isinstance(b, (int, float)) else b
                                     for token, b in bias.items()}
         return cls(**kwargs)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Logprob entries per output token besides the sampled one's; None: no logprobs."""
+        return len(self.logprob_token_ids) if self.logprob_token_ids is not None else self.logprobs
 
     def with_vocab_size(self, vocab_size: int) -> "SamplingParams":
         """These params with logprobs / prompt_logprobs of -1 (vLLM's "every token") as vocab_size."""
@@ -164,6 +170,11 @@ class SamplingParams:
             isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and math.isfinite(b)
             for t, b in self.logit_bias.items()),
               f"logit_bias must map non-negative token ids to finite numbers, got {self.logit_bias!r:.200}.")
+        ids = self.logprob_token_ids
+        check(ids is None or (isinstance(ids, list) and all(isinstance(t, int) and t >= 0 for t in ids)),
+              f"logprob_token_ids must be a list of non-negative token ids, got {ids!r:.200}.")
+        check(ids is None or len(ids) <= MAX_LOGPROB_TOKEN_IDS,
+              f"Too many logprob_token_ids: {len(ids or ())}. The max is {MAX_LOGPROB_TOKEN_IDS}.")
         check(self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0 and all(
             isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)),
               f"allowed_token_ids must be a non-empty list of non-negative token ids, "

@@ -622,8 +622,8 @@ def test_sampler_kernels_warm_up_for_the_models_own_top_k_or_top_p(qwen3_dir, mo
     (dict(structured_outputs={"json": {}}), "structured_outputs is not supported (nanovllm has no guided decoding), "
                                             "got {'json': {}}."),
     (dict(extra_args=["x"]), "extra_args must be dict or None, got ['x']."),
-    (dict(logprob_token_ids=[3, 4]), "logprob_token_ids is not supported (ask for logprobs=-1, with "
-                                     "LLM(max_logprobs=-1), and read those ids' entries), got [3, 4]."),
+    (dict(logprob_token_ids=[3, -4]), "logprob_token_ids must be a list of non-negative token ids, got [3, -4]."),
+    (dict(logprob_token_ids=list(range(129))), "Too many logprob_token_ids: 129. The max is 128."),
     (dict(thinking_token_budget=64), "thinking_token_budget is not supported (it needs a reasoning parser), got 64."),
     (dict(repetition_detection={"max_pattern_size": 4}), "repetition_detection is not supported"),
     (dict(routed_experts_prompt_start=5), "routed_experts_prompt_start is not supported"),
@@ -703,6 +703,25 @@ def test_flat_logprobs_gives_the_same_per_token_dicts(llm):
     assert flat.prompt_logprobs == plain.prompt_logprobs and flat.prompt_logprobs[0] is None
 
 
+def test_logprob_token_ids_give_those_ids_logprobs(qwen3_dir):
+    """vLLM's logprob_token_ids: each output token's entry holds the sampled token and exactly those
+    ids, with the logprobs and ranks that logprobs=-1 gives them, in a batch with top-N and plain
+    requests."""
+    llm = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=64, max_model_len=256, max_logprobs=-1)
+    ids = [5, 200, 17, 383]
+    common = dict(temperature=0, max_tokens=4, ignore_eos=True)
+    everything, chosen, top, plain = llm.generate(
+        [PROMPTS[0]] * 4, [SamplingParams(**common, logprobs=-1), SamplingParams(**common, logprob_token_ids=ids),
+                           SamplingParams(**common, logprobs=2), SamplingParams(**common)], use_tqdm=False)
+    assert chosen.outputs[0].token_ids == everything.outputs[0].token_ids == plain.outputs[0].token_ids
+    for full, entry, token in zip(everything.outputs[0].logprobs, chosen.outputs[0].logprobs, chosen.outputs[0].token_ids):
+        assert set(entry) == set(ids) | {token}
+        for t in entry:
+            assert entry[t].rank == full[t].rank and entry[t].logprob == pytest.approx(full[t].logprob, abs=1e-5)
+    assert chosen.outputs[0].cumulative_logprob == pytest.approx(everything.outputs[0].cumulative_logprob, abs=1e-5)
+    assert all(len(entry) in (2, 3) for entry in top.outputs[0].logprobs) and plain.outputs[0].logprobs is None
+
+
 @pytest.mark.parametrize("prompts, params, message", [
     ([[1, 2], list(range(300))], None, "prompt 1 (length 300) is longer than the maximum model length of 256."),
     ([[1, 2], [5, 99999]], None, "prompt 1: token id 99999 is out of vocabulary (vocab_size=384)."),
@@ -714,6 +733,7 @@ def test_flat_logprobs_gives_the_same_per_token_dicts(llm):
     ([[1, 2]], SamplingParams(prompt_logprobs=-1), "Requested prompt logprobs of 384, which is greater than max allowed: 20."),
     ([[1, 2]], SamplingParams(logit_bias={5: 1.0, 384: 2.0}), "logit_bias has out-of-vocabulary token id 384 (vocab_size=384)."),
     ([[1, 2]], SamplingParams(allowed_token_ids=[1, 999]), "allowed_token_ids has out-of-vocabulary token id 999"),
+    ([[1, 2]], SamplingParams(logprob_token_ids=[1, 384]), "logprob_token_ids has out-of-vocabulary token id 384"),
     ([[1, 2], 3.5], None, "prompt 1 must be a string"),
     ([[1, 2]], {"max_tokens": 2}, "sampling_params must be a SamplingParams or a list of them, got dict."),
     ([[1, 2]], BeamSearchParams(beam_width=2, max_tokens=2),

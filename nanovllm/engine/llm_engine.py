@@ -189,7 +189,8 @@ class LLMEngine:
                              f"than max allowed: {cfg.logprobs_cap}.")
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words needs a tokenizer, but the engine has none (skip_tokenizer_init=True).")
-        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),
+                          ("logprob_token_ids", params.logprob_token_ids)):
             bad = [t for t in ids or () if t >= vocab_size]
             if bad:
                 raise ValueError(f"{name} has out-of-vocabulary token id {bad[0]} (vocab_size={vocab_size}).")
@@ -357,8 +358,10 @@ class LLMEngine:
         token_ids = sampled.token_ids.tolist()
         logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
         ranks = sampled.ranks.tolist() if sampled.ranks is not None else None
-        top = (list(zip(sampled.top_ids.tolist(), sampled.top_logprobs.tolist()))
-               if sampled.top_ids is not None else None)
+        top = None
+        if sampled.top_ids is not None:   # per row: (ids, logprobs[, ranks]), best first
+            columns = [sampled.top_ids, sampled.top_logprobs] + ([sampled.top_ranks] if sampled.top_ranks is not None else [])
+            top = list(zip(*(column.tolist() for column in columns)))
         now = time.time()
         finished = []
         for i, (seq, token_id) in enumerate(zip(step.seqs, token_ids)):

@@ -482,7 +482,7 @@ class ModelRunner:
         """Start copying the sampler's outputs to the host; the event marks when they are there."""
         if self.device.type == "cpu":
             return sampled, None
-        fields = {name: getattr(sampled, name) for name in ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs")}
+        fields = {name: getattr(sampled, name) for name in ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs", "top_ranks")}
         host = {name: None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                 for name, t in fields.items()}
         event = torch.cuda.Event()

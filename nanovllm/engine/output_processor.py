@@ -16,11 +16,12 @@ class OutputProcessor:
     def append(self, seq: Sequence, token_id: int, logprob=None, rank=None, top=None):
         """Append one sampled token; sets seq.finish_reason when seq is done.
 
-        logprob, rank: of the sampled token; top: [(token_id, logprob)] best first, or None."""
+        logprob, rank: of the sampled token; top: [(token_id, logprob)] best first, or
+        [(token_id, logprob, rank)] (the request's logprob_token_ids), or None."""
         seq.append_token(token_id)
         sp = seq.sampling_params
         if seq.logprobs is not None:
-            seq.logprobs.append(self._logprob_entry(token_id, logprob, rank, top, sp.logprobs, sp.detokenize))
+            seq.logprobs.append(self._logprob_entry(token_id, logprob, rank, top, sp.num_logprobs, sp.detokenize))
             seq.cumulative_logprob += logprob
 
         may_stop = seq.num_output_tokens >= sp.min_tokens
@@ -47,13 +48,14 @@ class OutputProcessor:
 
     def _logprob_entry(self, token_id: int, logprob: float, rank: int, top, num_top: int,
                        detokenize: bool) -> dict[int, Logprob]:
-        """{token_id: Logprob} for the token itself and the num_top best of top ([(id, logprob)])."""
+        """{token_id: Logprob} for the token itself and the first num_top of top ([(id, logprob)],
+        ranked by position, or [(id, logprob, rank)])."""
         def decode(t: int) -> str | None:
             return self._decode([t]) if detokenize and self.tokenizer is not None else None
 
         entry = {token_id: Logprob(logprob, rank, decode(token_id))}
-        for r, (tid, lp) in enumerate((top or [])[:num_top], 1):
-            entry.setdefault(tid, Logprob(lp, r, decode(tid)))
+        for position, (tid, lp, *ranked) in enumerate((top or [])[:num_top], 1):
+            entry.setdefault(tid, Logprob(lp, ranked[0] if ranked else position, decode(tid)))
         return entry
 
     def _detokenize(self, seq: Sequence) -> str:

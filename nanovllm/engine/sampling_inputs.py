@@ -79,8 +79,13 @@ def host_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids:
         md.presence_penalties = np.asarray([p.presence_penalty for p in params], np.float32)
         md.frequency_penalties = np.asarray([p.frequency_penalty for p in params], np.float32)
         md.repetition_penalties = np.asarray([p.repetition_penalty for p in params], np.float32)
-    num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+    num_logprobs = [p.num_logprobs for p in params if p.num_logprobs is not None]
     md.max_num_logprobs = max(num_logprobs) if num_logprobs else None
+    chosen = [(i, p.logprob_token_ids) for i, p in enumerate(params) if p.logprob_token_ids]
+    if chosen:
+        rows, lists = zip(*chosen)
+        md.logprob_rows = np.asarray(rows, np.int64)
+        md.logprob_token_ids = padded(list(lists), 0)
     return md
 
 

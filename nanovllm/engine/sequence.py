@@ -53,8 +53,9 @@ class Sequence:
         self.output_text = ""
         self.prefix_offset = 0                   # incremental detokenization window
         self.read_offset = 0
-        self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
-        self.cumulative_logprob: float | None = 0.0 if sampling_params.logprobs is not None else None
+        wants_logprobs = sampling_params.num_logprobs is not None
+        self.logprobs: list[dict] | None = [] if wants_logprobs else None
+        self.cumulative_logprob: float | None = 0.0 if wants_logprobs else None
         # Entry j: {token_id: Logprob} for prompt token j given the ones before it; None for token 0.
         self.prompt_logprobs: list[dict | None] | None = (
             [None] if sampling_params.prompt_logprobs is not None else None)

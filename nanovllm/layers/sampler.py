@@ -42,6 +42,9 @@ class SamplingMetadata:
     output_token_ids: torch.Tensor | None = None   # [B, max output len] int64, padded with V
     prompt_token_ids: torch.Tensor | None = None   # [B, max prompt len] int64, padded with V
     max_num_logprobs: int | None = None
+    # SamplingParams.logprob_token_ids: [L] rows that have a list, and their lists [L, longest] padded with 0
+    logprob_rows: torch.Tensor | None = None
+    logprob_token_ids: torch.Tensor | None = None
     # row_seeds again, as [S] row indices and [S] int64 seeds on the device (for the fused sampler).
     seeded_rows: torch.Tensor | None = None
     seed_values: torch.Tensor | None = None
@@ -65,6 +68,7 @@ class SamplerOutput:
     ranks: torch.Tensor | None = None         # [B] its rank (1 = most likely)
     top_ids: torch.Tensor | None = None       # [B, max_num_logprobs]
     top_logprobs: torch.Tensor | None = None  # [B, max_num_logprobs]
+    top_ranks: torch.Tensor | None = None     # [B, max_num_logprobs] with logprob_token_ids rows, else None
 
 
 def id_mask(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -261,7 +265,10 @@ class Sampler:
         token_ids = self._sample_fused(logits, md) if self.fused else self._sample_torch(logits.float(), md)
         if raw_logprobs is None:
             return SamplerOutput(token_ids)
-        return token_logprobs(raw_logprobs, token_ids, md.max_num_logprobs)
+        out = token_logprobs(raw_logprobs, token_ids, md.max_num_logprobs)
+        if md.logprob_rows is not None:
+            chosen_logprobs(out, raw_logprobs, md.logprob_rows, md.logprob_token_ids)
+        return out
 
 
 def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> SamplerOutput:
@@ -273,3 +280,14 @@ def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int
     if num_top > 0:
         out.top_logprobs, out.top_ids = logprobs.topk(num_top, -1)
     return out
+
+
+def chosen_logprobs(out: SamplerOutput, logprobs: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor):
+    """In out's top-N: rows `rows` get the logprobs and ranks of their own ids ([L, K] padded; K
+    <= max_num_logprobs) in place of their best; top_ranks gives every row's ranks (1..N for the others)."""
+    num_rows, num_top = out.top_ids.shape
+    out.top_ranks = torch.arange(1, num_top + 1, device=logprobs.device).expand(num_rows, num_top).clone()
+    values = logprobs[rows].gather(-1, ids)                                        # [L, K]
+    ranks = torch.stack([(logprobs[row] > value[:, None]).sum(-1) + 1 for row, value in zip(rows, values)])
+    k = ids.shape[1]
+    out.top_ids[rows, :k], out.top_logprobs[rows, :k], out.top_ranks[rows, :k] = ids, values, ranks
