@@ -151,7 +151,8 @@ class LLM:
                              f"{len(parsed)} prompts; pass one SamplingParams or one per prompt.")
         priority = self._check_priority(priority, len(parsed))
         # Check the whole call before any request is added: a bad prompt leaves no trace.
-        parsed = [engine.check_request(i, prompt, params) for i, (prompt, params) in enumerate(zip(parsed, sampling_params))]
+        parsed = [engine.check_request(i, prompt, params)
+                  for i, (prompt, params) in enumerate(zip(parsed, sampling_params))]
         return [engine.add_tokens(prompt.text, prompt.token_ids, params, rank, prompt.cache_salt)
                 for prompt, params, rank in zip(parsed, sampling_params, priority)]
 

@@ -714,7 +714,8 @@ def test_logprob_token_ids_give_those_ids_logprobs(qwen3_dir):
         [PROMPTS[0]] * 4, [SamplingParams(**common, logprobs=-1), SamplingParams(**common, logprob_token_ids=ids),
                            SamplingParams(**common, logprobs=2), SamplingParams(**common)], use_tqdm=False)
     assert chosen.outputs[0].token_ids == everything.outputs[0].token_ids == plain.outputs[0].token_ids
-    for full, entry, token in zip(everything.outputs[0].logprobs, chosen.outputs[0].logprobs, chosen.outputs[0].token_ids):
+    completion = chosen.outputs[0]
+    for full, entry, token in zip(everything.outputs[0].logprobs, completion.logprobs, completion.token_ids):
         assert set(entry) == set(ids) | {token}
         for t in entry:
             assert entry[t].rank == full[t].rank and entry[t].logprob == pytest.approx(full[t].logprob, abs=1e-5)

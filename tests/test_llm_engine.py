@@ -135,7 +135,8 @@ def test_bad_requests_and_aborts_leave_the_engine_usable(engine):
             ("b", [1, 10 ** 6], {}, "prompt 0: token id 1000000 is out of vocabulary"),
             ("b", PROMPTS[1], {"lora_request": object()}, "lora_request is not supported"),
             ("b", PROMPTS[1], {"priority": 1}, "priority 1 needs scheduling_policy='priority'"),
-            ("b", PROMPTS[1], {"tokenization_kwargs": {"padding": True}}, "tokenization_kwargs: 'padding' not supported")]:
+            ("b", PROMPTS[1], {"tokenization_kwargs": {"padding": True}},
+             "tokenization_kwargs: 'padding' not supported")]:
         with pytest.raises(ValueError, match=message):
             engine.add_request(request_id, prompt, params, **kwargs)
     with pytest.raises(ValueError, match="sampling_params\\[0\\] must be a SamplingParams"):

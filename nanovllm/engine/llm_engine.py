@@ -269,9 +269,13 @@ class LLMEngine:
             aborted = [seq for seq in request.seqs if not seq.is_finished]
             for seq in aborted:
                 self.scheduler.finish(seq)
-            if self.metrics is not None:
-                self.metrics.record_finished(["abort"] * len(aborted), len(request.prompt_token_ids),
-                                             sum(len(seq.output_token_ids) for seq in request.seqs), request.metrics)
+            self._record_finished(request, ["abort"] * len(aborted))
+
+    def _record_finished(self, request: Request, reasons: list[str]):
+        """Count request's end into the metrics (with stat logging): one reason per sequence that ended."""
+        if self.metrics is not None:
+            self.metrics.record_finished(reasons, len(request.prompt_token_ids),
+                                         sum(len(seq.output_token_ids) for seq in request.seqs), request.metrics)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -360,8 +364,8 @@ class LLMEngine:
         ranks = sampled.ranks.tolist() if sampled.ranks is not None else None
         top = None
         if sampled.top_ids is not None:   # per row: (ids, logprobs[, ranks]), best first
-            columns = [sampled.top_ids, sampled.top_logprobs] + ([sampled.top_ranks] if sampled.top_ranks is not None else [])
-            top = list(zip(*(column.tolist() for column in columns)))
+            columns = [sampled.top_ids, sampled.top_logprobs, sampled.top_ranks]
+            top = list(zip(*(column.tolist() for column in columns if column is not None)))
         now = time.time()
         finished = []
         for i, (seq, token_id) in enumerate(zip(step.seqs, token_ids)):
@@ -386,10 +390,7 @@ class LLMEngine:
             self.scheduler.finish(seq)
             if request.is_finished:
                 request.metrics.finished_time = now
-                if self.metrics is not None:
-                    self.metrics.record_finished([seq.finish_reason for seq in request.seqs],
-                                                 len(request.prompt_token_ids),
-                                                 sum(len(seq.output_token_ids) for seq in request.seqs), request.metrics)
+                self._record_finished(request, [s.finish_reason for s in request.seqs])
                 self.just_finished.append(self.requests.pop(seq.request_id))
                 finished.append(self._make_output(request))
         return finished
@@ -497,7 +498,8 @@ class LLMEngine:
     def _make_output(self, request: Request, seqs: list[Sequence] | None = None) -> RequestOutput:
         """request's output so far, of all its sequences or of seqs: the tokens the host has read."""
         outputs = [CompletionOutput(
-            index=seq.index, text=seq.output_text, token_ids=seq.token_ids[seq.num_prompt_tokens:seq.num_resolved_tokens],
+            index=seq.index, text=seq.output_text,
+            token_ids=seq.token_ids[seq.num_prompt_tokens:seq.num_resolved_tokens],
             cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason) for seq in seqs or request.seqs]
         return RequestOutput(

@@ -2,7 +2,7 @@
 the sampler; turns a SchedulerOutput into sampled tokens."""
 import bisect
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -482,9 +482,9 @@ class ModelRunner:
         """Start copying the sampler's outputs to the host; the event marks when they are there."""
         if self.device.type == "cpu":
             return sampled, None
-        fields = {name: getattr(sampled, name) for name in ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs", "top_ranks")}
+        parts = {f.name: getattr(sampled, f.name) for f in fields(sampled)}
         host = {name: None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                for name, t in fields.items()}
+                for name, t in parts.items()}
         event = torch.cuda.Event()
         event.record()
         return SamplerOutput(**host), event
