@@ -159,3 +159,15 @@ def test_engine_args_read_as_config_defaults_and_are_checked(qwen3_dir):
     with pytest.raises(ValueError, match="unexpected keyword argument\\(s\\): max_num_seq\\b"):
         LLMEngine.from_engine_args(EngineArgs(model=qwen3_dir, max_num_seq=8))
     assert EngineArgs().model == "Qwen/Qwen3-0.6B"
+
+
+def test_a_dropped_engine_is_freed_at_once(qwen3_dir):
+    """No reference cycle keeps a stepped engine (and its KV cache) alive once dropped: the garbage
+    collector does not see the engine's start-up objects (gc.freeze), so only reference counts free it."""
+    import weakref
+    engine = LLMEngine.from_engine_args(EngineArgs(model=qwen3_dir, **SETTINGS))
+    engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=3, output_kind=RequestOutputKind.DELTA))
+    assert run_to_end(engine)[-1].finished
+    dropped = weakref.ref(engine)
+    del engine
+    assert dropped() is None

@@ -94,7 +94,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._request_ids = count()
         self.just_finished: list[Request] = []   # the requests the latest step finished
-        self.streamer: OutputStreamer | None = None   # step()'s, made by its first call
+        self.streamer = OutputStreamer()   # what step() has sent of each request
         freeze_heap()
 
     @classmethod
@@ -260,8 +260,7 @@ class LLMEngine:
         skipped. Their outputs are dropped."""
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             self._abort(request_id)
-        if self.streamer is not None:
-            self.streamer.forget(self.requests)
+        self.streamer.forget(self.requests)
 
     def _abort(self, request_id: str):
         request = self.requests.pop(request_id, None)
@@ -290,10 +289,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """vLLM's LLMEngine.step: run one step -> a RequestOutput for each request with new
         output, as its SamplingParams.output_kind asks (engine/streaming.py)."""
-        if self.streamer is None:
-            self.streamer = OutputStreamer(self._make_output)
         finished, _ = self.run_step()
-        return self.streamer.outputs(self.requests.values(), self.just_finished, finished)
+        return self.streamer.outputs(self.requests.values(), self.just_finished, finished, self._make_output)
 
     def run_step(self) -> tuple[list[RequestOutput], StepStats]:
         """Schedule and launch one batch; return the requests that finished.

@@ -17,34 +17,36 @@ from nanovllm.sampling_params import RequestOutputKind
 
 
 class OutputStreamer:
-    def __init__(self, make_output):
-        """make_output(request, seqs) -> the RequestOutput of request's seqs so far (LLMEngine's)."""
-        self.make_output = make_output
+    def __init__(self):
         self.sent: dict[int, tuple[int, int]] = {}   # seq_id -> (output tokens, characters) sent so far
 
-    def outputs(self, live, finished_requests, finished_outputs: list[RequestOutput]) -> list[RequestOutput]:
+    def outputs(self, live, finished_requests, finished_outputs: list[RequestOutput],
+                make_output) -> list[RequestOutput]:
         """live: the unfinished requests; finished_requests: those the step finished, whose
-        final outputs are finished_outputs (in the same order)."""
+        final outputs are finished_outputs (in the same order); make_output(request, seqs) -> the
+        RequestOutput of request's seqs so far (LLMEngine's)."""
         result = []
         for request in live:
             if request.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY:
-                result += self._stream(request)
+                result += self._stream(request, make_output)
         for request, final in zip(finished_requests, finished_outputs):
             if request.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY:
                 result.append(final)
             else:
-                result += self._stream(request)
+                result += self._stream(request, make_output)
             for seq in request.seqs:
                 self.sent.pop(seq.seq_id, None)
         return result
 
     def forget(self, live: dict):
         """Drop what was sent for sequences of requests no longer in live (aborted ones)."""
+        if not self.sent:
+            return
         alive = {seq.seq_id for request in live.values() for seq in request.seqs}
         for seq_id in set(self.sent) - alive:
             del self.sent[seq_id]
 
-    def _stream(self, request) -> list[RequestOutput]:
+    def _stream(self, request, make_output) -> list[RequestOutput]:
         delta = request.sampling_params.output_kind == RequestOutputKind.DELTA
         result = []
         for seq in request.seqs:
@@ -52,7 +54,7 @@ class OutputStreamer:
             sent_tokens, sent_chars = self.sent.get(seq.seq_id, (0, 0))
             if num_tokens == sent_tokens:
                 continue
-            output = self.make_output(request, [seq])
+            output = make_output(request, [seq])
             completion = output.outputs[0]
             visible = len(completion.text) - (0 if seq.is_finished else _held_back(seq.sampling_params))
             visible = max(visible, sent_chars)
