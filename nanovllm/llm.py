@@ -37,7 +37,7 @@ class LLM:
 
     def set_tokenizer(self, tokenizer):
         """Use another tokenizer for text prompts, chat and detokenizing (vLLM's set_tokenizer)."""
-        self.llm_engine.tokenizer = self.llm_engine.output_processor.tokenizer = tokenizer
+        self.llm_engine.tokenizer = tokenizer
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Forget the cached prompt blocks; True once done (vLLM's return value). Nothing runs
@@ -137,7 +137,7 @@ class LLM:
             raise ValueError(f"mm_processor_kwargs is not supported: nanovllm runs text-only models, "
                              f"got {mm_processor_kwargs!r:.80}.")
         engine = self.llm_engine
-        parsed = engine.parse_prompts(prompts, tokenization_kwargs)
+        parsed = engine.input_processor.parse_prompts(prompts, tokenization_kwargs)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -151,7 +151,7 @@ class LLM:
                              f"{len(parsed)} prompts; pass one SamplingParams or one per prompt.")
         priority = self._check_priority(priority, len(parsed))
         # Check the whole call before any request is added: a bad prompt leaves no trace.
-        parsed = [engine.check_request(i, prompt, params)
+        parsed = [engine.input_processor.check_request(i, prompt, params)
                   for i, (prompt, params) in enumerate(zip(parsed, sampling_params))]
         return [engine.add_tokens(prompt.text, prompt.token_ids, params, rank, prompt.cache_salt)
                 for prompt, params, rank in zip(parsed, sampling_params, priority)]
@@ -226,10 +226,10 @@ class LLM:
         if 2 * params.beam_width > engine.config.logprobs_cap:
             raise ValueError(f"beam_width must be at most max_logprobs / 2 = {engine.config.logprobs_cap // 2} "
                              f"(each step asks for 2 x beam_width logprobs), got {params.beam_width}.")
-        parsed = parse_prompts(prompts, self.llm_engine.encode)
+        parsed = parse_prompts(prompts, self.llm_engine.input_processor.encode)
         whole = SamplingParams(max_tokens=params.max_tokens, ignore_eos=True)
         for i, prompt in enumerate(parsed):
-            engine.validate_request(i, prompt.token_ids, whole)
+            engine.input_processor.validate_request(i, prompt.token_ids, whole)
         limit = concurrency_limit or max(len(parsed), 1)
         return [output for start in range(0, len(parsed), limit)
                 for output in search(self.generate, parsed[start:start + limit], params, engine.eos_token_ids,

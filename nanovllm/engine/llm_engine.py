@@ -10,6 +10,7 @@ from nanovllm.config import GENERATION_FIELDS, Config
 from nanovllm.distributed import SINGLE
 from nanovllm.engine.arg_utils import EngineArgs
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.input_processor import InputProcessor
 from nanovllm.engine.model_runner import ModelRunner, runner_device
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.scheduler import Scheduler
@@ -18,7 +19,7 @@ from nanovllm.engine.sleep import SLEEP_TAGS
 from nanovllm.engine.streaming import OutputStreamer
 from nanovllm.engine.stat_logger import StatLogger
 from nanovllm.engine.tp_workers import TPWorkers, resolve_method, run_method
-from nanovllm.inputs import Prompt, PromptType, Tokenization, parse_prompts
+from nanovllm.inputs import PromptType
 from nanovllm.layers.sampler import SamplerOutput
 from nanovllm.logger import init_logger
 from nanovllm.metrics import EngineMetrics, Metric
@@ -60,11 +61,11 @@ class StepStats:
 class LLMEngine:
     def __init__(self, config: Config):
         self.config = config
-        self.tokenizer = (None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(
+        tokenizer = (None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(
             config.tokenizer, revision=config.tokenizer_revision, trust_remote_code=config.trust_remote_code,
             use_fast=config.tokenizer_mode != "slow", token=config.hf_token))
         self.generation_config = self._load_generation_config()
-        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_ids = self._eos_token_ids(tokenizer)
         self.workers = None
         if config.tensor_parallel_size > 1:
             self.workers = TPWorkers(config, self.eos_token_ids, runner_device(config, 0))
@@ -89,8 +90,8 @@ class LLMEngine:
         self.stat_logger = None if config.disable_log_stats else StatLogger()
         self.metrics = None if config.disable_log_stats else EngineMetrics(config.model, config.max_model_len)
         self.in_flight: InFlightStep | None = None
-        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
-                                                config.max_model_len)
+        self.input_processor = InputProcessor(config, tokenizer, self.block_manager.num_blocks * config.block_size)
+        self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, config.max_model_len)
         self.requests: dict[str, Request] = {}
         self._request_ids = count()
         self.just_finished: list[Request] = []   # the requests the latest step finished
@@ -114,9 +115,9 @@ class LLMEngine:
         except OSError:
             return None
 
-    def _eos_token_ids(self) -> set[int]:
+    def _eos_token_ids(self, tokenizer) -> set[int]:
         ids = set()
-        for source in (self.generation_config, self.config.hf_config, self.tokenizer):
+        for source in (self.generation_config, self.config.hf_config, tokenizer):
             eos = getattr(source, "eos_token_id", None)
             if eos is not None:
                 ids.update([eos] if isinstance(eos, int) else eos)
@@ -132,72 +133,15 @@ class LLMEngine:
         return SamplingParams(**{name: fields[key] for key, name in GENERATION_FIELDS.items()
                                  if fields.get(key) is not None})
 
+    @property
+    def tokenizer(self):
+        return self.input_processor.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer):
+        self.input_processor.tokenizer = self.output_processor.tokenizer = tokenizer
+
     # ---- requests -----------------------------------------------------------------------
-    def encode(self, index: int, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError(f"prompt {index} is a string, but the engine has no tokenizer "
-                             f"(skip_tokenizer_init=True); pass {{'prompt_token_ids': [...]}} instead.")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def parse_prompts(self, prompts, tokenization_kwargs: dict | None = None) -> list[Prompt]:
-        """Any of vLLM's prompt forms (inputs.py) -> Prompts, tokenized and truncated as
-        tokenization_kwargs say (inputs.Tokenization)."""
-        tokenization = Tokenization.from_kwargs(tokenization_kwargs, self.config.max_model_len,
-                                                add_special_tokens=True)
-        parsed = parse_prompts(prompts, lambda i, text: self.encode(i, text, tokenization.add_special_tokens))
-        return [p._replace(token_ids=tokenization.truncate(p.token_ids, self.tokenizer)) for p in parsed]
-
-    def check_request(self, index: int, prompt: Prompt, params: SamplingParams) -> Prompt:
-        """The prompt as it will run (truncated to params.truncate_prompt_tokens); ValueError if
-        the request could never run. Changes nothing."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params[{index}] must be a SamplingParams, got {type(params).__name__}.")
-        keep = params.truncate_prompt_tokens
-        if keep is not None:   # the prompt's last tokens, as vLLM truncated by this field
-            max_model_len = self.config.max_model_len
-            if keep > max_model_len:
-                raise ValueError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
-                                 f"({max_model_len}). Please, select a smaller truncation size.")
-            keep = max_model_len if keep == -1 else keep
-            prompt = prompt._replace(token_ids=prompt.token_ids[-keep:])
-        self.validate_request(index, prompt.token_ids, params)
-        return prompt
-
-    def validate_request(self, index: int, prompt_token_ids: list[int], params: SamplingParams):
-        """Raise ValueError if this request could never run. Changes nothing."""
-        cfg = self.config
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError(f"prompt {index} is empty.")
-        vocab_size = cfg.hf_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompt {index}: token id {bad[0]!r} is out of vocabulary "
-                             f"(vocab_size={vocab_size}).")
-        if n > cfg.max_model_len:
-            raise ValueError(f"prompt {index} (length {n}) is longer than the maximum model "
-                             f"length of {cfg.max_model_len}.")
-        max_len = min(n + (params.max_tokens or cfg.max_model_len), cfg.max_model_len)
-        capacity = self.block_manager.num_blocks * cfg.block_size
-        if max_len > capacity:
-            raise ValueError(f"prompt {index} (length {n}) with max_tokens={params.max_tokens} needs "
-                             f"up to {max_len} tokens of KV cache, more than the whole cache holds "
-                             f"({capacity} tokens); lower max_tokens or max_model_len.")
-        params = params.with_vocab_size(vocab_size)
-        if params.logprobs is not None and params.logprobs > cfg.logprobs_cap:
-            raise ValueError(f"Requested sample logprobs of {params.logprobs}, which is greater "
-                             f"than max allowed: {cfg.logprobs_cap}.")
-        if params.bad_words and self.tokenizer is None:
-            raise ValueError("bad_words needs a tokenizer, but the engine has none (skip_tokenizer_init=True).")
-        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),
-                          ("logprob_token_ids", params.logprob_token_ids)):
-            bad = [t for t in ids or () if t >= vocab_size]
-            if bad:
-                raise ValueError(f"{name} has out-of-vocabulary token id {bad[0]} (vocab_size={vocab_size}).")
-        if params.prompt_logprobs is not None and params.prompt_logprobs > cfg.logprobs_cap:
-            raise ValueError(f"Requested prompt logprobs of {params.prompt_logprobs}, which is greater "
-                             f"than max allowed: {cfg.logprobs_cap}.")
-
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None, lora_request=None, tokenization_kwargs: dict | None = None,
                     trace_headers=None, priority: int = 0) -> str:
@@ -212,15 +156,16 @@ class LLMEngine:
             raise ValueError(f"priority {priority!r:.80} needs scheduling_policy='priority' and an int; "
                              f"the scheduling policy is {self.config.scheduling_policy!r}.")
         self.check_awake()
-        [prompt] = self.parse_prompts([prompt], tokenization_kwargs)
-        prompt = self.check_request(0, prompt, params)
+        [prompt] = self.input_processor.parse_prompts([prompt], tokenization_kwargs)
+        prompt = self.input_processor.check_request(0, prompt, params)
         return self.add_tokens(prompt.text, prompt.token_ids, params, priority, prompt.cache_salt,
                                request_id, arrival_time)
 
     def add_tokens(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                    priority: int = 0, cache_salt: str | None = None, request_id: str | None = None,
                    arrival_time: float | None = None) -> str:
-        """Add a checked request (check_request) -> its id (the next number when none is given).
+        """Add a request that InputProcessor.check_request passed -> its id (the next number when
+        none is given).
         cache_salt: the request's blocks hit in the prefix cache only for requests with the same salt."""
         self.check_awake()
         if request_id is None:
@@ -231,7 +176,7 @@ class LLMEngine:
         request = Request(request_id, prompt, list(prompt_token_ids), params)
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time
-        bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
+        bad_words_token_ids = self.input_processor.bad_words_token_ids(params.bad_words or [])
         for index in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:   # distinct, reproducible completions
@@ -242,18 +187,6 @@ class LLMEngine:
             self.scheduler.add(seq)
         self.requests[request_id] = request
         return request_id
-
-    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
-        """Each word's token ids as text starts with it, and (as vLLM does) as a later word after a
-        space, when that spelling is as many tokens but starts with another one."""
-        encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)
-        sequences = []
-        for word in words:
-            alone, spaced = encode(word.lstrip()), encode(" " + word.lstrip())
-            sequences.append(alone)
-            if len(spaced) == len(alone) and spaced[0] != alone[0]:
-                sequences.append(spaced)
-        return sequences
 
     def abort_request(self, request_ids: str | list[str]):
         """End these requests (vLLM's takes a list of ids; one id is taken too); unknown ids are

@@ -1,0 +1,91 @@
+"""InputProcessor: turns what a caller gives (vLLM's prompt forms, SamplingParams) into checked
+token-id requests before any of them reaches the scheduler: tokenizing, truncating, and the
+checks that make a request that could never run a ValueError (vLLM's InputProcessor)."""
+from nanovllm.config import Config
+from nanovllm.inputs import Prompt, Tokenization, parse_prompts
+from nanovllm.sampling_params import SamplingParams
+
+
+class InputProcessor:
+    def __init__(self, config: Config, tokenizer, kv_capacity: int):
+        """kv_capacity: the tokens the whole KV cache holds."""
+        self.config = config
+        self.tokenizer = tokenizer
+        self.kv_capacity = kv_capacity
+
+    def encode(self, index: int, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"prompt {index} is a string, but the engine has no tokenizer "
+                             f"(skip_tokenizer_init=True); pass {{'prompt_token_ids': [...]}} instead.")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def parse_prompts(self, prompts, tokenization_kwargs: dict | None = None) -> list[Prompt]:
+        """Any of vLLM's prompt forms (inputs.py) -> Prompts, tokenized and truncated as
+        tokenization_kwargs say (inputs.Tokenization)."""
+        tokenization = Tokenization.from_kwargs(tokenization_kwargs, self.config.max_model_len,
+                                                add_special_tokens=True)
+        parsed = parse_prompts(prompts, lambda i, text: self.encode(i, text, tokenization.add_special_tokens))
+        return [p._replace(token_ids=tokenization.truncate(p.token_ids, self.tokenizer)) for p in parsed]
+
+    def check_request(self, index: int, prompt: Prompt, params: SamplingParams) -> Prompt:
+        """The prompt as it will run (truncated to params.truncate_prompt_tokens); ValueError if
+        the request could never run. Changes nothing."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params[{index}] must be a SamplingParams, got {type(params).__name__}.")
+        keep = params.truncate_prompt_tokens
+        if keep is not None:   # the prompt's last tokens, as vLLM truncated by this field
+            max_model_len = self.config.max_model_len
+            if keep > max_model_len:
+                raise ValueError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+                                 f"({max_model_len}). Please, select a smaller truncation size.")
+            keep = max_model_len if keep == -1 else keep
+            prompt = prompt._replace(token_ids=prompt.token_ids[-keep:])
+        self.validate_request(index, prompt.token_ids, params)
+        return prompt
+
+    def validate_request(self, index: int, prompt_token_ids: list[int], params: SamplingParams):
+        """Raise ValueError if this request could never run. Changes nothing."""
+        cfg = self.config
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError(f"prompt {index} is empty.")
+        vocab_size = cfg.hf_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {index}: token id {bad[0]!r} is out of vocabulary "
+                             f"(vocab_size={vocab_size}).")
+        if n > cfg.max_model_len:
+            raise ValueError(f"prompt {index} (length {n}) is longer than the maximum model "
+                             f"length of {cfg.max_model_len}.")
+        max_len = min(n + (params.max_tokens or cfg.max_model_len), cfg.max_model_len)
+        capacity = self.kv_capacity
+        if max_len > capacity:
+            raise ValueError(f"prompt {index} (length {n}) with max_tokens={params.max_tokens} needs "
+                             f"up to {max_len} tokens of KV cache, more than the whole cache holds "
+                             f"({capacity} tokens); lower max_tokens or max_model_len.")
+        params = params.with_vocab_size(vocab_size)
+        if params.logprobs is not None and params.logprobs > cfg.logprobs_cap:
+            raise ValueError(f"Requested sample logprobs of {params.logprobs}, which is greater "
+                             f"than max allowed: {cfg.logprobs_cap}.")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer, but the engine has none (skip_tokenizer_init=True).")
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),
+                          ("logprob_token_ids", params.logprob_token_ids)):
+            bad = [t for t in ids or () if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} has out-of-vocabulary token id {bad[0]} (vocab_size={vocab_size}).")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > cfg.logprobs_cap:
+            raise ValueError(f"Requested prompt logprobs of {params.prompt_logprobs}, which is greater "
+                             f"than max allowed: {cfg.logprobs_cap}.")
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's token ids as text starts with it, and (as vLLM does) as a later word after a
+        space, when that spelling is as many tokens but starts with another one."""
+        encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)
+        sequences = []
+        for word in words:
+            alone, spaced = encode(word.lstrip()), encode(" " + word.lstrip())
+            sequences.append(alone)
+            if len(spaced) == len(alone) and spaced[0] != alone[0]:
+                sequences.append(spaced)
+        return sequences
