@@ -1,7 +1,8 @@
-"""generate and chat with a real model: python example.py [path or hub id]"""
+"""generate, chat and stream with a real model: python example.py [path or hub id]"""
 import sys
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.sampling_params import RequestOutputKind
 
 
 def main():
@@ -16,6 +17,16 @@ def main():
     conversation = [{"role": "user", "content": "What is paged attention, in two sentences?"}]
     reply = llm.chat(conversation, params, chat_template_kwargs={"enable_thinking": False})[0]
     print(f"\nChat reply: {reply.outputs[0].text!r}")
+
+    # Streaming, as with vLLM's LLMEngine: each step() returns the text that is new since the last.
+    engine = llm.llm_engine
+    engine.add_request("story", "Once upon a time,", SamplingParams(temperature=0.6, max_tokens=64,
+                                                                    output_kind=RequestOutputKind.DELTA))
+    print("\nStreamed: Once upon a time,", end="")
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            print(out.outputs[0].text, end="", flush=True)
+    print()
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
 """vLLM's engine API without the LLM facade: EngineArgs (from code or the command line),
 LLMEngine.from_engine_args, add_request(request_id, prompt, params), step() streaming each
 request's outputs as its output_kind asks, abort_request."""
+import subprocess
+import sys
+import weakref
+
 import pytest
 
-from conftest import make_prompts
+from conftest import build_model_dir, make_prompts
 from nanovllm import LLM, EngineArgs, LLMEngine, SamplingParams
 from nanovllm.sampling_params import RequestOutputKind
 from nanovllm.utils.argparse_utils import FlexibleArgumentParser
@@ -164,10 +168,21 @@ def test_engine_args_read_as_config_defaults_and_are_checked(qwen3_dir):
 def test_a_dropped_engine_is_freed_at_once(qwen3_dir):
     """No reference cycle keeps a stepped engine (and its KV cache) alive once dropped: the garbage
     collector does not see the engine's start-up objects (gc.freeze), so only reference counts free it."""
-    import weakref
     engine = LLMEngine.from_engine_args(EngineArgs(model=qwen3_dir, **SETTINGS))
     engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=3, output_kind=RequestOutputKind.DELTA))
     assert run_to_end(engine)[-1].finished
     dropped = weakref.ref(engine)
     del engine
     assert dropped() is None
+
+
+def test_example_script_runs(tmp_path, tokenizer):
+    """example.py (generate, chat, streaming through the engine) runs end to end on a tiny model."""
+    path = build_model_dir(tmp_path, "qwen3", tokenizer, max_position_embeddings=4096)
+    root = __file__.rsplit("/tests/", 1)[0]
+    done = subprocess.run([sys.executable, "example.py", str(path)], cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("Completion: ") == 2 and "Chat reply: " in done.stdout
+    streamed = done.stdout.split("Streamed: Once upon a time,", 1)[1]
+    assert len(streamed.strip()) > 0
