@@ -12,9 +12,36 @@ MAX_LOGPROB_TOKEN_IDS = 128   # vLLM's limit on logprob_token_ids
 # vLLM 0.26's fields for what nanovllm does not do: name -> (the default, the only value taken; why).
 UNSUPPORTED_FIELDS = {
     "thinking_token_budget": (None, "it needs a reasoning parser"),
-    "repetition_detection": (None, "no repetition detection"),
     "routed_experts_prompt_start": (0, "nanovllm does not return MoE routing"),
 }
+
+
+@dataclass
+class RepetitionDetectionParams:
+    """vLLM's: stop a completion (finish_reason "repetition", stop_reason "repetition_detected")
+    once its output ends in a pattern of min_pattern_size..max_pattern_size tokens repeated
+    min_count times in a row. max_pattern_size 0: off."""
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0     # 0: 1
+    min_count: int = 0            # at least 2 when max_pattern_size is set
+
+    def __post_init__(self):
+        if not (0 <= self.min_pattern_size <= self.max_pattern_size):
+            raise ValueError(f"max_pattern_size, min_pattern_size must be >=0, with min_pattern_size <= "
+                             f"max_pattern_size, got {self.max_pattern_size} and {self.min_pattern_size}.")
+        if self.max_pattern_size > 0 and self.min_count < 2:
+            raise ValueError(f"min_count must be >= 2 with max_pattern_size > 0, got {self.min_count}.")
+
+    def repeats(self, token_ids: list[int]) -> bool:
+        """Whether token_ids end in a pattern repeated min_count times."""
+        for size in range(max(1, self.min_pattern_size), self.max_pattern_size + 1):
+            span = size * self.min_count
+            if span > len(token_ids):
+                return False
+            tail = token_ids[-span:]
+            if tail == tail[-size:] * self.min_count:
+                return True
+        return False
 
 
 class RequestOutputKind(Enum):
@@ -64,12 +91,19 @@ class SamplingParams:
     skip_clone: bool = False                       # clone() then copies shallowly (vLLM's)
     # vLLM's, not supported (a ValueError unless left at the default):
     thinking_token_budget: int | None = None       # needs a reasoning parser
-    repetition_detection: object | None = None     # vLLM's RepetitionDetectionParams
     routed_experts_prompt_start: int = 0           # MoE routing output, which nanovllm does not return
+    # Stop a completion stuck repeating itself (RepetitionDetectionParams, or a dict of its fields)
+    repetition_detection: RepetitionDetectionParams | dict | None = None
     # Normalised copies, filled in __post_init__.
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
+        if isinstance(self.repetition_detection, dict):
+            try:
+                self.repetition_detection = RepetitionDetectionParams(**self.repetition_detection)
+            except TypeError:
+                raise ValueError(f"repetition_detection takes max_pattern_size, min_pattern_size and min_count, "
+                                 f"got {self.repetition_detection!r:.120}.") from None
         self._validate()
         if isinstance(self.stop, str):
             self.stop_strings = [self.stop]

@@ -625,7 +625,10 @@ def test_sampler_kernels_warm_up_for_the_models_own_top_k_or_top_p(qwen3_dir, mo
     (dict(logprob_token_ids=[3, -4]), "logprob_token_ids must be a list of non-negative token ids, got [3, -4]."),
     (dict(logprob_token_ids=list(range(129))), "Too many logprob_token_ids: 129. The max is 128."),
     (dict(thinking_token_budget=64), "thinking_token_budget is not supported (it needs a reasoning parser), got 64."),
-    (dict(repetition_detection={"max_pattern_size": 4}), "repetition_detection is not supported"),
+    (dict(repetition_detection={"max_pattern_size": 4}), "min_count must be >= 2 with max_pattern_size > 0, got 0."),
+    (dict(repetition_detection={"max_pattern_size": 2, "min_pattern_size": 3, "min_count": 2}),
+     "max_pattern_size, min_pattern_size must be >=0, with min_pattern_size <= max_pattern_size, got 2 and 3."),
+    (dict(repetition_detection={"pattern": 2}), "repetition_detection takes max_pattern_size, min_pattern_size"),
     (dict(routed_experts_prompt_start=5), "routed_experts_prompt_start is not supported"),
     (dict(flat_logprobs="yes"), "flat_logprobs must be bool, got 'yes'."),
 ])
@@ -721,6 +724,32 @@ def test_logprob_token_ids_give_those_ids_logprobs(qwen3_dir):
             assert entry[t].rank == full[t].rank and entry[t].logprob == pytest.approx(full[t].logprob, abs=1e-5)
     assert chosen.outputs[0].cumulative_logprob == pytest.approx(everything.outputs[0].cumulative_logprob, abs=1e-5)
     assert all(len(entry) in (2, 3) for entry in top.outputs[0].logprobs) and plain.outputs[0].logprobs is None
+
+
+def test_repetition_detection_stops_a_looping_completion(llm):
+    """vLLM's repetition_detection: the completion stops (finish_reason "repetition", stop_reason
+    "repetition_detected") at the first token where its output ends in a pattern of up to
+    max_pattern_size tokens repeated min_count times, not before min_tokens."""
+    from nanovllm.sampling_params import RepetitionDetectionParams
+    detection = RepetitionDetectionParams(max_pattern_size=4, min_count=3)
+    free = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, free, use_tqdm=False)
+    looping = [(prompt, out.outputs[0].token_ids) for prompt, out in zip(PROMPTS, outputs)
+               if any(detection.repeats(out.outputs[0].token_ids[:n]) for n in range(1, 40))]
+    assert looping, "no greedy completion of the test model repeats itself"
+    prompt, tokens = looping[0]
+    first = next(n for n in range(1, 49) if detection.repeats(tokens[:n]))
+    later = next(n for n in range(first + 1, 49) if detection.repeats(tokens[:n])) if first < 40 else None
+    stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True,
+                                                    repetition_detection=detection), use_tqdm=False)[0].outputs[0]
+    assert stopped.token_ids == tokens[:first]
+    assert (stopped.finish_reason, stopped.stop_reason) == ("repetition", "repetition_detected")
+    if later is not None:
+        held = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, min_tokens=first + 1,
+                                                     repetition_detection={"max_pattern_size": 4, "min_count": 3}),
+                            use_tqdm=False)[0].outputs[0]
+        assert held.token_ids == tokens[:later] and held.finish_reason == "repetition"
+    assert_idle(llm)
 
 
 @pytest.mark.parametrize("prompts, params, message", [

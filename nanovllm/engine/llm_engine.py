@@ -270,7 +270,10 @@ class LLMEngine:
             self.in_flight = InFlightStep(sampling_seqs, host, event)
         if previous is not None:
             finished += self._resolve(previous)
-        if not self.async_scheduling and self.in_flight is not None:
+        if self.in_flight is not None and (not self.async_scheduling
+                                           or all(seq.is_finished for seq in self.in_flight.seqs)):
+            # (with async scheduling, a step whose sequences all stopped while it ran: nothing to
+            # overlap it with, and the engine is idle after it)
             finished += self._resolve(self.in_flight)
             self.in_flight = None
         if self.stat_logger is not None:
@@ -365,9 +368,6 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise RuntimeError(f"cannot sleep with {len(self.requests)} unfinished request(s): run them "
                                f"(LLM.wait_for_completion) or abort them first.")
-        if self.in_flight is not None:   # a launched step whose sequences have all finished
-            self._resolve(self.in_flight)
-            self.in_flight = None
         self.block_manager.reset_prefix_cache()
         start = time.perf_counter()
         freed = self.collective_rpc("sleep", kwargs={"level": level})[0]

@@ -1,5 +1,5 @@
 """OutputProcessor: appends sampled tokens to sequences, detokenizes incrementally and decides
-when each sequence stops (EOS, stop token, stop string, max_tokens, max_model_len)."""
+when each sequence stops (EOS, stop token, stop string, max_tokens, max_model_len, a repetition)."""
 from nanovllm.engine.sequence import Sequence
 from nanovllm.outputs import Logprob
 
@@ -36,6 +36,9 @@ class OutputProcessor:
                 self._check_stop_strings(seq, len(delta))
         if seq.finish_reason is None and seq.reached_length_limit(self.max_model_len):
             seq.finish_reason = "length"
+        if (seq.finish_reason is None and may_stop and sp.repetition_detection is not None
+                and sp.repetition_detection.repeats(seq.output_token_ids)):
+            seq.finish_reason, seq.stop_reason = "repetition", "repetition_detected"
 
     def append_prompt_logprobs(self, chunk):
         """chunk: a PromptLogprobsChunk; its tokens follow the ones already scored."""
