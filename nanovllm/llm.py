@@ -6,7 +6,8 @@ from tqdm.auto import tqdm
 from nanovllm.beam_search import BeamSearchOutput, search
 from nanovllm.chat import render_chat
 from nanovllm.config import Config
-from nanovllm.engine.llm_engine import LLMEngine, check_no_lora
+from nanovllm.engine.input_processor import check_no_lora
+from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.inputs import Tokenization, parse_prompts
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import BeamSearchParams, SamplingParams

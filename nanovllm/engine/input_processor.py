@@ -58,11 +58,10 @@ class InputProcessor:
             raise ValueError(f"prompt {index} (length {n}) is longer than the maximum model "
                              f"length of {cfg.max_model_len}.")
         max_len = min(n + (params.max_tokens or cfg.max_model_len), cfg.max_model_len)
-        capacity = self.kv_capacity
-        if max_len > capacity:
+        if max_len > self.kv_capacity:
             raise ValueError(f"prompt {index} (length {n}) with max_tokens={params.max_tokens} needs "
                              f"up to {max_len} tokens of KV cache, more than the whole cache holds "
-                             f"({capacity} tokens); lower max_tokens or max_model_len.")
+                             f"({self.kv_capacity} tokens); lower max_tokens or max_model_len.")
         params = params.with_vocab_size(vocab_size)
         if params.logprobs is not None and params.logprobs > cfg.logprobs_cap:
             raise ValueError(f"Requested sample logprobs of {params.logprobs}, which is greater "
@@ -89,3 +88,10 @@ class InputProcessor:
             if len(spaced) == len(alone) and spaced[0] != alone[0]:
                 sequences.append(spaced)
         return sequences
+
+
+def check_no_lora(lora_request):
+    """vLLM's lora_request argument: only None (no LoRA adapters here)."""
+    if lora_request is not None:
+        raise ValueError(f"lora_request is not supported (nanovllm runs the base model only), "
+                         f"got {lora_request!r:.80}.")

@@ -10,7 +10,7 @@ from nanovllm.config import GENERATION_FIELDS, Config
 from nanovllm.distributed import SINGLE
 from nanovllm.engine.arg_utils import EngineArgs
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.input_processor import InputProcessor
+from nanovllm.engine.input_processor import InputProcessor, check_no_lora
 from nanovllm.engine.model_runner import ModelRunner, runner_device
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.scheduler import Scheduler
@@ -446,10 +446,3 @@ class LLMEngine:
         block_size = self.config.block_size
         full = len(request.prompt_token_ids) // block_size * block_size
         return max(0, full - request.seqs[0].num_cached_tokens)
-
-
-def check_no_lora(lora_request):
-    """vLLM's lora_request argument: only None (no LoRA adapters here)."""
-    if lora_request is not None:
-        raise ValueError(f"lora_request is not supported (nanovllm runs the base model only), "
-                         f"got {lora_request!r:.80}.")
