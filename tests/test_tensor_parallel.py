@@ -211,6 +211,28 @@ def test_sleep_and_wake_up_on_every_rank(qwen3_dir):
         assert greedy(llm, PROMPTS[:2]) == expected
 
 
+def test_engine_api_streams_with_tensor_parallelism(qwen3_dir):
+    """LLMEngine.from_engine_args with TP=2: add_request / step stream the same tokens as
+    LLM.generate gives, and close() ends the workers."""
+    from nanovllm import EngineArgs, LLMEngine
+    from nanovllm.sampling_params import RequestOutputKind
+    engine = LLMEngine.from_engine_args(EngineArgs(model=qwen3_dir, tensor_parallel_size=2, **SMALL))
+    try:
+        delta = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        for i, prompt in enumerate(PROMPTS[:3]):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, delta)
+        streamed = {str(i): [] for i in range(3)}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                streamed[output.request_id] += output.outputs[0].token_ids
+        pids = [proc.pid for proc in engine.workers.procs]
+    finally:
+        engine.close()
+    with LLM(qwen3_dir, **SMALL) as single:
+        assert [streamed[str(i)] for i in range(3)] == greedy(single, PROMPTS[:3])
+    assert not any(alive(pid) for pid in pids)
+
+
 def test_killed_worker_is_named(qwen3_dir):
     llm = LLM(qwen3_dir, tensor_parallel_size=2, **SMALL)
     greedy(llm, PROMPTS[:2])
