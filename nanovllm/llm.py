@@ -132,7 +132,6 @@ class LLM:
         runs them. generate()'s arguments; use_tqdm is accepted (no bar while adding)."""
         if self.closed:
             raise RuntimeError("this LLM is closed; create a new one.")
-        self.llm_engine.check_awake()
         check_no_lora(lora_request)
         if mm_processor_kwargs is not None:
             raise ValueError(f"mm_processor_kwargs is not supported: nanovllm runs text-only models, "

@@ -155,7 +155,6 @@ class LLMEngine:
         if not isinstance(priority, int) or (priority and self.config.scheduling_policy != "priority"):
             raise ValueError(f"priority {priority!r:.80} needs scheduling_policy='priority' and an int; "
                              f"the scheduling policy is {self.config.scheduling_policy!r}.")
-        self.check_awake()
         [prompt] = self.input_processor.parse_prompts([prompt], tokenization_kwargs)
         prompt = self.input_processor.check_request(0, prompt, params)
         return self.add_tokens(prompt.text, prompt.token_ids, params, priority, prompt.cache_salt,
@@ -166,7 +165,8 @@ class LLMEngine:
                    arrival_time: float | None = None) -> str:
         """Add a request that InputProcessor.check_request passed -> its id (the next number when
         none is given).
-        cache_salt: the request's blocks hit in the prefix cache only for requests with the same salt."""
+        cache_salt: the request's blocks hit in the prefix cache only for requests with the same salt.
+        RuntimeError while the engine sleeps."""
         self.check_awake()
         if request_id is None:
             request_id = str(next(self._request_ids))
