@@ -7,6 +7,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.engine.profiler import ProfilerConfig
+from nanovllm.engine.reasoning import reasoning_markers
 from nanovllm.layers.rotary import max_positions, rope_settings
 from nanovllm.utils.hub import check_directory_or_hub_id, resolve_model_path
 from nanovllm.utils.validation import check_field_types
@@ -44,6 +45,7 @@ IDLE_ARGUMENTS = {
                                  "turns the graphs off"),
     "quantization_config": (None, "checkpoints are loaded unquantized"),
     "logits_processors": (None, "no custom logits processors"),
+    "reasoning_parser_plugin": (None, "the reasoning parsers are engine/reasoning.py's"),
     "spec_method": (None, "no speculative decoding"), "spec_model": (None, "no speculative decoding"),
     "spec_tokens": (None, "no speculative decoding"),
 }
@@ -73,6 +75,11 @@ class Config:
     # LLM.start_profile() / stop_profile(): vLLM's ProfilerConfig, or a dict of its fields
     # (engine/profiler.py); None: profiling off
     profiler_config: object = None
+    # A reasoning model's thinking markers, for SamplingParams.thinking_token_budget
+    # (engine/reasoning.py): a parser's name ("qwen3", ...), or vLLM's ReasoningConfig (or a dict of
+    # its fields: reasoning_start_str, reasoning_end_str, reasoning_parser).
+    reasoning_parser: str = ""
+    reasoning_config: object = None
     dtype: str | torch.dtype = "auto"       # "auto", a name in DTYPES, or one of their torch dtypes
     quantization: str | None = None         # only None: checkpoints are loaded unquantized
     device: str = "auto"
@@ -118,6 +125,7 @@ class Config:
     hf_config: PretrainedConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
     kv_cache_torch_dtype: torch.dtype = field(init=False)
+    reasoning_markers: tuple[str, str] | None = field(init=False)   # (start, end); None: no budget
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":
@@ -149,6 +157,7 @@ class Config:
             self.block_size = DEFAULT_BLOCK_SIZE
         self._validate_scalars()
         self.profiler_config = ProfilerConfig.parse(self.profiler_config)
+        self.reasoning_markers = reasoning_markers(self.reasoning_parser, self.reasoning_config)
         if self.chat_template is not None:
             self.chat_template = load_chat_template(self.chat_template)
         if self.device == "auto":

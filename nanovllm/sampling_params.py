@@ -11,7 +11,6 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROB_TOKEN_IDS = 128   # vLLM's limit on logprob_token_ids
 # vLLM 0.26's fields for what nanovllm does not do: name -> (the default, the only value taken; why).
 UNSUPPORTED_FIELDS = {
-    "thinking_token_budget": (None, "it needs a reasoning parser"),
     "routed_experts_prompt_start": (0, "nanovllm does not return MoE routing"),
 }
 
@@ -89,8 +88,10 @@ class SamplingParams:
     # vLLM's FlatLogprobs is a sequence of the same per-token dicts; ours are lists of them either way.
     flat_logprobs: bool = False
     skip_clone: bool = False                       # clone() then copies shallowly (vLLM's)
+    # A reasoning model's thinking tokens at most (-1 or None: no limit); the engine needs its
+    # reasoning_parser or reasoning_config (engine/reasoning.py)
+    thinking_token_budget: int | None = None
     # vLLM's, not supported (a ValueError unless left at the default):
-    thinking_token_budget: int | None = None       # needs a reasoning parser
     routed_experts_prompt_start: int = 0           # MoE routing output, which nanovllm does not return
     # Stop a completion stuck repeating itself (RepetitionDetectionParams, or a dict of its fields)
     repetition_detection: RepetitionDetectionParams | dict | None = None
@@ -112,6 +113,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.thinking_token_budget == -1:
+            self.thinking_token_budget = None
         if self.skip_reading_prefix_cache is None:
             self.skip_reading_prefix_cache = self.prompt_logprobs is not None
         if self.is_greedy:
@@ -174,6 +177,9 @@ class SamplingParams:
         check_field_types(self)   # the types first: the checks below test values only
 
         check(self.n >= 1, f"n must be at least 1, got {self.n}.")
+        check(self.thinking_token_budget is None or self.thinking_token_budget >= -1,
+              f"thinking_token_budget must be a non-negative integer or -1 for unlimited, "
+              f"got {self.thinking_token_budget}.")
         check(-2.0 <= self.presence_penalty <= 2.0,
               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         check(-2.0 <= self.frequency_penalty <= 2.0,

@@ -624,7 +624,8 @@ def test_sampler_kernels_warm_up_for_the_models_own_top_k_or_top_p(qwen3_dir, mo
     (dict(extra_args=["x"]), "extra_args must be dict or None, got ['x']."),
     (dict(logprob_token_ids=[3, -4]), "logprob_token_ids must be a list of non-negative token ids, got [3, -4]."),
     (dict(logprob_token_ids=list(range(129))), "Too many logprob_token_ids: 129. The max is 128."),
-    (dict(thinking_token_budget=64), "thinking_token_budget is not supported (it needs a reasoning parser), got 64."),
+    (dict(thinking_token_budget=-3), "thinking_token_budget must be a non-negative integer or -1 for unlimited, "
+                                     "got -3."),
     (dict(repetition_detection={"max_pattern_size": 4}), "min_count must be >= 2 with max_pattern_size > 0, got 0."),
     (dict(repetition_detection={"max_pattern_size": 2, "min_pattern_size": 3, "min_count": 2}),
      "max_pattern_size, min_pattern_size must be >=0, with min_pattern_size <= max_pattern_size, got 2 and 3."),

@@ -229,6 +229,22 @@ def test_allowed_token_ids_and_logit_bias_on_gpu(gpu_model_dir):
     assert set(tokens[0]) <= set(allowed) and tokens[1] == [123] * 4 and tokens[3] == [5] * 4
 
 
+def test_thinking_budget_on_gpu(gpu_model_dir):
+    """A spent thinking budget forces the end marker in sampled and greedy rows (the fused sampler
+    and the argmax), with async scheduling and CUDA graphs, beside rows without a budget."""
+    llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, reasoning_parser="qwen3")
+    tok = llm.get_tokenizer()
+    start, end = (tok.encode(s, add_special_tokens=False) for s in ("<think>", "</think>"))
+    prompts = [{"prompt_token_ids": p + start} for p in PROMPTS[:3]] + [{"prompt_token_ids": PROMPTS[3]}]
+    budgets = [4, 0, 9, 0]
+    outs = llm.generate(prompts, [SamplingParams(temperature=t, max_tokens=24, ignore_eos=True, thinking_token_budget=b)
+                                  for t, b in zip([1.0, 0.7, 0.0, 1.0], budgets)], use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    for row, budget in enumerate(budgets[:3]):
+        assert tokens[row][budget:budget + len(end)] == end, (row, tokens[row])
+    assert tokens[3][:len(end)] != end   # no block: nothing forced, though its budget is 0
+
+
 @pytest.fixture(scope="module")
 def gpu_llama_dir(tmp_path_factory, tokenizer):
     return build_model_dir(tmp_path_factory.mktemp("llama_gpu"), "llama", tokenizer, seed=1, **SIZES)

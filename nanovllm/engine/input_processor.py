@@ -66,6 +66,9 @@ class InputProcessor:
         if params.logprobs is not None and params.logprobs > cfg.logprobs_cap:
             raise ValueError(f"Requested sample logprobs of {params.logprobs}, which is greater "
                              f"than max allowed: {cfg.logprobs_cap}.")
+        if params.thinking_token_budget is not None and cfg.reasoning_markers is None:
+            raise ValueError("thinking_token_budget is set but reasoning_config is not configured. Please set "
+                             "reasoning_parser and/or reasoning_config to use thinking_token_budget.")
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words needs a tokenizer, but the engine has none (skip_tokenizer_init=True).")
         for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),

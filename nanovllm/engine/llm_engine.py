@@ -13,6 +13,7 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.input_processor import InputProcessor, check_no_lora
 from nanovllm.engine.model_runner import ModelRunner, runner_device
 from nanovllm.engine.output_processor import OutputProcessor
+from nanovllm.engine.reasoning import ThinkingBudget, ThinkingMarkers
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.sleep import SLEEP_TAGS
@@ -66,6 +67,8 @@ class LLMEngine:
             use_fast=config.tokenizer_mode != "slow", token=config.hf_token))
         self.generation_config = self._load_generation_config()
         self.eos_token_ids = self._eos_token_ids(tokenizer)
+        self.thinking_markers = (None if config.reasoning_markers is None
+                                 else ThinkingMarkers.encode(config.reasoning_markers, tokenizer))
         self.workers = None
         if config.tensor_parallel_size > 1:
             self.workers = TPWorkers(config, self.eos_token_ids, runner_device(config, 0))
@@ -183,6 +186,8 @@ class LLMEngine:
                 child_params = replace(params, seed=params.seed + index)
             seq = Sequence(request_id, index, prompt_token_ids, child_params, priority, cache_salt)
             seq.bad_words_token_ids = bad_words_token_ids
+            if params.thinking_token_budget is not None:
+                seq.thinking_budget = ThinkingBudget(self.thinking_markers, params.thinking_token_budget)
             request.seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = request

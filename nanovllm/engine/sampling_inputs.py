@@ -79,6 +79,11 @@ def host_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids:
         md.presence_penalties = np.asarray([p.presence_penalty for p in params], np.float32)
         md.frequency_penalties = np.asarray([p.frequency_penalty for p in params], np.float32)
         md.repetition_penalties = np.asarray([p.repetition_penalty for p in params], np.float32)
+    forced = [(i, token) for i, seq in enumerate(seqs) if seq.thinking_budget is not None
+              for token in [seq.thinking_budget.forced_token(seq.token_ids)] if token is not None]
+    if forced:
+        rows, tokens = zip(*forced)
+        md.forced_rows, md.forced_tokens = np.asarray(rows, np.int64), np.asarray(tokens, np.int64)
     num_logprobs = [p.num_logprobs for p in params if p.num_logprobs is not None]
     md.max_num_logprobs = max(num_logprobs) if num_logprobs else None
     chosen = [(i, p.logprob_token_ids) for i, p in enumerate(params) if p.logprob_token_ids]

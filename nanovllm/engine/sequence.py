@@ -62,6 +62,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.bad_words_token_ids: list[list[int]] = []   # set by the engine from sampling_params.bad_words
+        self.thinking_budget = None   # engine/reasoning.py's ThinkingBudget, set by the engine for a budget
 
     @property
     def num_tokens(self) -> int:
@@ -77,8 +78,10 @@ class Sequence:
 
     @property
     def needs_output_ids_on_host(self) -> bool:
-        """Sampling looks at the ids of earlier output tokens (penalties, multi-token bad words)."""
-        return self.sampling_params.has_penalties or any(len(ids) > 1 for ids in self.bad_words_token_ids)
+        """Sampling looks at the ids of earlier output tokens (penalties, multi-token bad words, a
+        thinking budget)."""
+        return (self.sampling_params.has_penalties or self.thinking_budget is not None
+                or any(len(ids) > 1 for ids in self.bad_words_token_ids))
 
     @property
     def is_finished(self) -> bool:

@@ -1,16 +1,16 @@
 """Sampler: logits -> next tokens, for a batch whose rows each have their own SamplingParams.
 
 Order of operations (vLLM v1's): raw logprobs are taken first, from the unprocessed logits;
-then min_tokens masking and penalties; greedy rows take the argmax of that; the others go
-through temperature, top-k, top-p and min-p, and are sampled by the exponential race
-argmax(probs / q), q ~ Exponential(1), which needs no sort and no host sync. On CUDA the same
-distribution is drawn in two Triton passes (kernels/triton_sampler.py: a group of ids by its
-probability mass, then a token of it by Gumbel noise on its logits), with temperature inside
-them, and top-k, top-p and min-p as one cut value per row below which nothing is drawn:
-top-k/top-p from a few candidates or radix select for rows with a top_k
-(kernels/triton_top_k.py), top-p without top-k by a radix select on probability mass
-(kernels/triton_top_p.py), min-p from the row's maximum. Only a batch with a top_k above
-SELECT_TOP_K_MAX sorts its scaled logits first.
+then min_tokens masking and penalties, then the tokens that spent thinking budgets force;
+greedy rows take the argmax of that; the others go through temperature, top-k, top-p and
+min-p, and are sampled by the exponential race argmax(probs / q), q ~ Exponential(1), which
+needs no sort and no host sync. On CUDA the same distribution is drawn in two Triton passes
+(kernels/triton_sampler.py: a group of ids by its probability mass, then a token of it by
+Gumbel noise on its logits), with temperature inside them, and top-k, top-p and min-p as one
+cut value per row below which nothing is drawn: top-k/top-p from a few candidates or radix
+select for rows with a top_k (kernels/triton_top_k.py), top-p without top-k by a radix select
+on probability mass (kernels/triton_top_p.py), min-p from the row's maximum. Only a batch with
+a top_k above SELECT_TOP_K_MAX sorts its scaled logits first.
 """
 from dataclasses import dataclass
 
@@ -55,10 +55,14 @@ class SamplingMetadata:
     bias_rows: torch.Tensor | None = None
     bias_tokens: torch.Tensor | None = None
     bias_values: torch.Tensor | None = None
+    # Rows that must sample one token (a spent thinking budget: engine/reasoning.py): [F] each.
+    forced_rows: torch.Tensor | None = None
+    forced_tokens: torch.Tensor | None = None
 
     @property
     def edits_logits(self) -> bool:
-        return any(t is not None for t in (self.allowed_rows, self.banned_rows, self.bias_rows, self.output_token_ids))
+        return any(t is not None for t in (self.allowed_rows, self.banned_rows, self.bias_rows, self.output_token_ids,
+                                           self.forced_rows))
 
 
 @dataclass
@@ -262,6 +266,9 @@ class Sampler:
             logits = restrict_and_bias(logits.float(), md)
             if md.output_token_ids is not None:
                 logits = apply_penalties(logits, md)
+            if md.forced_rows is not None:   # last: whatever the other edits did, these rows take their token
+                logits[md.forced_rows] = float("-inf")
+                logits[md.forced_rows, md.forced_tokens] = 0.0
         token_ids = self._sample_fused(logits, md) if self.fused else self._sample_torch(logits.float(), md)
         if raw_logprobs is None:
             return SamplerOutput(token_ids)

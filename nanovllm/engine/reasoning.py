@@ -1,0 +1,96 @@
+"""The thinking budget of reasoning models: vLLM's `reasoning_parser` / `reasoning_config` engine
+arguments and SamplingParams.thinking_token_budget.
+
+A reasoning model writes its thoughts between two markers (Qwen3: "<think>" and "</think>")
+before it answers. A request with thinking_token_budget=B keeps at most B tokens after the
+start marker: the step that would sample token B + 1 of the block samples the end marker's
+first token instead, whatever the model prefers, and the next steps its other tokens (one a
+step). Counting starts again at the next start marker. A prompt that ends inside a block (a
+chat template that opens it) counts its tokens after the marker too, as vLLM does:
+
+    | prompt ... <think> a b | c d  </think> ... |     budget 4: a b c d thought, then forced
+                             | output            |
+"""
+from dataclasses import dataclass
+
+# vLLM 0.26's reasoning parsers whose blocks lie between two strings: name -> (start, end).
+REASONING_PARSERS = {name: ("<think>", "</think>") for name in ("qwen3", "deepseek_r1", "mimo", "ernie45")}
+REASONING_CONFIG_FIELDS = ("reasoning_parser", "reasoning_start_str", "reasoning_end_str")
+
+
+def reasoning_markers(reasoning_parser: str, reasoning_config) -> tuple[str, str] | None:
+    """The engine arguments -> the (start, end) marker strings, None if they name none.
+    reasoning_config: None, a dict of vLLM's ReasoningConfig fields, or an object with them;
+    its strings win over those of the parser it or reasoning_parser names."""
+    if isinstance(reasoning_config, dict):
+        unknown = sorted(set(reasoning_config) - set(REASONING_CONFIG_FIELDS))
+        if unknown:
+            raise ValueError(f"reasoning_config has unknown key(s) {unknown}; known: "
+                             f"{', '.join(REASONING_CONFIG_FIELDS)}.")
+        given = reasoning_config
+    else:
+        given = {name: getattr(reasoning_config, name, "") for name in REASONING_CONFIG_FIELDS}
+    parser = given.get("reasoning_parser") or reasoning_parser
+    start, end = given.get("reasoning_start_str") or "", given.get("reasoning_end_str") or ""
+    if parser:
+        if parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser {parser!r} is not supported; supported: "
+                             f"{', '.join(REASONING_PARSERS)}, or give the markers as reasoning_config="
+                             f"{{'reasoning_start_str': ..., 'reasoning_end_str': ...}}.")
+        start, end = start or REASONING_PARSERS[parser][0], end or REASONING_PARSERS[parser][1]
+    if not start and not end:
+        return None
+    for name, value in (("reasoning_start_str", start), ("reasoning_end_str", end)):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"reasoning_config needs both reasoning_start_str and reasoning_end_str as "
+                             f"non-empty strings, got {name}={value!r}.")
+    return start, end
+
+
+@dataclass(frozen=True)
+class ThinkingMarkers:
+    """The markers as token ids."""
+    start: list[int]
+    end: list[int]
+
+    @classmethod
+    def encode(cls, markers: tuple[str, str], tokenizer) -> "ThinkingMarkers":
+        if tokenizer is None:
+            raise ValueError("reasoning markers need a tokenizer, but the engine has none (skip_tokenizer_init=True).")
+        start, end = (tokenizer.encode(text, add_special_tokens=False) for text in markers)
+        if not start or not end:
+            raise ValueError(f"reasoning markers {markers!r} encode to no tokens.")
+        return cls(start, end)
+
+
+class ThinkingBudget:
+    """One sequence's thinking budget. Its token ids are searched for the markers once each, as
+    they grow; every id must be known (the engine reads pending tokens first for such a sequence)."""
+
+    def __init__(self, markers: ThinkingMarkers, budget: int):
+        self.markers = markers
+        self.budget = budget
+        self.num_scanned = 0        # token_ids[:num_scanned] searched for markers
+        self.start_end = -1         # where the latest start marker ends (the block's first token), -1: none
+        self.end_end = -1           # where the latest end marker ends
+
+    def forced_token(self, token_ids: list[int]) -> int | None:
+        """The token the next step must sample, None if the model chooses."""
+        self._scan(token_ids)
+        if self.start_end <= self.end_end:   # outside any block
+            return None
+        num_thinking = len(token_ids) - self.start_end
+        if num_thinking < self.budget:
+            return None
+        end = self.markers.end
+        done = next(j for j in range(min(len(end) - 1, num_thinking), -1, -1)   # end's tokens already forced
+                    if j == 0 or token_ids[-j:] == end[:j])
+        return end[done]
+
+    def _scan(self, token_ids: list[int]):
+        for marker, name in ((self.markers.start, "start_end"), (self.markers.end, "end_end")):
+            n = len(marker)
+            for i in range(max(0, self.num_scanned - n + 1), len(token_ids) - n + 1):
+                if token_ids[i:i + n] == marker:
+                    setattr(self, name, i + n)
+        self.num_scanned = len(token_ids)
