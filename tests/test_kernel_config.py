@@ -115,7 +115,7 @@ def test_dry_run_calls_its_forwards_in_a_dry_pass_or_not_at_all(monkeypatch):
 
 
 def test_sizing_step_holds_a_decode_and_the_longest_context_the_budget_allows():
-    from nanovllm.engine.model_runner import sizing_lens
+    from nanovllm.engine.kv_cache import sizing_lens
     assert sizing_lens(16384, 256, 4096) == [1] + [49] * 95 + [48] * 159 + [4096]
     assert sizing_lens(16384, 512, 40960) == [1] * 511 + [15873]
     assert sizing_lens(8192, 3, 4096) == [1, 4095, 4096]
@@ -131,7 +131,7 @@ def test_sizing_step_holds_a_decode_and_the_longest_context_the_budget_allows():
 def test_mixed_step_decodes():
     """A mixed step's one-token sequences go to the decode kernel; the prefill kernel's configuration
     follows the longest of the others, not a long decode's context."""
-    from nanovllm.engine.model_runner import mixed_step_decodes
+    from nanovllm.engine.step_inputs import mixed_step_decodes
     assert mixed_step_decodes([0, 77, 78, 111, 112], [77, 5000, 81, 3000]) == ([1, 3], 81)
     assert mixed_step_decodes([0, 1, 9], [7, 8]) == ([0], 8)
     assert mixed_step_decodes([0, 4, 9], [4, 6000]) == ([], 6000)

@@ -2,24 +2,26 @@
 the sampler; turns a SchedulerOutput into sampled tokens."""
 import bisect
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 
 import numpy as np
 import torch
 
 from nanovllm.config import Config
 from nanovllm.distributed import SINGLE, TPGroup
+from nanovllm.engine import kv_cache
 from nanovllm.engine.block_table_sync import BlockTableReceiver, BlockTableSender
 from nanovllm.engine.cuda_graph import DecodeGraphs, graph_buckets
+from nanovllm.engine.prompt_logprobs import PromptLogprobsChunk, score_prompts
 from nanovllm.engine.sampling_inputs import build_sampling_metadata
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sleep import SLEEP_TAGS, Hibernation
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_inputs import HostBatch, StepInputs, build_step, prompt_spans
+from nanovllm.engine.step_inputs import HostBatch, StepInputs, build_step, mixed_step_decodes, prompt_spans
 from nanovllm.engine.upload import upload
 from nanovllm.kernels import compile_ahead
 from nanovllm.layers.attention import Attention, AttentionMetadata, MixedDecodes, select_backend
-from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, token_logprobs
+from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from nanovllm.engine.profiler import ProfilerConfig, RankProfiler
 from nanovllm.logger import init_logger
 from nanovllm.model.loader import init_dummy_weights, load_model
@@ -28,46 +30,10 @@ from nanovllm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
 
-CPU_KV_CACHE_BYTES = 4 << 30   # vLLM's default CPU KV-cache space
 MAX_GRAPH_BATCH_SIZE = 512
 # Prompt tokens scored per logits pass (prompt_logprobs): keeps their [rows, vocab] logits
 # within the memory the start-up profile measured for the sampler's rows.
 PROMPT_LOGITS_ROWS = 256
-
-
-@dataclass
-class PromptLogprobsChunk:
-    """Prompt tokens first, first + 1, ... of one sequence, scored in one step (host values),
-    each given the tokens before it."""
-    seq: Sequence
-    first: int
-    logprobs: list[float]
-    ranks: list[int]
-    top: list[list[tuple[int, float]]] | None   # per token: (token id, logprob), best first
-
-
-def even_split(total: int, parts: int) -> list[int]:
-    """total as parts lengths differing by at most one, the longer first ([] for no parts)."""
-    return [total // parts + (i < total % parts) for i in range(parts)] if parts else []
-
-
-def sizing_lens(num_tokens: int, num_seqs: int, max_len: int) -> list[int]:
-    """The sequence lengths of the KV-cache sizing's step (num_tokens over num_seqs sequences): the
-    last as long as max_len and the budget allow, the first a single token beside them (a mixed
-    step's decode), the rest even. So its dry pass also compiles the attention kernels of long
-    contexts and of mixed steps, which a run would otherwise compile in its first such step."""
-    if num_seqs == 1 or 1 + (num_seqs - 1) * max_len < num_tokens:   # (no room for the one-token row)
-        return even_split(num_tokens, num_seqs)
-    longest = min(max_len, num_tokens - (num_seqs - 1))
-    return [1] + even_split(num_tokens - 1 - longest, num_seqs - 2) + [longest]
-
-
-def mixed_step_decodes(query_start_loc: list[int], seq_lens: list[int]) -> tuple[list[int], int]:
-    """A step with prompt tokens -> (its one-token sequences, the longest of its other sequences):
-    the decode kernel takes the first, and the second picks the prefill kernel's configuration."""
-    decodes = [i for i, (a, b) in enumerate(zip(query_start_loc, query_start_loc[1:])) if b - a == 1]
-    longest = max(n for n, a, b in zip(seq_lens, query_start_loc, query_start_loc[1:]) if b - a > 1)
-    return decodes, longest
 
 
 def runner_device(config: Config, rank: int) -> torch.device:
@@ -198,45 +164,32 @@ class ModelRunner:
     def max_blocks_per_seq(self) -> int:
         return -(-self.config.max_model_len // self.block_size)
 
-    # ---- KV cache ---------------------------------------------------------------------------
-    def _kv_block_bytes(self) -> int:
-        attn = self.attention_layers[0]
-        per_layer = 2 * self.block_size * attn.num_kv_heads * attn.head_dim
-        return per_layer * len(self.attention_layers) * self.config.kv_cache_torch_dtype.itemsize
-
-    def _make_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        attn = self.attention_layers[0]
-        # kv_cache: [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
-        kv_cache = torch.empty(2, len(self.attention_layers), num_blocks, self.block_size, attn.num_kv_heads,
-                               attn.head_dim, dtype=self.config.kv_cache_torch_dtype, device=self.device)
-        if kv_cache.is_cuda:
-            # The Gluon prefill kernel reads whole tiles of a page, past a sequence's end too: values
-            # never written must be finite there (their weights are 0, but 0 * NaN is NaN).
-            kv_cache.zero_()
-        for i, layer in enumerate(self.attention_layers):
-            layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
-        return kv_cache
-
+    # ---- KV cache (engine/kv_cache.py) ---------------------------------------------------------
     def _allocate_kv_cache(self) -> int:
         cfg = self.config
         num_blocks = cfg.num_kvcache_blocks
         if num_blocks is None:
+            block_bytes = kv_cache.block_bytes(self.attention_layers, self.block_size, cfg.kv_cache_torch_dtype)
             if cfg.kv_cache_memory_bytes is not None:
                 budget = cfg.kv_cache_memory_bytes
             elif self.device.type == "cuda":
                 budget = self._profile_kv_budget()
             else:
-                budget = CPU_KV_CACHE_BYTES
+                budget = kv_cache.CPU_KV_CACHE_BYTES
             # More blocks than max_num_seqs full-length sequences could ever use is waste.
-            num_blocks = min(budget // self._kv_block_bytes(), cfg.max_num_seqs * self.max_blocks_per_seq)
+            num_blocks = min(budget // block_bytes, cfg.max_num_seqs * self.max_blocks_per_seq)
             num_blocks = self.tp.min_over_ranks(num_blocks, self.device)   # every rank holds the same blocks
             if num_blocks < 1:
-                setting = (f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes} (one block takes "
-                           f"{self._kv_block_bytes()})" if cfg.kv_cache_memory_bytes is not None
+                setting = (f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes} (one block takes {block_bytes})"
+                           if cfg.kv_cache_memory_bytes is not None
                            else f"gpu_memory_utilization={cfg.gpu_memory_utilization}")
                 raise ValueError(f"no memory is left for the KV cache at {setting}; raise it or use a smaller model.")
         self.kv_cache = self._make_kv_cache(num_blocks)
         return num_blocks
+
+    def _make_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        return kv_cache.allocate(self.attention_layers, num_blocks, self.block_size,
+                                 self.config.kv_cache_torch_dtype, self.device)
 
     @torch.inference_mode()
     def _profile_kv_budget(self) -> int:
@@ -248,7 +201,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * cfg.max_model_len)
         num_seqs = min(cfg.max_num_seqs, num_tokens)
-        lens = sizing_lens(num_tokens, num_seqs, cfg.max_model_len)
+        lens = kv_cache.sizing_lens(num_tokens, num_seqs, cfg.max_model_len)
         num_pages = -(-max(lens) // self.block_size)
         self._make_kv_cache(num_pages)   # every dummy sequence uses the same pages
 
@@ -261,7 +214,7 @@ class ModelRunner:
         batch = host_batch(lens)
         inputs = self._device_inputs(batch)
         # Its kernels compiled first, and those of a step of short prompts (kernels chosen by length).
-        short = self._device_inputs(host_batch(even_split(num_tokens, num_seqs)))
+        short = self._device_inputs(host_batch(kv_cache.even_split(num_tokens, num_seqs)))
         self._add_compile_ahead(compile_ahead.dry_run(lambda: (self.model(*inputs), self.model(*short))))
         hidden = self.model(*inputs)
         logits = self.model.compute_logits(hidden[torch.tensor(batch.query_start_loc[1:]) - 1])
@@ -276,14 +229,9 @@ class ModelRunner:
         if self.sampler is not None:
             self.sampler(logits, md)
         del hidden, logits
-        for layer in self.attention_layers:
-            layer.k_cache = layer.v_cache = torch.tensor([])
+        kv_cache.release(self.attention_layers)
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated(self.device)
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        non_torch = total - free - torch.cuda.memory_reserved(self.device)   # CUDA context, NCCL, ...
-        return int(total * cfg.gpu_memory_utilization) - peak - non_torch
+        return kv_cache.cuda_budget(self.device, cfg.gpu_memory_utilization, torch.cuda.max_memory_allocated(self.device))
 
     # ---- one step ---------------------------------------------------------------------------
     def decode_split(self, num_seqs: int) -> tuple[int, int]:
@@ -344,7 +292,7 @@ class ModelRunner:
                                                table_updates=self.table_sender.updates(out.seqs))))
         try:
             logits, prompt_logits = self.run_step(step)
-            prompt_chunks = self._score_prompts(spans, prompt_logits) if spans else []
+            prompt_chunks = score_prompts(spans, prompt_logits, self.device) if spans else []
             if logits is None:
                 return None, prompt_chunks
             sampled = self.sampler(logits, self.prepare_sampling(sampling_seqs))
@@ -363,29 +311,6 @@ class ModelRunner:
         if step.num_sampling:
             tokens = torch.empty(step.num_sampling, dtype=torch.int64, device=self.device)
             self.last_sampled = self.tp.broadcast_from_first(tokens)
-
-    def _score_prompts(self, spans, prompt_logits: list[torch.Tensor]) -> list[PromptLogprobsChunk]:
-        targets = [seq.token_ids[t] for seq, first, rows in spans for t in range(first, first + len(rows))]
-        targets = torch.tensor(targets, device=self.device)
-        num_top = max(seq.sampling_params.prompt_logprobs for seq, _, _ in spans)
-        parts, start = [], 0
-        for logits in prompt_logits:
-            end = start + logits.shape[0]
-            parts.append(token_logprobs(logits.float().log_softmax(-1), targets[start:end], num_top))
-            start = end
-        logprobs = torch.cat([p.logprobs for p in parts]).tolist()
-        ranks = torch.cat([p.ranks for p in parts]).tolist()
-        top = None
-        if num_top:
-            top = [list(zip(ids, lps)) for ids, lps in zip(torch.cat([p.top_ids for p in parts]).tolist(),
-                                                          torch.cat([p.top_logprobs for p in parts]).tolist())]
-        chunks, start = [], 0
-        for seq, first, rows in spans:
-            end = start + len(rows)
-            chunks.append(PromptLogprobsChunk(seq, first, logprobs[start:end], ranks[start:end],
-                                              top[start:end] if top else None))
-            start = end
-        return chunks
 
     def run_step(self, step: StepInputs) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """Every rank: the forward pass, then (on rank 0) the logits of the sampling rows, None

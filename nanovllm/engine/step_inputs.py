@@ -98,3 +98,11 @@ def prompt_spans(out: SchedulerOutput, batch: HostBatch) -> list[tuple[Sequence,
         if first < end:
             spans.append((seq, first + 1, list(range(row0 + first, row0 + end))))
     return spans
+
+
+def mixed_step_decodes(query_start_loc: list[int], seq_lens: list[int]) -> tuple[list[int], int]:
+    """A step with prompt tokens -> (its one-token sequences, the longest of its other sequences):
+    the decode kernel takes the first, and the second picks the prefill kernel's configuration."""
+    decodes = [i for i, (a, b) in enumerate(zip(query_start_loc, query_start_loc[1:])) if b - a == 1]
+    longest = max(n for n, a, b in zip(seq_lens, query_start_loc, query_start_loc[1:]) if b - a > 1)
+    return decodes, longest
