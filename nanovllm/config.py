@@ -7,7 +7,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.engine.profiler import ProfilerConfig
-from nanovllm.engine.reasoning import reasoning_markers
+from nanovllm.engine.reasoning import ReasoningConfig, reasoning_markers
 from nanovllm.layers.rotary import max_positions, rope_settings
 from nanovllm.utils.hub import check_directory_or_hub_id, resolve_model_path
 from nanovllm.utils.validation import check_field_types
@@ -157,6 +157,7 @@ class Config:
             self.block_size = DEFAULT_BLOCK_SIZE
         self._validate_scalars()
         self.profiler_config = ProfilerConfig.parse(self.profiler_config)
+        self.reasoning_config = ReasoningConfig.parse(self.reasoning_config)
         self.reasoning_markers = reasoning_markers(self.reasoning_parser, self.reasoning_config)
         if self.chat_template is not None:
             self.chat_template = load_chat_template(self.chat_template)

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.config import ReasoningConfig
 from nanovllm.engine.reasoning import ThinkingBudget, ThinkingMarkers, reasoning_markers
 
 START, END = [7, 8], [5, 6, 9]   # marker token ids for the unit tests (any ids)
@@ -56,14 +57,20 @@ def test_tokens_are_scanned_once_as_they_grow():
 
 
 # ---- configuration -----------------------------------------------------------------------
+def markers(parser: str, config) -> tuple[str, str] | None:
+    return reasoning_markers(parser, ReasoningConfig.parse(config))
+
+
 def test_markers_from_a_parser_name_or_strings():
-    assert reasoning_markers("", None) is None
-    assert reasoning_markers("qwen3", None) == ("<think>", "</think>")
-    assert reasoning_markers("", {"reasoning_parser": "deepseek_r1"}) == ("<think>", "</think>")
-    assert reasoning_markers("", {"reasoning_start_str": "<a>", "reasoning_end_str": "</a>"}) == ("<a>", "</a>")
+    assert markers("", None) is None
+    assert markers("qwen3", None) == ("<think>", "</think>")
+    assert markers("", {"reasoning_parser": "deepseek_r1"}) == ("<think>", "</think>")
+    assert markers("", {"reasoning_start_str": "<a>", "reasoning_end_str": "</a>"}) == ("<a>", "</a>")
     vllm_like = SimpleNamespace(reasoning_parser="", reasoning_start_str="[T]", reasoning_end_str="[/T]")
-    assert reasoning_markers("", vllm_like) == ("[T]", "[/T]")
-    assert reasoning_markers("qwen3", {"reasoning_end_str": "</b>"}) == ("<think>", "</b>")
+    assert markers("", vllm_like) == ("[T]", "[/T]")
+    assert markers("", ReasoningConfig(reasoning_parser="qwen3")) == ("<think>", "</think>")
+    assert markers("qwen3", {"reasoning_end_str": "</b>"}) == ("<think>", "</b>")
+    assert markers("", {"reasoning_parser": "qwen3", "reasoning_start_str": "<a>"}) == ("<a>", "</think>")
 
 
 @pytest.mark.parametrize("parser, config, message", [
@@ -74,7 +81,7 @@ def test_markers_from_a_parser_name_or_strings():
 ])
 def test_bad_markers_are_value_errors(parser, config, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        reasoning_markers(parser, config)
+        markers(parser, config)
 
 
 @pytest.mark.parametrize("budget, message", [

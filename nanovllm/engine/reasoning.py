@@ -18,20 +18,34 @@ REASONING_PARSERS = {name: ("<think>", "</think>") for name in ("qwen3", "deepse
 REASONING_CONFIG_FIELDS = ("reasoning_parser", "reasoning_start_str", "reasoning_end_str")
 
 
-def reasoning_markers(reasoning_parser: str, reasoning_config) -> tuple[str, str] | None:
-    """The engine arguments -> the (start, end) marker strings, None if they name none.
-    reasoning_config: None, a dict of vLLM's ReasoningConfig fields, or an object with them;
-    its strings win over those of the parser it or reasoning_parser names."""
-    if isinstance(reasoning_config, dict):
-        unknown = sorted(set(reasoning_config) - set(REASONING_CONFIG_FIELDS))
+@dataclass
+class ReasoningConfig:
+    """vLLM's ReasoningConfig (`from nanovllm.config import ReasoningConfig`): the markers' strings,
+    or the name of a parser that knows them (its strings win)."""
+    reasoning_parser: str = ""
+    reasoning_start_str: str = ""
+    reasoning_end_str: str = ""
+
+    @classmethod
+    def parse(cls, value):
+        """LLM(reasoning_config=...): None, a dict of the fields (made a ReasoningConfig), or a
+        ReasoningConfig (ours or vLLM's, taken as it is)."""
+        if not isinstance(value, dict):
+            return value
+        unknown = sorted(set(value) - set(REASONING_CONFIG_FIELDS))
         if unknown:
             raise ValueError(f"reasoning_config has unknown key(s) {unknown}; known: "
                              f"{', '.join(REASONING_CONFIG_FIELDS)}.")
-        given = reasoning_config
-    else:
-        given = {name: getattr(reasoning_config, name, "") for name in REASONING_CONFIG_FIELDS}
-    parser = given.get("reasoning_parser") or reasoning_parser
-    start, end = given.get("reasoning_start_str") or "", given.get("reasoning_end_str") or ""
+        return cls(**value)
+
+
+def reasoning_markers(reasoning_parser: str, reasoning_config) -> tuple[str, str] | None:
+    """The engine arguments -> the (start, end) marker strings, None if they name none.
+    reasoning_config: None or a ReasoningConfig; its strings win over those of the parser it or
+    reasoning_parser names."""
+    parser = getattr(reasoning_config, "reasoning_parser", "") or reasoning_parser
+    start = getattr(reasoning_config, "reasoning_start_str", "") or ""
+    end = getattr(reasoning_config, "reasoning_end_str", "") or ""
     if parser:
         if parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser {parser!r} is not supported; supported: "
