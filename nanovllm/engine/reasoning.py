@@ -85,15 +85,15 @@ class ThinkingBudget:
         self.markers = markers
         self.budget = budget
         self.num_scanned = 0        # token_ids[:num_scanned] searched for markers
-        self.start_end = -1         # where the latest start marker ends (the block's first token), -1: none
-        self.end_end = -1           # where the latest end marker ends
+        self.opened_at = -1         # the index after the latest start marker (the block's first token); -1: none
+        self.closed_at = -1         # the index after the latest end marker
 
     def forced_token(self, token_ids: list[int]) -> int | None:
         """The token the next step must sample, None if the model chooses."""
         self._scan(token_ids)
-        if self.start_end <= self.end_end:   # outside any block
+        if self.opened_at <= self.closed_at:   # outside any block
             return None
-        num_thinking = len(token_ids) - self.start_end
+        num_thinking = len(token_ids) - self.opened_at
         if num_thinking < self.budget:
             return None
         end = self.markers.end
@@ -102,7 +102,7 @@ class ThinkingBudget:
         return end[done]
 
     def _scan(self, token_ids: list[int]):
-        for marker, name in ((self.markers.start, "start_end"), (self.markers.end, "end_end")):
+        for marker, name in ((self.markers.start, "opened_at"), (self.markers.end, "closed_at")):
             n = len(marker)
             for i in range(max(0, self.num_scanned - n + 1), len(token_ids) - n + 1):
                 if token_ids[i:i + n] == marker:
