@@ -132,6 +132,8 @@ def test_budget_counts_thinking_tokens_in_the_prompt(llm):
     thought = len(prompt) - len(start)
     assert greedy(llm, prompt, len(end), budget=thought)[:len(end)] == end
     assert greedy(llm, prompt, len(end), budget=0) == end
+    sampled = SamplingParams(temperature=1.0, seed=0, max_tokens=len(end), thinking_token_budget=0)
+    assert llm.generate([{"prompt_token_ids": prompt}], sampled, use_tqdm=False)[0].outputs[0].token_ids == end
 
 
 def test_budget_without_a_block_changes_nothing(llm):
