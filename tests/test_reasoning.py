@@ -160,3 +160,12 @@ def test_budget_needs_reasoning_markers(qwen3_dir):
     assert len(llm.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match="reasoning_parser 'nope' is not supported"):
         LLM(qwen3_dir, dtype="float32", reasoning_parser="nope")
+
+
+def test_each_of_n_completions_has_its_own_budget(llm):
+    tok = llm.get_tokenizer()
+    start, end = (tok.encode(s, add_special_tokens=False) for s in ("<think>", "</think>"))
+    sp = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=2 + len(end), thinking_token_budget=2)
+    out = llm.generate([{"prompt_token_ids": tok.encode("Hello world!") + start}], sp, use_tqdm=False)[0]
+    assert [c.token_ids[2:] for c in out.outputs] == [end] * 3
+    assert len({tuple(c.token_ids[:2]) for c in out.outputs}) > 1   # the thoughts themselves differ
