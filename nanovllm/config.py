@@ -8,6 +8,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.engine.profiler import ProfilerConfig
 from nanovllm.engine.reasoning import ReasoningConfig, reasoning_markers
+from nanovllm.engine.structured_output import StructuredOutputsConfig
 from nanovllm.layers.rotary import max_positions, rope_settings
 from nanovllm.utils.hub import check_directory_or_hub_id, resolve_model_path
 from nanovllm.utils.validation import check_field_types
@@ -39,7 +40,6 @@ IDLE_ARGUMENTS = {
     "enable_return_routed_experts": (False, "MoE routing is not returned"),
     "mm_processor_kwargs": (None, "text-only models"), "allowed_local_media_path": ("", "text-only models"),
     "allowed_media_domains": (None, "text-only models"), "pooler_config": (None, "no pooling models"),
-    "structured_outputs_config": (None, "no guided decoding"),
     "attention_config": (None, "choose the kernels with attention_backend"),
     "compilation_config": (None, "the engine compiles and captures CUDA graphs its own way; enforce_eager=True "
                                  "turns the graphs off"),
@@ -80,6 +80,9 @@ class Config:
     # its fields: reasoning_start_str, reasoning_end_str, reasoning_parser).
     reasoning_parser: str = ""
     reasoning_config: object = None
+    # SamplingParams.structured_outputs' engine settings (engine/structured_output.py): vLLM's
+    # StructuredOutputsConfig, or a dict of its fields
+    structured_outputs_config: object = None
     dtype: str | torch.dtype = "auto"       # "auto", a name in DTYPES, or one of their torch dtypes
     quantization: str | None = None         # only None: checkpoints are loaded unquantized
     device: str = "auto"
@@ -159,6 +162,11 @@ class Config:
         self.profiler_config = ProfilerConfig.parse(self.profiler_config)
         self.reasoning_config = ReasoningConfig.parse(self.reasoning_config)
         self.reasoning_markers = reasoning_markers(self.reasoning_parser, self.reasoning_config)
+        self.structured_outputs_config = StructuredOutputsConfig.parse(self.structured_outputs_config)
+        structured = self.structured_outputs_config   # as vLLM's EngineArgs: LLM's reasoning parser is its too
+        structured.reasoning_parser = (structured.reasoning_parser or self.reasoning_parser
+                                       or getattr(self.reasoning_config, "reasoning_parser", ""))
+        reasoning_markers(structured.reasoning_parser, None)   # an unknown name refused here
         if self.chat_template is not None:
             self.chat_template = load_chat_template(self.chat_template)
         if self.device == "auto":

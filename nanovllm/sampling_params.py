@@ -2,6 +2,7 @@
 import copy
 import math
 from dataclasses import dataclass, field, replace
+from dataclasses import fields as dataclass_fields
 from enum import Enum
 
 from nanovllm.utils.validation import check_field_types
@@ -13,6 +14,56 @@ MAX_LOGPROB_TOKEN_IDS = 128   # vLLM's limit on logprob_token_ids
 UNSUPPORTED_FIELDS = {
     "routed_experts_prompt_start": (0, "nanovllm does not return MoE routing"),
 }
+
+
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's: one constraint on a completion (engine/structured_output.py): a JSON schema (a dict
+    or its text), a regex, a list of strings to choose from, an EBNF grammar, or any JSON object."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False      # JSON without optional whitespace
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None     # (vLLM's other backends')
+    structural_tag: str | None = None         # not supported: a ValueError
+
+    def __post_init__(self):
+        given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one constraint of {', '.join(CONSTRAINTS)}, "
+                             f"got {len(given)} ({', '.join(given) or 'none'}).")
+        check_field_types(self)
+        if self.structural_tag is not None:
+            raise ValueError(f"structured_outputs structural_tag is not supported, got {self.structural_tag!r:.80}.")
+        if self.choice is not None and not (self.choice and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured_outputs choice must be a list of non-empty strings, got {self.choice!r:.80}.")
+        if self.json_object is False:
+            raise ValueError("structured_outputs json_object must be True when given, got False.")
+
+    @classmethod
+    def parse(cls, value) -> "StructuredOutputsParams | None":
+        """None, a dict of the fields, or a StructuredOutputsParams (ours or vLLM's)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            names = [f.name for f in dataclass_fields(cls)]
+            value = {name: getattr(value, name) for name in names if hasattr(value, name)}
+        try:
+            return cls(**value)
+        except TypeError:
+            raise ValueError(f"structured_outputs takes {', '.join(f.name for f in dataclass_fields(cls))}, "
+                             f"got {value!r:.120}.") from None
+
+    @property
+    def constraint(self) -> tuple[str, object]:
+        """(its kind, its spec)."""
+        return next((name, getattr(self, name)) for name in CONSTRAINTS if getattr(self, name) is not None)
 
 
 @dataclass
@@ -79,7 +130,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None     # only these ids may be sampled
     truncate_prompt_tokens: int | None = None      # keep only the prompt's last k tokens (-1: max_model_len)
     detokenize: bool = True                        # False: token ids only, text stays ""
-    structured_outputs: object | None = None       # vLLM's StructuredOutputsParams: not supported, only None
+    structured_outputs: object | None = None       # StructuredOutputsParams (or a dict of its fields)
     logits_processors: list | None = None          # per-request logits processors: only None (as vLLM V1)
     extra_args: dict | None = None                 # kept for custom code, as vLLM (no built-in use)
     # True: the prompt is computed whole, no prefix-cache hits; None: True with prompt_logprobs (vLLM's)
@@ -99,6 +150,7 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
+        self.structured_outputs = StructuredOutputsParams.parse(self.structured_outputs)
         if isinstance(self.repetition_detection, dict):
             try:
                 self.repetition_detection = RepetitionDetectionParams(**self.repetition_detection)
@@ -167,8 +219,6 @@ class SamplingParams:
             if not ok:
                 raise ValueError(message)
 
-        check(self.structured_outputs is None, f"structured_outputs is not supported (nanovllm has no guided "
-                                               f"decoding), got {self.structured_outputs!r:.80}.")
         check(not self.logits_processors, f"logits_processors is not supported (per-request logits processors; "
                                           f"vLLM V1 refuses them too), got {self.logits_processors!r:.80}.")
         for name, (default, why) in UNSUPPORTED_FIELDS.items():
@@ -248,12 +298,11 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
-    structured_outputs: object | None = None   # vLLM's; only None (no guided decoding)
+    structured_outputs: object | None = None   # vLLM's; only None (no structured outputs in beam search)
 
     def __post_init__(self):
         if self.structured_outputs is not None:
-            raise ValueError(f"structured_outputs is not supported (nanovllm has no guided decoding), "
-                             f"got {self.structured_outputs!r:.80}.")
+            raise ValueError(f"structured_outputs is not supported in beam search, got {self.structured_outputs!r:.80}.")
         check_field_types(self)   # the types first: the checks below test values only
         for name in ("beam_width", "max_tokens"):
             value = getattr(self, name)

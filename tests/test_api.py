@@ -619,8 +619,8 @@ def test_sampler_kernels_warm_up_for_the_models_own_top_k_or_top_p(qwen3_dir, mo
     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens must be at least 1, or -1 (max_model_len), got 0."),
     (dict(detokenize=False, stop="x"), "stop strings are only supported when detokenize is True."),
     (dict(stop=[""]), "stop must be a non-empty string"),
-    (dict(structured_outputs={"json": {}}), "structured_outputs is not supported (nanovllm has no guided decoding), "
-                                            "got {'json': {}}."),
+    (dict(structured_outputs={"json": {}, "regex": "a"}), "structured_outputs needs exactly one constraint of json, "
+                                                          "regex, choice, grammar, json_object, structural_tag, got 2"),
     (dict(extra_args=["x"]), "extra_args must be dict or None, got ['x']."),
     (dict(logprob_token_ids=[3, -4]), "logprob_token_ids must be a list of non-negative token ids, got [3, -4]."),
     (dict(logprob_token_ids=list(range(129))), "Too many logprob_token_ids: 129. The max is 128."),

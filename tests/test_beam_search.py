@@ -96,7 +96,8 @@ def test_extend_keeps_the_best_and_finishes_eos():
     (dict(beam_width=2, max_tokens=4, temperature=-1.0), "temperature must be non-negative, got -1.0"),
     (dict(beam_width=2, max_tokens=4, temperature=float("nan")), "temperature must be non-negative, got nan"),
     (dict(beam_width=2, max_tokens=4, length_penalty=float("nan")), "length_penalty must be a finite number, got nan"),
-    (dict(beam_width=2, max_tokens=4, structured_outputs={"json": {}}), "structured_outputs is not supported"),
+    (dict(beam_width=2, max_tokens=4, structured_outputs={"json": {}}),
+     "structured_outputs is not supported in beam search"),
 ])
 def test_bad_beam_search_params(kwargs, message):
     with pytest.raises(ValueError, match=message):

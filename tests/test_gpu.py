@@ -245,6 +245,27 @@ def test_thinking_budget_on_gpu(gpu_model_dir):
     assert tokens[3][:len(end)] != end   # no block: nothing forced, though its budget is 0
 
 
+def test_structured_outputs_on_gpu(gpu_model_dir):
+    """Grammar bitmasks on the GPU's logits, sampled (the fused sampler) and greedy rows, with async
+    scheduling and CUDA graphs, beside a free request."""
+    pytest.importorskip("xgrammar")
+    import json
+    import re
+    llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, structured_outputs_config={
+        "disable_any_whitespace": True})
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    sps = [SamplingParams(temperature=1.0, max_tokens=32, structured_outputs={"choice": ["red", "green", "blue"]}),
+           SamplingParams(temperature=0.0, max_tokens=32, structured_outputs={"regex": r"[a-c]{2}-[0-9]{3}"}),
+           SamplingParams(temperature=0.7, max_tokens=48, structured_outputs={"json": schema}),
+           SamplingParams(temperature=0.7, max_tokens=16, ignore_eos=True)]
+    outs = [o.outputs[0] for o in llm.generate(PROMPTS[:4], sps, use_tqdm=False)]
+    assert [o.finish_reason for o in outs] == ["stop", "stop", "stop", "length"], [o.text for o in outs]
+    assert outs[0].text in ("red", "green", "blue") and re.fullmatch(r"[a-c]{2}-[0-9]{3}", outs[1].text)
+    value = json.loads(outs[2].text)
+    assert set(value) == {"ok", "n"} and value["n"] in (1, 2, 3)
+
+
 @pytest.fixture(scope="module")
 def gpu_llama_dir(tmp_path_factory, tokenizer):
     return build_model_dir(tmp_path_factory.mktemp("llama_gpu"), "llama", tokenizer, seed=1, **SIZES)

@@ -53,7 +53,7 @@ def test_tokens_are_scanned_once_as_they_grow():
     assert budget.forced_token(tokens) is None
     tokens += [3]
     assert budget.forced_token(tokens) == 5
-    assert budget.num_scanned == len(tokens)
+    assert budget.scan.num_scanned == len(tokens)
 
 
 # ---- configuration -----------------------------------------------------------------------

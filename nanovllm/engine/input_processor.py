@@ -2,6 +2,7 @@
 token-id requests before any of them reaches the scheduler: tokenizing, truncating, and the
 checks that make a request that could never run a ValueError (vLLM's InputProcessor)."""
 from nanovllm.config import Config
+from nanovllm.engine.structured_output import GrammarCompiler
 from nanovllm.inputs import Prompt, Tokenization, parse_prompts
 from nanovllm.sampling_params import SamplingParams
 
@@ -10,8 +11,14 @@ class InputProcessor:
     def __init__(self, config: Config, tokenizer, kv_capacity: int):
         """kv_capacity: the tokens the whole KV cache holds."""
         self.config = config
-        self.tokenizer = tokenizer
         self.kv_capacity = kv_capacity
+        self.set_tokenizer(tokenizer)
+
+    def set_tokenizer(self, tokenizer):
+        self.tokenizer = tokenizer
+        # structured outputs' grammars are compiled against the tokenizer's vocabulary
+        self.grammars = GrammarCompiler(tokenizer, self.config.hf_config.vocab_size,
+                                        self.config.structured_outputs_config)
 
     def encode(self, index: int, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -69,6 +76,8 @@ class InputProcessor:
         if params.thinking_token_budget is not None and cfg.reasoning_markers is None:
             raise ValueError("thinking_token_budget is set but reasoning_config is not configured. Please set "
                              "reasoning_parser and/or reasoning_config to use thinking_token_budget.")
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)   # a ValueError if it does not (cached if it does)
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words needs a tokenizer, but the engine has none (skip_tokenizer_init=True).")
         for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),

@@ -13,7 +13,7 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.input_processor import InputProcessor, check_no_lora
 from nanovllm.engine.model_runner import ModelRunner, runner_device
 from nanovllm.engine.output_processor import OutputProcessor
-from nanovllm.engine.reasoning import ThinkingBudget, ThinkingMarkers
+from nanovllm.engine.reasoning import REASONING_PARSERS, ThinkingBudget, ThinkingMarkers
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.sleep import SLEEP_TAGS
@@ -69,6 +69,10 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids(tokenizer)
         self.thinking_markers = (None if config.reasoning_markers is None
                                  else ThinkingMarkers.encode(config.reasoning_markers, tokenizer))
+        structured = config.structured_outputs_config   # its grammars wait for the end of thinking, or not
+        self.grammar_waits_for = None
+        if structured.reasoning_parser and not structured.enable_in_reasoning and tokenizer is not None:
+            self.grammar_waits_for = ThinkingMarkers.encode(REASONING_PARSERS[structured.reasoning_parser], tokenizer)
         self.workers = None
         if config.tensor_parallel_size > 1:
             self.workers = TPWorkers(config, self.eos_token_ids, runner_device(config, 0))
@@ -142,7 +146,8 @@ class LLMEngine:
 
     @tokenizer.setter
     def tokenizer(self, tokenizer):
-        self.input_processor.tokenizer = self.output_processor.tokenizer = tokenizer
+        self.input_processor.set_tokenizer(tokenizer)
+        self.output_processor.tokenizer = tokenizer
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -188,6 +193,8 @@ class LLMEngine:
             seq.bad_words_token_ids = bad_words_token_ids
             if params.thinking_token_budget is not None:
                 seq.thinking_budget = ThinkingBudget(self.thinking_markers, params.thinking_token_budget)
+            if params.structured_outputs is not None:
+                seq.grammar = self.input_processor.grammars.state(params.structured_outputs, self.grammar_waits_for)
             request.seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = request

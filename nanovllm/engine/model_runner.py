@@ -231,7 +231,8 @@ class ModelRunner:
         del hidden, logits
         kv_cache.release(self.attention_layers)
         torch.cuda.synchronize()
-        return kv_cache.cuda_budget(self.device, cfg.gpu_memory_utilization, torch.cuda.max_memory_allocated(self.device))
+        peak = torch.cuda.max_memory_allocated(self.device)
+        return kv_cache.cuda_budget(self.device, cfg.gpu_memory_utilization, peak)
 
     # ---- one step ---------------------------------------------------------------------------
     def decode_split(self, num_seqs: int) -> tuple[int, int]:

@@ -77,34 +77,52 @@ class ThinkingMarkers:
         return cls(start, end)
 
 
-class ThinkingBudget:
-    """One sequence's thinking budget. Its token ids are searched for the markers once each, as
-    they grow; every id must be known (the engine reads pending tokens first for such a sequence)."""
+class MarkerScan:
+    """Where the latest start and end markers of a sequence's token ids lie. Each call to scan()
+    searches only the ids added since the last."""
 
-    def __init__(self, markers: ThinkingMarkers, budget: int):
+    def __init__(self, markers: ThinkingMarkers):
         self.markers = markers
-        self.budget = budget
         self.num_scanned = 0        # token_ids[:num_scanned] searched for markers
-        self.opened_at = -1         # the index after the latest start marker (the block's first token); -1: none
+        self.opened_at = -1         # the index after the latest start marker (a block's first token); -1: none
         self.closed_at = -1         # the index after the latest end marker
 
-    def forced_token(self, token_ids: list[int]) -> int | None:
-        """The token the next step must sample, None if the model chooses."""
-        self._scan(token_ids)
-        if self.opened_at <= self.closed_at:   # outside any block
-            return None
-        num_thinking = len(token_ids) - self.opened_at
-        if num_thinking < self.budget:
-            return None
-        end = self.markers.end
-        done = next(j for j in range(min(len(end) - 1, num_thinking), -1, -1)   # end's tokens already forced
-                    if j == 0 or token_ids[-j:] == end[:j])
-        return end[done]
-
-    def _scan(self, token_ids: list[int]):
+    def scan(self, token_ids: list[int]):
         for marker, name in ((self.markers.start, "opened_at"), (self.markers.end, "closed_at")):
             n = len(marker)
             for i in range(max(0, self.num_scanned - n + 1), len(token_ids) - n + 1):
                 if token_ids[i:i + n] == marker:
                     setattr(self, name, i + n)
         self.num_scanned = len(token_ids)
+
+    @property
+    def in_block(self) -> bool:
+        return self.opened_at > self.closed_at
+
+    @property
+    def block_ended(self) -> bool:
+        """An end marker after the latest start marker (vLLM's reasoning parsers' is_reasoning_end)."""
+        return self.closed_at > self.opened_at
+
+
+class ThinkingBudget:
+    """One sequence's thinking budget. Every token id must be known (the engine reads pending
+    tokens first for such a sequence)."""
+
+    def __init__(self, markers: ThinkingMarkers, budget: int):
+        self.markers = markers
+        self.budget = budget
+        self.scan = MarkerScan(markers)
+
+    def forced_token(self, token_ids: list[int]) -> int | None:
+        """The token the next step must sample, None if the model chooses."""
+        self.scan.scan(token_ids)
+        if not self.scan.in_block:
+            return None
+        num_thinking = len(token_ids) - self.scan.opened_at
+        if num_thinking < self.budget:
+            return None
+        end = self.markers.end
+        done = next(j for j in range(min(len(end) - 1, num_thinking), -1, -1)   # end's tokens already forced
+                    if j == 0 or token_ids[-j:] == end[:j])
+        return end[done]

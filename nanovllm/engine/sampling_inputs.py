@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.structured_output import grammar_bitmask
 from nanovllm.engine.upload import upload
 from nanovllm.layers.sampler import SamplingMetadata
 from nanovllm.utils.arrays import padded
@@ -84,6 +85,9 @@ def host_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids:
     if forced:
         rows, tokens = zip(*forced)
         md.forced_rows, md.forced_tokens = np.asarray(rows, np.int64), np.asarray(tokens, np.int64)
+    constrained = grammar_bitmask(seqs, vocab)
+    if constrained is not None:
+        md.grammar_rows, md.grammar_bitmask = constrained
     num_logprobs = [p.num_logprobs for p in params if p.num_logprobs is not None]
     md.max_num_logprobs = max(num_logprobs) if num_logprobs else None
     chosen = [(i, p.logprob_token_ids) for i, p in enumerate(params) if p.logprob_token_ids]

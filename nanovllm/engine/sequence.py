@@ -63,6 +63,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.bad_words_token_ids: list[list[int]] = []   # set by the engine from sampling_params.bad_words
         self.thinking_budget = None   # engine/reasoning.py's ThinkingBudget, set by the engine for a budget
+        self.grammar = None           # engine/structured_output.py's GrammarState, for structured outputs
 
     @property
     def num_tokens(self) -> int:
@@ -79,8 +80,8 @@ class Sequence:
     @property
     def needs_output_ids_on_host(self) -> bool:
         """Sampling looks at the ids of earlier output tokens (penalties, multi-token bad words, a
-        thinking budget)."""
-        return (self.sampling_params.has_penalties or self.thinking_budget is not None
+        thinking budget, a grammar)."""
+        return (self.sampling_params.has_penalties or self.thinking_budget is not None or self.grammar is not None
                 or any(len(ids) > 1 for ids in self.bad_words_token_ids))
 
     @property

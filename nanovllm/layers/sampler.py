@@ -58,6 +58,10 @@ class SamplingMetadata:
     # Rows that must sample one token (a spent thinking budget: engine/reasoning.py): [F] each.
     forced_rows: torch.Tensor | None = None
     forced_tokens: torch.Tensor | None = None
+    # Structured outputs (engine/structured_output.py): [G] rows and their allowed tokens as bits,
+    # [G, ceil(V / 32)] int32 (bit j of word w: token 32 w + j).
+    grammar_rows: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
 
     @property
     def edits_logits(self) -> bool:
@@ -93,6 +97,14 @@ def restrict_and_bias(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tenso
     if md.bias_rows is not None:
         logits.index_put_((md.bias_rows, md.bias_tokens), md.bias_values, accumulate=True)
     return logits
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor):
+    """In place on logits [B, V]: in rows `rows`, tokens whose bit is 0 in bitmask ([R, ceil(V /
+    32)] int32) get -inf."""
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :logits.shape[1]]   # [R, V]
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -261,6 +273,8 @@ class Sampler:
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         # logits: [B, V]
+        if md.grammar_rows is not None:   # before the logprobs, as vLLM applies its grammar bitmask
+            apply_token_bitmask(logits, md.grammar_rows, md.grammar_bitmask)
         raw_logprobs = logits.float().log_softmax(-1) if md.max_num_logprobs is not None else None
         if md.edits_logits:
             logits = restrict_and_bias(logits.float(), md)

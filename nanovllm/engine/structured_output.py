@@ -1,0 +1,160 @@
+"""Structured outputs (vLLM's SamplingParams.structured_outputs): a completion held to a JSON
+schema, a regex, one of several strings or an EBNF grammar, by xgrammar, as vLLM does it
+(an optional dependency: `pip install "nanovllm[structured]"`).
+
+Each such sequence gets a grammar matcher. Before a step samples for the sequence, the matcher
+reads the tokens the sequence got since the last step and fills a bitmask of the tokens that may
+come next (bit j of word w: token 32 w + j). The sampler sets every other logit to -inf before it
+takes logprobs, as vLLM's model runner does before its sampler. Once the grammar is complete, only
+a stop token may follow, so the completion ends there. When a reasoning parser is named
+(LLM(reasoning_parser="qwen3")), the grammar starts only after the model's thinking block has
+ended, as in vLLM; structured_outputs_config={"enable_in_reasoning": True} starts it at once.
+"""
+import functools
+import json
+import re
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from nanovllm.engine.reasoning import MarkerScan, ThinkingMarkers
+from nanovllm.logger import init_logger
+from nanovllm.sampling_params import StructuredOutputsParams
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """vLLM's StructuredOutputsConfig (LLM(structured_outputs_config=...), or a dict of its fields)."""
+    backend: str = "auto"                     # "auto" or "xgrammar": xgrammar either way
+    disable_fallback: bool = False            # (no other backend to fall back to)
+    disable_any_whitespace: bool = False      # JSON without optional whitespace
+    disable_additional_properties: bool = False   # (as vLLM's xgrammar backend: not used)
+    reasoning_parser: str = ""                # the grammar waits for the end of thinking; LLM's own if empty
+    reasoning_parser_plugin: str = ""
+    enable_in_reasoning: bool = False         # the grammar holds from the first token, thinking or not
+
+    @classmethod
+    def parse(cls, value) -> "StructuredOutputsConfig":
+        """None, a dict of the fields, or a StructuredOutputsConfig (ours or vLLM's)."""
+        names = [f.name for f in fields(cls)]
+        if value is None:
+            value = {}
+        elif not isinstance(value, dict):
+            value = {name: getattr(value, name) for name in names if hasattr(value, name)}
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise ValueError(f"structured_outputs_config has unknown key(s) {unknown}; known: {', '.join(names)}.")
+        config = cls(**value)
+        if config.backend not in ("auto", "xgrammar"):
+            raise ValueError(f"structured_outputs_config backend must be 'auto' or 'xgrammar' (nanovllm uses "
+                             f"xgrammar), got {config.backend!r}.")
+        if config.reasoning_parser_plugin:
+            raise ValueError("structured_outputs_config reasoning_parser_plugin is not supported; name one of the "
+                             "built-in reasoning parsers.")
+        return config
+
+
+def import_xgrammar():
+    try:
+        import xgrammar
+    except ImportError:
+        raise ValueError('structured_outputs needs xgrammar: pip install "nanovllm[structured]" '
+                         '(or pip install xgrammar).') from None
+    return xgrammar
+
+
+def choice_as_grammar(choice: list[str]) -> str:
+    """The strings of a choice as an EBNF grammar of alternatives (vLLM's choice_as_grammar)."""
+    return "root ::= " + " | ".join('"' + re.sub(r'(["\\])', r"\\\1", c) + '"' for c in choice)
+
+
+class GrammarCompiler:
+    """One engine's compiler, made at the first structured request (xgrammar reads the whole
+    vocabulary once); compiled grammars are cached by xgrammar."""
+
+    def __init__(self, tokenizer, vocab_size: int, config: StructuredOutputsConfig):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.config = config
+
+    @functools.cached_property
+    def _compiler(self):
+        xgr = import_xgrammar()
+        info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+        return xgr.GrammarCompiler(info, max_threads=8, cache_enabled=True)
+
+    def compile(self, params: StructuredOutputsParams):
+        """-> xgrammar's CompiledGrammar; ValueError naming the constraint if it does not compile."""
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer, but the engine has none "
+                             "(skip_tokenizer_init=True).")
+        kind, spec = params.constraint
+        compiler = self._compiler
+        any_whitespace = not (self.config.disable_any_whitespace or params.disable_any_whitespace)
+        try:
+            if kind in ("json", "json_object"):
+                schema = spec if kind == "json" else {"type": "object"}
+                return compiler.compile_json_schema(schema if isinstance(schema, str) else json.dumps(schema),
+                                                    any_whitespace=any_whitespace)
+            if kind == "regex":
+                return compiler.compile_regex(spec)
+            if kind == "choice":
+                return compiler.compile_grammar(choice_as_grammar(spec))
+            return compiler.compile_grammar(spec)
+        except Exception as e:   # xgrammar's parse errors come as several types
+            raise ValueError(f"structured_outputs {kind} does not compile: {str(e).strip()[:300]}") from None
+
+    def state(self, params: StructuredOutputsParams, reasoning: ThinkingMarkers | None) -> "GrammarState":
+        """A sequence's matcher. reasoning: the markers the grammar waits for the end of (None:
+        it holds from the first output token)."""
+        return GrammarState(import_xgrammar().GrammarMatcher(self.compile(params)), reasoning)
+
+
+class GrammarState:
+    """One sequence's place in its grammar."""
+
+    def __init__(self, matcher, reasoning: ThinkingMarkers | None):
+        self.matcher = matcher
+        self.reasoning = None if reasoning is None else MarkerScan(reasoning)
+        self.num_fed: int | None = None   # token_ids[:num_fed] are behind the matcher; None: not started
+        self.broken = False               # a token the grammar refuses was sampled (a forced one): off
+
+    def fill_bitmask(self, token_ids: list[int], num_prompt_tokens: int, bitmask, row: int) -> bool:
+        """Feed the tokens since the last call, then write the tokens allowed next into row `row`
+        of bitmask -> False if the grammar constrains nothing this step (thinking, complete, broken)."""
+        if self.broken:
+            return False
+        if self.num_fed is None:
+            if self.reasoning is not None:
+                self.reasoning.scan(token_ids)
+                if not self.reasoning.block_ended:
+                    return False
+                self.num_fed = max(num_prompt_tokens, self.reasoning.closed_at)
+            else:
+                self.num_fed = num_prompt_tokens
+        for token in token_ids[self.num_fed:]:
+            if not self.matcher.accept_token(token):
+                logger.warning(f"token {token} breaks its request's structured output; it is not constrained further.")
+                self.broken = True
+                return False
+        self.num_fed = len(token_ids)
+        if self.matcher.is_terminated():
+            return False
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        return True
+
+
+def grammar_bitmask(seqs: list, vocab_size: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """For the sequences with a grammar (seq.grammar) -> (their rows, their bitmasks
+    [rows, ceil(vocab_size / 32)] int32), None if no row is constrained this step."""
+    rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+    if not rows:
+        return None
+    bitmask = import_xgrammar().allocate_token_bitmask(len(rows), vocab_size)
+    constrained = np.asarray([seqs[i].grammar.fill_bitmask(seqs[i].token_ids, seqs[i].num_prompt_tokens, bitmask, k)
+                              for k, i in enumerate(rows)], np.bool_)
+    if not constrained.any():
+        return None
+    return np.asarray(rows, np.int64)[constrained], bitmask.numpy()[constrained]
