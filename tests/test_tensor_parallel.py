@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU (gloo): same greedy tokens as one rank, and the worker
 processes' lifecycle (close, with, del, exception, Ctrl-C, interpreter exit, killed worker)."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -231,6 +232,29 @@ def test_engine_api_streams_with_tensor_parallelism(qwen3_dir):
     with LLM(qwen3_dir, **SMALL) as single:
         assert [streamed[str(i)] for i in range(3)] == greedy(single, PROMPTS[:3])
     assert not any(alive(pid) for pid in pids)
+
+
+def test_thinking_budget_and_structured_outputs_with_tensor_parallelism(qwen3_dir):
+    """Rank 0's sampler forces and constrains tokens; the other ranks follow its tokens: TP=2
+    gives one rank's completions."""
+    sps = [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs={"regex": "[a-c]{3}-[0-9]{2}"}),
+           SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, thinking_token_budget=2)]
+
+    def completions(llm):
+        start = llm.get_tokenizer().encode("<think>", add_special_tokens=False)
+        prompts = [{"prompt_token_ids": PROMPTS[5]}, {"prompt_token_ids": PROMPTS[6] + start}]
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
+
+    with LLM(qwen3_dir, tensor_parallel_size=2, reasoning_config={"reasoning_start_str": "<think>",
+                                                                  "reasoning_end_str": "</think>"}, **SMALL) as tp2:
+        ours = completions(tp2)
+    with LLM(qwen3_dir, reasoning_config={"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"},
+             **SMALL) as single:
+        tok = single.get_tokenizer()
+        assert ours == completions(single)
+    assert re.fullmatch("[a-c]{3}-[0-9]{2}", tok.decode(ours[0], skip_special_tokens=True))
+    end = tok.encode("</think>", add_special_tokens=False)
+    assert ours[1][2:2 + len(end)] == end
 
 
 def test_killed_worker_is_named(qwen3_dir):
