@@ -3,8 +3,9 @@ schema, a regex, one of several strings or an EBNF grammar, by xgrammar, as vLLM
 (an optional dependency: `pip install "nanovllm[structured]"`).
 
 Each such sequence gets a grammar matcher. Before a step samples for the sequence, the matcher
-reads the tokens the sequence got since the last step and fills a bitmask of the tokens that may
-come next (bit j of word w: token 32 w + j). The sampler sets every other logit to -inf before it
+reads the tokens the sequence got since the last step; then the batch's matchers fill a bitmask of
+the tokens that may come next (bit j of word w: token 32 w + j), all rows at once on several
+threads. The sampler sets every other logit to -inf before it
 takes logprobs, as vLLM's model runner does before its sampler. Once the grammar is complete, only
 a stop token may follow, so the completion ends there. When a reasoning parser is named
 (LLM(reasoning_parser="qwen3")), the grammar starts only after the model's thinking block has
@@ -121,9 +122,9 @@ class GrammarState:
         self.num_fed: int | None = None   # token_ids[:num_fed] are behind the matcher; None: not started
         self.broken = False               # a token the grammar refuses was sampled (a forced one): off
 
-    def fill_bitmask(self, token_ids: list[int], num_prompt_tokens: int, bitmask, row: int) -> bool:
-        """Feed the tokens since the last call, then write the tokens allowed next into row `row`
-        of bitmask -> False if the grammar constrains nothing this step (thinking, complete, broken)."""
+    def advance(self, token_ids: list[int], num_prompt_tokens: int) -> bool:
+        """Feed the matcher the tokens since the last call -> whether the grammar constrains the
+        next token (False while thinking, once complete, or once broken)."""
         if self.broken:
             return False
         if self.num_fed is None:
@@ -140,21 +141,22 @@ class GrammarState:
                 self.broken = True
                 return False
         self.num_fed = len(token_ids)
-        if self.matcher.is_terminated():
-            return False
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-        return True
+        return not self.matcher.is_terminated()
+
+
+@functools.cache
+def batch_matcher():
+    """Fills many rows' bitmasks at once, on several threads."""
+    return import_xgrammar().BatchGrammarMatcher()
 
 
 def grammar_bitmask(seqs: list, vocab_size: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """For the sequences with a grammar (seq.grammar) -> (their rows, their bitmasks
-    [rows, ceil(vocab_size / 32)] int32), None if no row is constrained this step."""
-    rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+    """For the sequences whose grammar (seq.grammar) constrains their next token -> (their rows,
+    their bitmasks [rows, ceil(vocab_size / 32)] int32), None if there are none."""
+    rows = [i for i, seq in enumerate(seqs)
+            if seq.grammar is not None and seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens)]
     if not rows:
         return None
     bitmask = import_xgrammar().allocate_token_bitmask(len(rows), vocab_size)
-    constrained = np.asarray([seqs[i].grammar.fill_bitmask(seqs[i].token_ids, seqs[i].num_prompt_tokens, bitmask, k)
-                              for k, i in enumerate(rows)], np.bool_)
-    if not constrained.any():
-        return None
-    return np.asarray(rows, np.int64)[constrained], bitmask.numpy()[constrained]
+    batch_matcher().batch_fill_next_token_bitmask([seqs[i].grammar.matcher for i in rows], bitmask)
+    return np.asarray(rows, np.int64), bitmask.numpy()
