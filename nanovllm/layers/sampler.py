@@ -1,8 +1,9 @@
 """Sampler: logits -> next tokens, for a batch whose rows each have their own SamplingParams.
 
-Order of operations (vLLM v1's): raw logprobs are taken first, from the unprocessed logits;
-then min_tokens masking and penalties, then the tokens that spent thinking budgets force;
-greedy rows take the argmax of that; the others go through temperature, top-k, top-p and
+Order of operations (vLLM v1's): structured outputs' grammar bitmasks first (vLLM's model
+runner applies them before its sampler); then raw logprobs, from the logits otherwise
+unprocessed; then min_tokens masking and penalties, then the tokens that spent thinking
+budgets force; greedy rows take the argmax of that; the others go through temperature, top-k, top-p and
 min-p, and are sampled by the exponential race argmax(probs / q), q ~ Exponential(1), which
 needs no sort and no host sync. On CUDA the same distribution is drawn in two Triton passes
 (kernels/triton_sampler.py: a group of ids by its probability mass, then a token of it by
