@@ -86,6 +86,12 @@ def main():
     p.add_argument("--kv-cache-dtype", default="auto", help="'auto' (the model's dtype), 'fp8', 'fp8_e5m2', ...")
     p.add_argument("--top-k", type=int, default=0, help="SamplingParams.top_k of the sampled requests (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="SamplingParams.top_p of the sampled requests")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="SamplingParams.presence_penalty of every request")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="SamplingParams.frequency_penalty of every request")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="SamplingParams.repetition_penalty of every request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="also print one JSON line with the results")
     args = p.parse_args()
@@ -133,7 +139,7 @@ def main():
 def warm_up(llm, SamplingParams, args):
     """Untimed, sampling as the workloads do, at one sequence and at a batch (the top-k/top-p
     kernels differ by batch size), so that no kernel compiles inside a timed run."""
-    params = SamplingParams(max_tokens=4, **sampling_filters(args))
+    params = SamplingParams(max_tokens=4, **sampling_filters(args), **penalties(args))
     for num_prompts in (1, 32):
         llm.generate([{"prompt_token_ids": [1, 2, 3]}] * num_prompts, params, use_tqdm=False)
 
@@ -143,12 +149,19 @@ def sampling_filters(args) -> dict:
     return dict(top_k=args.top_k, top_p=args.top_p) if args.top_k or args.top_p < 1 else {}
 
 
+def penalties(args) -> dict:
+    """The penalty fields of every request's SamplingParams (none when all are off)."""
+    values = dict(presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                  repetition_penalty=args.repetition_penalty)
+    return {} if values == dict(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0) else values
+
+
 def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float, run: int = 1):
     import torch
     prompts, settings = make_workload(args, on_cpu)
     filters = sampling_filters(args) if any(t > 0 for _, t in settings) else {}
-    params = [SamplingParams(temperature=t, ignore_eos=True, max_tokens=m, **(filters if t > 0 else {}))
-              for m, t in settings]
+    params = [SamplingParams(temperature=t, ignore_eos=True, max_tokens=m, **(filters if t > 0 else {}),
+                             **penalties(args)) for m, t in settings]
     inputs = [{"prompt_token_ids": ids} for ids in prompts]
 
     start = time.perf_counter()
@@ -157,7 +170,7 @@ def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float, run: i
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_in = sum(len(ids) for ids in prompts)
     num_cached = sum(o.num_cached_tokens or 0 for o in outputs)
-    workload = args.workload + "".join(f" {k}={v}" for k, v in filters.items())
+    workload = args.workload + "".join(f" {k}={v}" for k, v in (filters | penalties(args)).items())
     result = dict(engine=args.engine, model=args.model, workload=workload, tp=args.tp,
                   custom_all_reduce=args.custom_all_reduce, kv_cache_dtype=args.kv_cache_dtype, num_requests=len(prompts),
                   prompt_tokens=num_in, output_tokens=num_out, cached_prompt_tokens=num_cached,

@@ -229,6 +229,34 @@ def test_allowed_token_ids_and_logit_bias_on_gpu(gpu_model_dir):
     assert set(tokens[0]) <= set(allowed) and tokens[1] == [123] * 4 and tokens[3] == [5] * 4
 
 
+@torch.no_grad()
+def test_penalties_on_gpu_follow_hf_logits(gpu_model_dir):
+    """Greedy with presence, frequency and repetition penalties (the counts kept on the device,
+    the Triton penalty kernel, CUDA graphs and async scheduling): at every step our token is the
+    best of HF's bf16 logits penalised by vLLM's rules on our tokens so far, or within bf16 noise
+    of it."""
+    from transformers import AutoModelForCausalLM
+    llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024)
+    sp = SamplingParams(temperature=0, presence_penalty=0.7, frequency_penalty=0.9, repetition_penalty=1.3,
+                        max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate(PROMPTS[:6], sp, use_tqdm=False)
+    plain = llm.generate(PROMPTS[:6], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                         use_tqdm=False)
+    assert any(o.outputs[0].token_ids != p.outputs[0].token_ids for o, p in zip(outs, plain))   # they bite
+    model = AutoModelForCausalLM.from_pretrained(gpu_model_dir, dtype=torch.bfloat16).cuda().eval()
+    for prompt, out in zip(PROMPTS[:6], outs):
+        tokens, start = list(prompt), len(prompt)
+        for ours in out.outputs[0].token_ids:
+            logits = model(torch.tensor([tokens], device="cuda")).logits[0, -1].float()
+            output = tokens[start:]
+            for t in set(tokens):
+                logits[t] = logits[t] / 1.3 if logits[t] > 0 else logits[t] * 1.3
+            for t in set(output):
+                logits[t] -= 0.9 * output.count(t) + 0.7
+            assert logits.max() - logits[ours] < 0.1, (ours, int(logits.argmax()))
+            tokens.append(ours)
+
+
 def test_thinking_budget_on_gpu(gpu_model_dir):
     """A spent thinking budget forces the end marker in sampled and greedy rows (the fused sampler
     and the argmax), with async scheduling and CUDA graphs, beside rows without a budget."""

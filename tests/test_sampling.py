@@ -1,5 +1,6 @@
 """Sampling: seeds, top-k/top-p/min-p, penalties, logprobs against HF, min_tokens, stops, n > 1."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -185,6 +186,60 @@ def test_penalty_request_joins_a_batch_with_pending_tokens(qwen3_dir):
 
 
 @torch.no_grad()
+def test_all_three_penalties_match_a_reference_on_hf_logits(llm, qwen3_dir):
+    """Greedy with presence, frequency and repetition penalties against a loop over HF's float32
+    logits that applies vLLM's rules (repetition on prompt and output tokens, presence and
+    frequency on output tokens): the counts the device keeps give the same tokens."""
+    sp = SamplingParams(temperature=0, presence_penalty=0.7, frequency_penalty=0.9, repetition_penalty=1.3,
+                        max_tokens=12, ignore_eos=True)
+    prompts = PROMPTS[1:5]
+    outs = llm.generate([ids(p) for p in prompts], sp, use_tqdm=False)
+    plain = llm.generate([ids(p) for p in prompts], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                         use_tqdm=False)
+    model = hf_model(qwen3_dir)
+    for p, out, unpenalised in zip(prompts, outs, plain):
+        tokens = list(p)
+        for _ in range(12):
+            logits = model(torch.tensor([tokens])).logits[0, -1].clone()
+            output = tokens[len(p):]
+            for t in set(tokens):
+                logits[t] = logits[t] / 1.3 if logits[t] > 0 else logits[t] * 1.3
+            for t in set(output):
+                logits[t] -= 0.9 * output.count(t) + 0.7
+            tokens.append(int(logits.argmax()))
+        assert out.outputs[0].token_ids == tokens[len(p):]
+    assert any(o.outputs[0].token_ids != u.outputs[0].token_ids for o, u in zip(outs, plain))   # they bite
+
+
+def test_penalised_requests_keep_async_scheduling_and_reuse_their_rows(qwen3_dir):
+    """Penalties no longer make the engine read each step before launching the next: a step stays
+    in flight. A finished sequence's row of token counts goes to the next one (12 + 12 requests,
+    four at a time, fit the table's first 16 rows)."""
+    llm = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=256, async_scheduling=True,
+              max_num_seqs=4)
+    sp = SamplingParams(temperature=0.8, seed=3, presence_penalty=1.0, repetition_penalty=1.2, max_tokens=6,
+                        ignore_eos=True)
+    engine = llm.llm_engine
+    execute, overlapped = engine.model_runner.execute, []
+
+    def watched(*args, **kwargs):   # is the step before still unread when this one launches?
+        overlapped.append(engine.in_flight is not None)
+        return execute(*args, **kwargs)
+
+    engine.model_runner.execute = watched
+    engine.add_request("a", ids(PROMPTS[3]), sp)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert overlapped == [False] + [True] * 5   # the prompt step, then five steps each launched before the last is read
+    engine.model_runner.execute = execute
+    for _ in range(2):
+        outs = llm.generate([ids(p) for p in PROMPTS[:12]], sp, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+    counts = engine.model_runner.penalty_counts
+    assert counts.table.shape[0] == 16 and len(counts.row_of) <= 4
+
+
+@torch.no_grad()
 def test_repetition_penalty_matches_hf(llm, qwen3_dir):
     sp = SamplingParams(temperature=0, repetition_penalty=1.8, max_tokens=10, ignore_eos=True)
     prompts = PROMPTS[2:6]
@@ -268,15 +323,30 @@ def test_min_p_cut_keeps_what_the_min_p_filter_keeps():
 
 
 def test_penalties_exact_values():
+    """From the device-side token counts (2 x output count + 1 if in the prompt), in the
+    penalised rows only; a new row is cleared and marked with its prompt first."""
     from nanovllm.layers.sampler import apply_penalties
-    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]])
-    md = metadata(1, presence_penalties=torch.tensor([0.5]), frequency_penalties=torch.tensor([0.25]),
-                  repetition_penalties=torch.tensor([2.0]),
-                  output_token_ids=torch.tensor([[0, 1, 0, 4, 4]]),     # token 0 twice, token 1 once; 4: pad
-                  prompt_token_ids=torch.tensor([[2, 4]]))
-    out = apply_penalties(logits, md)
-    # token 0: 2/2 - 0.25*2 - 0.5; token 1: -1*2 - 0.25 - 0.5; token 2: prompt only, 0.5/2; token 3 untouched
-    assert out.tolist() == [[0.0, -2.75, 0.25, 1.0]]
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0], [2.0, -1.0, 0.5, 1.0]])
+    table = torch.full((3, 5), 7, dtype=torch.int32)                  # stale counts of an earlier owner
+    table[2] = torch.tensor([4, 2, 0, 0, 0], dtype=torch.int32)       # token 0 twice, token 1 once
+    md = metadata(2, penalty_rows=torch.tensor([1]), presence_penalties=torch.tensor([0.5]),
+                  frequency_penalties=torch.tensor([0.25]), repetition_penalties=torch.tensor([2.0]),
+                  penalty_table=table, penalty_table_rows=torch.tensor([0]), new_table_rows=torch.tensor([0]),
+                  new_prompt_ids=torch.tensor([[2, 4]]))                # token 2 in the prompt; 4: pad
+    assert apply_penalties(logits.clone(), md).tolist() == [[2.0, -1.0, 0.5, 1.0], [2.0, -1.0, 0.25, 1.0]]
+    assert table[0].tolist() == [0, 0, 1, 0, 1]
+    md = replace(md, penalty_table_rows=torch.tensor([2]), new_table_rows=None, new_prompt_ids=None)
+    # token 0: 2/2 - 0.25*2 - 0.5; token 1: -1*2 - 0.25 - 0.5; tokens 2 and 3 untouched
+    assert apply_penalties(logits.clone(), md).tolist() == [[2.0, -1.0, 0.5, 1.0], [0.0, -2.75, 0.5, 1.0]]
+
+
+def test_sampled_tokens_are_counted_on_the_device():
+    from nanovllm.layers.sampler import count_sampled
+    table = torch.zeros(3, 5, dtype=torch.int32)
+    md = metadata(3, penalty_rows=torch.tensor([0, 2]), penalty_table=table, penalty_table_rows=torch.tensor([2, 0]))
+    count_sampled(md, torch.tensor([3, 1, 1]))
+    count_sampled(md, torch.tensor([3, 0, 0]))
+    assert table.tolist() == [[2, 2, 0, 0, 0], [0] * 5, [0, 0, 0, 4, 0]]
 
 
 def test_sampling_follows_the_distribution():

@@ -526,6 +526,34 @@ def test_top_p_cut_equals_the_sort_reference(dtype, vocab):
     assert ours[1] == 1.5 and ours[4] == 40.0 and ours[5] == logits[5].float().max() and ours[7] == float("-inf")
 
 
+@pytest.mark.parametrize("vocab", [1_000, 20_011] + ([] if INTERPRET else [151_936]))
+def test_penalties_kernel_equals_the_torch_penalties(vocab):
+    """One pass over the penalised rows against layers/sampler.py's torch path, on fresh random
+    logits and counts (tokens in the prompt, in the output, in both, in neither; counts up to
+    500), some rows unpenalised, table rows out of order. The penalties are powers of two, so
+    both paths round alike."""
+    from nanovllm.kernels.triton_penalties import penalize
+    from nanovllm.layers.sampler import SamplingMetadata, apply_penalties
+    gen = torch.Generator().manual_seed(vocab)
+    batch, table_size = 7, 9
+    logits = torch.randn(batch, vocab, generator=gen) * 4
+    table = (torch.randint(0, 500, (table_size, vocab + 1), generator=gen, dtype=torch.int32) *
+             (torch.rand(table_size, vocab + 1, generator=gen) < 0.05))                     # output counts x 2 ...
+    table |= (torch.rand(table_size, vocab + 1, generator=gen) < 0.05).int()                 # ... + prompt bit
+    rows, table_rows = torch.tensor([0, 2, 3, 6]), torch.tensor([5, 0, 8, 3])
+    penalties = dict(presence_penalties=torch.tensor([0.5, -1.0, 0.0, 2.0]),
+                     frequency_penalties=torch.tensor([0.25, 0.0, -0.5, 1.0]),
+                     repetition_penalties=torch.tensor([2.0, 0.5, 1.0, 4.0]))
+    md = SamplingMetadata(temperatures=None, is_greedy=None, all_greedy=True, any_greedy=True, top_k=None, top_p=None,
+                          min_p=None, row_seeds=[], banned_rows=None, banned_tokens=None, penalty_rows=rows,
+                          penalty_table=table, penalty_table_rows=table_rows, **penalties)
+    expected = apply_penalties(logits.clone(), md)
+    ours = logits.clone().to(DEVICE)
+    penalize(ours, rows.to(DEVICE), table.to(DEVICE), table_rows.to(DEVICE), *(t.to(DEVICE) for t in penalties.values()))
+    assert torch.equal(ours.cpu(), expected)
+    assert not torch.equal(expected, logits)
+
+
 @pytest.mark.skipif(INTERPRET, reason="the interpreter compiles nothing")
 @pytest.mark.parametrize("path", ["top_p", "top_k"])
 def test_cut_kernels_compile_nothing_for_a_new_batch_size(path):

@@ -243,9 +243,9 @@ class LLMEngine:
         With async scheduling the host reads a step's sampled tokens only after it has launched
         the next step, so the GPU never waits for the host's bookkeeping. The next step takes
         its input ids straight from the GPU; a sequence that turns out to have stopped wastes
-        one token of work. Requests with penalties, multi-token bad words, a thinking budget or a
-        grammar need every output token on the host (Sequence.needs_output_ids_on_host), so the
-        engine reads the pending step first whenever one is in it."""
+        one token of work. Requests with multi-token bad words, a thinking budget or a grammar need
+        every output token on the host (Sequence.needs_output_ids_on_host), so the engine reads the
+        pending step first whenever one is in it. (Penalties count their tokens on the device.)"""
         finished = []
         self.just_finished = []
         if self.in_flight is not None and any(s.needs_output_ids_on_host for s in self.in_flight.seqs):

@@ -12,6 +12,7 @@ from nanovllm.distributed import SINGLE, TPGroup
 from nanovllm.engine import kv_cache
 from nanovllm.engine.block_table_sync import BlockTableReceiver, BlockTableSender
 from nanovllm.engine.cuda_graph import DecodeGraphs, graph_buckets
+from nanovllm.engine.penalty_counts import PenaltyCounts
 from nanovllm.engine.prompt_logprobs import PromptLogprobsChunk, score_prompts
 from nanovllm.engine.sampling_inputs import build_sampling_metadata
 from nanovllm.engine.scheduler import SchedulerOutput
@@ -80,6 +81,7 @@ class ModelRunner:
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 1)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed)) if tp.rank == 0 else None
+        self.penalty_counts = PenaltyCounts(self.vocab_size, self.device) if tp.rank == 0 else None
         self.last_sampled: torch.Tensor | None = None   # the latest step's sampled token ids, on the device
 
         start = time.perf_counter()
@@ -274,7 +276,7 @@ class ModelRunner:
         return input_ids, positions, meta
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
-        return build_sampling_metadata(seqs, self.vocab_size, self.eos_token_ids, self.device)
+        return build_sampling_metadata(seqs, self.vocab_size, self.eos_token_ids, self.device, self.penalty_counts)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, sampling_seqs: list[Sequence], pending: dict[int, int] | None = None

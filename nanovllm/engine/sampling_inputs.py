@@ -4,6 +4,7 @@ from dataclasses import fields
 import numpy as np
 import torch
 
+from nanovllm.engine.penalty_counts import PenaltyCounts
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.structured_output import grammar_bitmask
 from nanovllm.engine.upload import upload
@@ -12,17 +13,19 @@ from nanovllm.utils.arrays import padded
 
 
 def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int],
-                            device: torch.device) -> SamplingMetadata:
+                            device: torch.device, counts: PenaltyCounts | None = None) -> SamplingMetadata:
     """One row per sequence. Optional parts stay None when no row uses them. The parts are built
-    as host arrays and moved to the sampler's device in one copy, without a sync."""
-    md = host_sampling_metadata(seqs, vocab_size, eos_token_ids)
+    as host arrays and moved to the sampler's device in one copy, without a sync. counts: the
+    penalised sequences' token counts on the device (needed when a row has penalties)."""
+    md = host_sampling_metadata(seqs, vocab_size, eos_token_ids, counts)
     names = [f.name for f in fields(md) if isinstance(getattr(md, f.name), np.ndarray)]
     for name, tensor in zip(names, upload([getattr(md, name) for name in names], device)):
         setattr(md, name, tensor)
     return md
 
 
-def host_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int]) -> SamplingMetadata:
+def host_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int],
+                           counts: PenaltyCounts | None = None) -> SamplingMetadata:
     """SamplingMetadata with numpy arrays where the sampler takes tensors."""
     params = [seq.sampling_params for seq in seqs]
     vocab = vocab_size
@@ -66,20 +69,25 @@ def host_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids:
     if allowed:
         rows, lists = zip(*allowed)
         md.allowed_rows = np.asarray(rows, np.int64)
-        md.allowed_token_ids = padded_ids(list(lists), vocab)
+        md.allowed_token_ids = padded(list(lists), vocab)
     bias = [(i, t, b) for i in edited for t, b in (params[i].logit_bias or {}).items()]
     if bias:
         rows, tokens, values = zip(*bias)
         md.bias_rows, md.bias_tokens = np.asarray(rows, np.int64), np.asarray(tokens, np.int64)
         md.bias_values = np.asarray(values, np.float32)
-    if any(p.has_penalties for p in params):
-        # Token ids, not [B, V] counts: the sampler counts them on the device. Pad: vocab (one past
-        # the last id); a row's pending tokens (not read yet: never a row with penalties) count as pad.
-        md.output_token_ids = padded_ids([seq.output_token_ids for seq in seqs], vocab)
-        md.prompt_token_ids = padded_ids([seq.token_ids[:seq.num_prompt_tokens] for seq in seqs], vocab)
-        md.presence_penalties = np.asarray([p.presence_penalty for p in params], np.float32)
-        md.frequency_penalties = np.asarray([p.frequency_penalty for p in params], np.float32)
-        md.repetition_penalties = np.asarray([p.repetition_penalty for p in params], np.float32)
+    penalised = [i for i, p in enumerate(params) if p.has_penalties]
+    if penalised:
+        # Counted on the device across steps (engine/penalty_counts.py): the rows' table rows, and
+        # the prompts of the sequences penalised for the first time, to mark.
+        table_rows, new = counts.rows([seqs[i] for i in penalised])
+        md.penalty_rows, md.penalty_table_rows = np.asarray(penalised, np.int64), table_rows
+        md.penalty_table = counts.table
+        if new:
+            md.new_table_rows = np.asarray([row for row, _ in new], np.int64)
+            md.new_prompt_ids = padded([seq.token_ids[:seq.num_prompt_tokens] for _, seq in new], vocab)
+        md.presence_penalties = np.asarray([params[i].presence_penalty for i in penalised], np.float32)
+        md.frequency_penalties = np.asarray([params[i].frequency_penalty for i in penalised], np.float32)
+        md.repetition_penalties = np.asarray([params[i].repetition_penalty for i in penalised], np.float32)
     forced = [(i, token) for i, seq in enumerate(seqs) if seq.thinking_budget is not None
               for token in [seq.thinking_budget.forced_token(seq.token_ids)] if token is not None]
     if forced:
@@ -105,9 +113,3 @@ def bad_word_endings(seq: Sequence) -> set[int]:
     return {ids[-1] for ids in seq.bad_words_token_ids
             if len(ids) <= len(out) + 1 and out[len(out) - len(ids) + 1:] == ids[:-1]}
 
-
-def padded_ids(rows: list[list[int]], pad: int) -> np.ndarray:
-    """Token ids as padded() lays them out; negative ids (pending tokens) become pad too."""
-    out = padded(rows, pad)
-    out[out < 0] = pad
-    return out

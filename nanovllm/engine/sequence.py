@@ -79,9 +79,10 @@ class Sequence:
 
     @property
     def needs_output_ids_on_host(self) -> bool:
-        """Sampling looks at the ids of earlier output tokens (penalties, multi-token bad words, a
-        thinking budget, a grammar)."""
-        return (self.sampling_params.has_penalties or self.thinking_budget is not None or self.grammar is not None
+        """Sampling looks at the ids of earlier output tokens on the host (multi-token bad words, a
+        thinking budget, a grammar). Penalties do not: their counts stay on the device
+        (engine/penalty_counts.py)."""
+        return (self.thinking_budget is not None or self.grammar is not None
                 or any(len(ids) > 1 for ids in self.bad_words_token_ids))
 
     @property

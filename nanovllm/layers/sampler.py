@@ -1,17 +1,18 @@
 """Sampler: logits -> next tokens, for a batch whose rows each have their own SamplingParams.
 
-Order of operations (vLLM v1's): structured outputs' grammar bitmasks first (vLLM's model
-runner applies them before its sampler); then raw logprobs, from the logits otherwise
-unprocessed; then min_tokens masking and penalties, then the tokens that spent thinking
-budgets force; greedy rows take the argmax of that; the others go through temperature, top-k, top-p and
-min-p, and are sampled by the exponential race argmax(probs / q), q ~ Exponential(1), which
-needs no sort and no host sync. On CUDA the same distribution is drawn in two Triton passes
-(kernels/triton_sampler.py: a group of ids by its probability mass, then a token of it by
-Gumbel noise on its logits), with temperature inside them, and top-k, top-p and min-p as one
-cut value per row below which nothing is drawn: top-k/top-p from a few candidates or radix
-select for rows with a top_k (kernels/triton_top_k.py), top-p without top-k by a radix select
-on probability mass (kernels/triton_top_p.py), min-p from the row's maximum. Only a batch with
-a top_k above SELECT_TOP_K_MAX sorts its scaled logits first.
+Order of operations (vLLM v1's): structured outputs' grammar bitmasks first (vLLM's model runner
+applies them before its sampler); then raw logprobs, from the logits otherwise unprocessed; then
+min_tokens masking and penalties (from token counts kept on the device:
+engine/penalty_counts.py), then the tokens that spent thinking budgets force; greedy rows take
+the argmax of that; the others go through temperature, top-k, top-p and min-p, and are sampled
+by the exponential race argmax(probs / q), q ~ Exponential(1), which needs no sort and no host
+sync. On CUDA the same distribution is drawn in two Triton passes (kernels/triton_sampler.py: a
+group of ids by its probability mass, then a token of it by Gumbel noise on its logits), with
+temperature inside them, and top-k, top-p and min-p as one cut value per row below which nothing
+is drawn: top-k/top-p from a few candidates or radix select for rows with a top_k
+(kernels/triton_top_k.py), top-p without top-k by a radix select on probability mass
+(kernels/triton_top_p.py), min-p from the row's maximum. Only a batch with a top_k above
+SELECT_TOP_K_MAX sorts its scaled logits first.
 """
 from dataclasses import dataclass
 
@@ -36,12 +37,18 @@ class SamplingMetadata:
     banned_tokens: torch.Tensor | None
     max_top_k: int | None = None          # the largest top_k when every row has one (host int), else None
     max_set_top_k: int | None = None      # the largest top_k of the rows that have one (host int)
-    # Penalties: [B] each, and the tokens they look at; None when no row has any.
+    # Penalties, for the [P] rows penalty_rows (None when no row has any): [P] each, and the rows'
+    # token counts, rows penalty_table_rows of penalty_table (engine/penalty_counts.py:
+    # [rows, V + 1] int32, 2 x output count + 1 if in the prompt). new_table_rows: [N] table
+    # rows to clear first and mark with new_prompt_ids ([N, longest prompt] padded with V).
+    penalty_rows: torch.Tensor | None = None
     presence_penalties: torch.Tensor | None = None
     frequency_penalties: torch.Tensor | None = None
     repetition_penalties: torch.Tensor | None = None
-    output_token_ids: torch.Tensor | None = None   # [B, max output len] int64, padded with V
-    prompt_token_ids: torch.Tensor | None = None   # [B, max prompt len] int64, padded with V
+    penalty_table: torch.Tensor | None = None
+    penalty_table_rows: torch.Tensor | None = None
+    new_table_rows: torch.Tensor | None = None
+    new_prompt_ids: torch.Tensor | None = None
     max_num_logprobs: int | None = None
     # SamplingParams.logprob_token_ids: [L] rows that have a list, and their lists [L, longest] padded with 0
     logprob_rows: torch.Tensor | None = None
@@ -66,7 +73,7 @@ class SamplingMetadata:
 
     @property
     def edits_logits(self) -> bool:
-        return any(t is not None for t in (self.allowed_rows, self.banned_rows, self.bias_rows, self.output_token_ids,
+        return any(t is not None for t in (self.allowed_rows, self.banned_rows, self.bias_rows, self.penalty_rows,
                                            self.forced_rows))
 
 
@@ -109,17 +116,33 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    batch, vocab_size = logits.shape
-    # Count each row's output tokens and mark its prompt tokens; column V collects the padding.
-    ids = md.output_token_ids
-    counts = torch.zeros(batch, vocab_size + 1, dtype=torch.int32, device=logits.device)
-    counts = counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32))[:, :vocab_size]
-    seen = id_mask(md.prompt_token_ids, vocab_size) | (counts > 0)
-    rep = md.repetition_penalties[:, None].expand_as(logits)
-    penalised = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, penalised, logits)
-    logits = logits - md.frequency_penalties[:, None] * counts
-    return logits - md.presence_penalties[:, None] * (counts > 0)
+    """In place on float32 logits [B, V], in the penalised rows, vLLM's way: a token in the prompt
+    or the output so far has its logit divided by the repetition penalty (multiplied, if
+    negative); one in the output loses the frequency penalty per occurrence and the presence
+    penalty once."""
+    table, rows = md.penalty_table, md.penalty_rows
+    if md.new_table_rows is not None:   # sequences penalised for the first time: their prompts
+        table[md.new_table_rows] = 0
+        table[md.new_table_rows[:, None], md.new_prompt_ids] = 1
+    if logits.is_cuda:   # one pass (kernels/triton_penalties.py)
+        from nanovllm.kernels.triton_penalties import penalize
+        penalize(logits, rows, table, md.penalty_table_rows, md.presence_penalties, md.frequency_penalties,
+                 md.repetition_penalties)
+        return logits
+    entries = table[md.penalty_table_rows, :logits.shape[1]]   # [P, V]
+    counts = entries >> 1
+    x = logits[rows]
+    rep = md.repetition_penalties[:, None]
+    x = torch.where(entries > 0, torch.where(x > 0, x / rep, x * rep), x)
+    logits[rows] = x - md.frequency_penalties[:, None] * counts - md.presence_penalties[:, None] * (counts > 0)
+    return logits
+
+
+def count_sampled(md: SamplingMetadata, token_ids: torch.Tensor):
+    """After sampling: each penalised row's new token counts once more in its output."""
+    rows = md.penalty_table_rows
+    md.penalty_table.index_put_((rows, token_ids[md.penalty_rows]), torch.full_like(rows, 2, dtype=torch.int32),
+                                accumulate=True)
 
 
 # Up to this top_k (in every row) the filters work on the rows' top_k best logits (torch.topk)
@@ -279,12 +302,14 @@ class Sampler:
         raw_logprobs = logits.float().log_softmax(-1) if md.max_num_logprobs is not None else None
         if md.edits_logits:
             logits = restrict_and_bias(logits.float(), md)
-            if md.output_token_ids is not None:
+            if md.penalty_rows is not None:
                 logits = apply_penalties(logits, md)
             if md.forced_rows is not None:   # last: whatever the other edits did, these rows take their token
                 logits[md.forced_rows] = float("-inf")
                 logits[md.forced_rows, md.forced_tokens] = 0.0
         token_ids = self._sample_fused(logits, md) if self.fused else self._sample_torch(logits.float(), md)
+        if md.penalty_rows is not None:
+            count_sampled(md, token_ids)
         if raw_logprobs is None:
             return SamplerOutput(token_ids)
         out = token_logprobs(raw_logprobs, token_ids, md.max_num_logprobs)
