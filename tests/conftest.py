@@ -1,5 +1,6 @@
 """Fixtures: tiny random Qwen3 / Qwen2 checkpoints (real architecture, small sizes) with a small
 byte-level BPE tokenizer saved beside them, and HF transformers as the reference."""
+import contextlib
 import math
 
 import pytest
@@ -124,6 +125,24 @@ def make_prompts(seed: int = 0, num: int = 16) -> list[list[int]]:
     shared2 = rand(48)
     prompts += [shared2 + rand(n) for n in (3, 9, 20, 31)]
     return prompts[:num]
+
+
+@contextlib.contextmanager
+def watch_overlap(llm):
+    """-> a list that gets, for each step the engine launches, whether the step before was still
+    unread at the launch (async scheduling: the host reads a step while the next one runs)."""
+    engine = llm.llm_engine
+    execute, overlapped = engine.model_runner.execute, []
+
+    def watched(*args, **kwargs):
+        overlapped.append(engine.in_flight is not None)
+        return execute(*args, **kwargs)
+
+    engine.model_runner.execute = watched
+    try:
+        yield overlapped
+    finally:
+        engine.model_runner.execute = execute
 
 
 def check_logprobs_close(ours, ref):

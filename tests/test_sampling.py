@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import check_within_top_k_top_p, hf_model, make_prompts
+from conftest import check_within_top_k_top_p, hf_model, make_prompts, watch_overlap
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.sampler import Sampler, SamplingMetadata
 
@@ -220,18 +220,11 @@ def test_penalised_requests_keep_async_scheduling_and_reuse_their_rows(qwen3_dir
     sp = SamplingParams(temperature=0.8, seed=3, presence_penalty=1.0, repetition_penalty=1.2, max_tokens=6,
                         ignore_eos=True)
     engine = llm.llm_engine
-    execute, overlapped = engine.model_runner.execute, []
-
-    def watched(*args, **kwargs):   # is the step before still unread when this one launches?
-        overlapped.append(engine.in_flight is not None)
-        return execute(*args, **kwargs)
-
-    engine.model_runner.execute = watched
-    engine.add_request("a", ids(PROMPTS[3]), sp)
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert overlapped == [False] + [True] * 5   # the prompt step, then five steps each launched before the last is read
-    engine.model_runner.execute = execute
+    with watch_overlap(llm) as overlapped:
+        engine.add_request("a", ids(PROMPTS[3]), sp)
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert overlapped == [False] + [True] * 5   # the prompt step, then five launched before the last is read
     for _ in range(2):
         outs = llm.generate([ids(p) for p in PROMPTS[:12]], sp, use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == 6 for o in outs)

@@ -5,6 +5,7 @@ import re
 import pytest
 import torch
 
+from conftest import watch_overlap
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.structured_output import choice_as_grammar
 from nanovllm.layers.sampler import apply_token_bitmask
@@ -63,6 +64,25 @@ def test_structured_beside_free_requests(llm):
     outs = llm.generate(PROMPTS[:3], sps, use_tqdm=False)
     assert outs[0].outputs[0].text in ("yes", "no")
     assert [o.outputs[0].token_ids for o in outs[1:]] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_constrained_steps_overlap_and_give_the_sync_tokens(qwen3_dir):
+    """With async scheduling a step with grammars launches before the step before is read: the
+    engine reads that one while the forward pass runs, then fills the bitmasks (vLLM's order).
+    The greedy tokens are those of synchronous scheduling."""
+    sps = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs={"json": SCHEMA,
+                                                                               "disable_any_whitespace": True}),
+           SamplingParams(temperature=0.0, max_tokens=40, structured_outputs={"regex": r"[0-9]{3}-(ab|cd)"}),
+           SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)]
+    outs = {}
+    for async_scheduling in (False, True):
+        llm = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=128, async_scheduling=async_scheduling)
+        with watch_overlap(llm) as overlapped:
+            outs[async_scheduling] = [o.outputs[0] for o in llm.generate(PROMPTS[:3], sps, use_tqdm=False)]
+        assert overlapped.count(False) == (len(overlapped) if not async_scheduling else 1), overlapped
+    assert [c.token_ids for c in outs[True]] == [c.token_ids for c in outs[False]]
+    assert json.loads(outs[True][0].text)["color"] in ("red", "green", "blue")
+    assert re.fullmatch(r"[0-9]{3}-(ab|cd)", outs[True][1].text)
 
 
 def test_bad_constraints_are_value_errors_and_add_nothing(llm):

@@ -532,7 +532,7 @@ def test_penalties_kernel_equals_the_torch_penalties(vocab):
     logits and counts (tokens in the prompt, in the output, in both, in neither; counts up to
     500), some rows unpenalised, table rows out of order. The penalties are powers of two, so
     both paths round alike."""
-    from nanovllm.kernels.triton_penalties import penalize
+    from nanovllm.kernels.triton_logit_edits import penalize
     from nanovllm.layers.sampler import SamplingMetadata, apply_penalties
     gen = torch.Generator().manual_seed(vocab)
     batch, table_size = 7, 9
@@ -549,9 +549,32 @@ def test_penalties_kernel_equals_the_torch_penalties(vocab):
                           penalty_table=table, penalty_table_rows=table_rows, **penalties)
     expected = apply_penalties(logits.clone(), md)
     ours = logits.clone().to(DEVICE)
-    penalize(ours, rows.to(DEVICE), table.to(DEVICE), table_rows.to(DEVICE), *(t.to(DEVICE) for t in penalties.values()))
+    penalize(ours, rows.to(DEVICE), table.to(DEVICE), table_rows.to(DEVICE),
+             *(t.to(DEVICE) for t in penalties.values()))
     assert torch.equal(ours.cpu(), expected)
     assert not torch.equal(expected, logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab", [1_000, 20_011] + ([] if INTERPRET else [151_936]))
+def test_bitmask_kernel_equals_the_torch_bitmask(dtype, vocab):
+    """Grammar bitmasks on rows out of order, some rows untouched, a partial last word, every bit
+    pattern (all allowed, none, random): the same logits as layers/sampler.py's torch path."""
+    from nanovllm.kernels.triton_logit_edits import apply_bitmask
+    from nanovllm.layers.sampler import apply_token_bitmask
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(6, vocab, generator=gen) * 4).to(dtype)
+    words = -(-vocab // 32)
+    bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, words), generator=gen, dtype=torch.int32)
+    bitmask[1] = -1                                                      # every token allowed
+    bitmask[2, : words // 2] = 0                                         # none in the first half
+    rows = torch.tensor([4, 0, 2])
+    expected = logits.clone()
+    apply_token_bitmask(expected, rows, bitmask)
+    ours = logits.clone().to(DEVICE)
+    apply_bitmask(ours, rows.to(DEVICE), bitmask.to(DEVICE))
+    assert torch.equal(ours.cpu(), expected)
+    assert expected[4].isinf().sum() > vocab // 3 and not expected[0].isinf().any() and not expected[1].isinf().any()
 
 
 @pytest.mark.skipif(INTERPRET, reason="the interpreter compiles nothing")

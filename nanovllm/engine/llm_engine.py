@@ -243,14 +243,14 @@ class LLMEngine:
         With async scheduling the host reads a step's sampled tokens only after it has launched
         the next step, so the GPU never waits for the host's bookkeeping. The next step takes
         its input ids straight from the GPU; a sequence that turns out to have stopped wastes
-        one token of work. Requests with multi-token bad words, a thinking budget or a grammar need
-        every output token on the host (Sequence.needs_output_ids_on_host), so the engine reads the
-        pending step first whenever one is in it. (Penalties count their tokens on the device.)"""
+        one token of work. Requests with multi-token bad words, a thinking budget or a grammar
+        need every output token on the host to sample the next (Sequence.needs_output_ids_on_host):
+        when such a sequence samples with its last token still in flight, the engine launches the
+        step's forward pass first and reads the step before while it runs, then prepares the
+        sampling (vLLM's order: the grammar bitmask is filled while the model runs). Penalties
+        count their tokens on the device and need nothing from the host."""
         finished = []
         self.just_finished = []
-        if self.in_flight is not None and any(s.needs_output_ids_on_host for s in self.in_flight.seqs):
-            finished += self._resolve(self.in_flight)
-            self.in_flight = None
         out = self.scheduler.schedule()
         stats = StepStats()
         if out.is_empty:   # everything left is waiting for its pending token, or just finished
@@ -271,17 +271,27 @@ class LLMEngine:
 
         previous = self.in_flight
         pending = None if previous is None else {seq.seq_id: i for i, seq in enumerate(previous.seqs)}
-        sampled, prompt_logprobs = self.model_runner.execute(out, sampling_seqs, pending)
+        read: list[InFlightStep] = []   # previous, once read
+
+        def read_previous():   # (execute calls it while this step's forward pass runs)
+            read.append(previous)
+            finished.extend(self._resolve(previous))
+
+        needs_previous = previous is not None and any(
+            seq.needs_output_ids_on_host and seq.num_pending_tokens for seq in sampling_seqs)
+        sampled, prompt_logprobs = self.model_runner.execute(
+            out, sampling_seqs, pending, before_sampling=read_previous if needs_previous else None)
         for chunk in prompt_logprobs:
             self.output_processor.append_prompt_logprobs(chunk)
         self.scheduler.update_computed(out)
         self.in_flight = None
         if sampled is not None:
             for seq in sampling_seqs:
-                seq.append_pending()
+                if not seq.is_finished:   # (read_previous may have stopped it: its token here is wasted)
+                    seq.append_pending()
             host, event = self.model_runner.copy_to_host(sampled)
             self.in_flight = InFlightStep(sampling_seqs, host, event)
-        if previous is not None:
+        if previous is not None and not read:
             finished += self._resolve(previous)
         if self.in_flight is not None and (not self.async_scheduling
                                            or all(seq.is_finished for seq in self.in_flight.seqs)):

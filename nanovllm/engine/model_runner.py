@@ -2,6 +2,7 @@
 the sampler; turns a SchedulerOutput into sampled tokens."""
 import bisect
 import time
+from collections.abc import Callable
 from dataclasses import fields, replace
 
 import numpy as np
@@ -279,14 +280,17 @@ class ModelRunner:
         return build_sampling_metadata(seqs, self.vocab_size, self.eos_token_ids, self.device, self.penalty_counts)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, sampling_seqs: list[Sequence], pending: dict[int, int] | None = None
+    def execute(self, out: SchedulerOutput, sampling_seqs: list[Sequence], pending: dict[int, int] | None = None,
+                before_sampling: Callable[[], None] | None = None
                 ) -> tuple[SamplerOutput | None, list[PromptLogprobsChunk]]:
         """Rank 0: run the model on the scheduled tokens and sample one token for each of
         `sampling_seqs` (the sequences whose scheduled tokens reach their end; None if none
         sample), and score the prompt tokens of sequences that asked for prompt logprobs.
 
         pending: {seq_id: row in the previous step's sampled tokens} for sequences whose last
-        token the host has not read yet (PENDING_TOKEN in token_ids): its id is taken on the device."""
+        token the host has not read yet (PENDING_TOKEN in token_ids): its id is taken on the device.
+        before_sampling: called once the forward pass is launched, before the sampling inputs are
+        made from the sequences (the engine reads the previous step's tokens there)."""
         step = build_step(out, sampling_seqs, pending, self.block_size)
         spans = prompt_spans(out, step.batch)
         step.prompt_rows = [row for _, _, rows in spans for row in rows]
@@ -298,6 +302,8 @@ class ModelRunner:
             prompt_chunks = score_prompts(spans, prompt_logits, self.device) if spans else []
             if logits is None:
                 return None, prompt_chunks
+            if before_sampling is not None:
+                before_sampling()
             sampled = self.sampler(logits, self.prepare_sampling(sampling_seqs))
             self.last_sampled = self.tp.broadcast_from_first(sampled.token_ids)
             return sampled, prompt_chunks

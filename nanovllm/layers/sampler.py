@@ -94,6 +94,13 @@ def id_mask(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return mask.scatter_(1, ids, True)[:, :vocab_size]
 
 
+def fill_at(x: torch.Tensor, indices: tuple[torch.Tensor, ...], value: float):
+    """x[indices] = value, with the value made on x's device. (Assigning a Python number through
+    tensor indices copies it from pageable host memory to a CUDA x, and such a copy waits for
+    everything queued on the stream: the step's whole forward pass.)"""
+    x.index_put_(indices, x.new_full((), value))
+
+
 def restrict_and_bias(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """In place on float32 logits [B, V]: tokens outside a row's allowed_token_ids and stop tokens
     under min_tokens get -inf, then logit_bias is added (vLLM's order, before penalties)."""
@@ -101,7 +108,7 @@ def restrict_and_bias(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tenso
         keep = id_mask(md.allowed_token_ids, logits.shape[1])
         logits[md.allowed_rows] = logits[md.allowed_rows].masked_fill(~keep, float("-inf"))
     if md.banned_rows is not None:
-        logits[md.banned_rows, md.banned_tokens] = float("-inf")
+        fill_at(logits, (md.banned_rows, md.banned_tokens), float("-inf"))
     if md.bias_rows is not None:
         logits.index_put_((md.bias_rows, md.bias_tokens), md.bias_values, accumulate=True)
     return logits
@@ -109,7 +116,11 @@ def restrict_and_bias(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tenso
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor):
     """In place on logits [B, V]: in rows `rows`, tokens whose bit is 0 in bitmask ([R, ceil(V /
-    32)] int32) get -inf."""
+    32)] int32) get -inf. On CUDA one pass (kernels/triton_logit_edits.py)."""
+    if logits.is_cuda:
+        from nanovllm.kernels.triton_logit_edits import apply_bitmask
+        apply_bitmask(logits, rows, bitmask)
+        return
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :logits.shape[1]]   # [R, V]
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
@@ -122,10 +133,10 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     penalty once."""
     table, rows = md.penalty_table, md.penalty_rows
     if md.new_table_rows is not None:   # sequences penalised for the first time: their prompts
-        table[md.new_table_rows] = 0
-        table[md.new_table_rows[:, None], md.new_prompt_ids] = 1
-    if logits.is_cuda:   # one pass (kernels/triton_penalties.py)
-        from nanovllm.kernels.triton_penalties import penalize
+        fill_at(table, (md.new_table_rows,), 0)
+        fill_at(table, (md.new_table_rows[:, None], md.new_prompt_ids), 1)
+    if logits.is_cuda:   # one pass (kernels/triton_logit_edits.py)
+        from nanovllm.kernels.triton_logit_edits import penalize
         penalize(logits, rows, table, md.penalty_table_rows, md.presence_penalties, md.frequency_penalties,
                  md.repetition_penalties)
         return logits
@@ -305,8 +316,8 @@ class Sampler:
             if md.penalty_rows is not None:
                 logits = apply_penalties(logits, md)
             if md.forced_rows is not None:   # last: whatever the other edits did, these rows take their token
-                logits[md.forced_rows] = float("-inf")
-                logits[md.forced_rows, md.forced_tokens] = 0.0
+                fill_at(logits, (md.forced_rows,), float("-inf"))
+                fill_at(logits, (md.forced_rows, md.forced_tokens), 0.0)
         token_ids = self._sample_fused(logits, md) if self.fused else self._sample_torch(logits.float(), md)
         if md.penalty_rows is not None:
             count_sampled(md, token_ids)
