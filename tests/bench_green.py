@@ -25,6 +25,7 @@ import random
 import torch
 import torch.nn.functional as F
 
+from gpu_timing import us_per_call_in_graph
 from nanovllm.kernels import triton_attention as ta
 from nanovllm.kernels.triton_fused import qk_norm_rope_store, rms_norm, silu_and_mul
 
@@ -176,22 +177,10 @@ def taking_turns(model: Layers, x, parts: list[dict], attn_stream, rest_stream, 
 
 
 def us_per_layer(model: Layers, run, replays: int = 20) -> float:
-    """Microseconds per layer of `run()` captured in one CUDA graph."""
+    """Microseconds per layer of `run(keep)` captured in one CUDA graph (keep: a list that holds
+    every tensor it makes, so that none is reused inside the capture)."""
     keep: list = []
-    run(keep)                                   # compile and warm outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run(keep)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / (replays * model.num_layers)
+    return us_per_call_in_graph([lambda: run(keep)], replays) / model.num_layers
 
 
 def main():
