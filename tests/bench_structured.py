@@ -60,8 +60,9 @@ def stand_in_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
 
 def model_dir() -> str:
     """The qwen3-0.6b preset's config with the stand-in tokenizer, its end token the config's."""
-    path = preset_dir("qwen3-0.6b") + "-with-tokenizer"
-    shutil.copytree(preset_dir("qwen3-0.6b"), path, dirs_exist_ok=True)
+    source = preset_dir("qwen3-0.6b")
+    path = source + "-with-tokenizer"
+    shutil.copytree(source, path, dirs_exist_ok=True)
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     tokenizer = stand_in_tokenizer(config["vocab_size"])

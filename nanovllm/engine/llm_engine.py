@@ -271,11 +271,11 @@ class LLMEngine:
 
         previous = self.in_flight
         pending = None if previous is None else {seq.seq_id: i for i, seq in enumerate(previous.seqs)}
-        read: list[InFlightStep] = []   # previous, once read
 
         def read_previous():   # (execute calls it while this step's forward pass runs)
-            read.append(previous)
+            nonlocal previous
             finished.extend(self._resolve(previous))
+            previous = None
 
         needs_previous = previous is not None and any(
             seq.needs_output_ids_on_host and seq.num_pending_tokens for seq in sampling_seqs)
@@ -291,7 +291,7 @@ class LLMEngine:
                     seq.append_pending()
             host, event = self.model_runner.copy_to_host(sampled)
             self.in_flight = InFlightStep(sampling_seqs, host, event)
-        if previous is not None and not read:
+        if previous is not None:   # (not read before sampling)
             finished += self._resolve(previous)
         if self.in_flight is not None and (not self.async_scheduling
                                            or all(seq.is_finished for seq in self.in_flight.seqs)):
