@@ -170,12 +170,10 @@ class LLM:
     def _check_priority(self, priority: list[int] | None, num_prompts: int) -> list[int]:
         if priority is None:
             return [0] * num_prompts
-        if len(priority) != num_prompts or not all(isinstance(p, int) for p in priority):
+        if not isinstance(priority, (list, tuple)) or len(priority) != num_prompts:
             raise ValueError(f"priority must be one int per prompt ({num_prompts}), got {priority!r:.80}.")
-        policy = self.llm_engine.config.scheduling_policy
-        if policy != "priority" and any(priority):
-            raise ValueError(f"priority {priority!r:.80} needs LLM(scheduling_policy='priority'); "
-                             f"the scheduling policy is {policy!r}.")
+        for value in priority:
+            self.llm_engine.check_priority(value)
         return list(priority)
 
     def _run_engine(self, use_tqdm) -> dict[str, RequestOutput]:

@@ -1081,13 +1081,13 @@ def test_priority_scheduling_runs_lower_values_first(qwen3_dir):
     started = [o.metrics.first_scheduled_time for o in outs]
     assert started[1] <= started[2] <= started[0]
     for bad, message in (([0, 1], "priority must be one int per prompt (3), got [0, 1]."),
-                         ([0, 1.5, 2], "priority must be one int per prompt (3)")):
+                         ([0, 1.5, 2], "priority must be an int, got 1.5.")):
         with pytest.raises(ValueError) as e:
             llm.generate(PROMPTS[:3], SamplingParams(max_tokens=2), use_tqdm=False, priority=bad)
         assert message in str(e.value)
     assert_idle(llm)
     fcfs = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=16)
-    with pytest.raises(ValueError, match="needs LLM\\(scheduling_policy='priority'\\); the scheduling policy is 'fcfs'"):
+    with pytest.raises(ValueError, match="priority 1 needs scheduling_policy='priority'; the scheduling policy is 'fcfs'."):
         fcfs.generate(PROMPTS[:2], SamplingParams(max_tokens=2), use_tqdm=False, priority=[1, 0])
     assert len(fcfs.generate(PROMPTS[:2], SamplingParams(max_tokens=2), use_tqdm=False, priority=[0, 0])) == 2
 

@@ -160,13 +160,20 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"Request id {request_id} already running.")
         check_no_lora(lora_request)
-        if not isinstance(priority, int) or (priority and self.config.scheduling_policy != "priority"):
-            raise ValueError(f"priority {priority!r:.80} needs scheduling_policy='priority' and an int; "
-                             f"the scheduling policy is {self.config.scheduling_policy!r}.")
+        self.check_priority(priority)
         [prompt] = self.input_processor.parse_prompts([prompt], tokenization_kwargs)
         prompt = self.input_processor.check_request(0, prompt, params)
         return self.add_tokens(prompt.text, prompt.token_ids, params, priority, prompt.cache_salt,
                                request_id, arrival_time)
+
+    def check_priority(self, priority: int):
+        """A ValueError unless priority is an int, and 0 where the scheduling policy is not "priority"."""
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r:.80}.")
+        policy = self.config.scheduling_policy
+        if priority and policy != "priority":
+            raise ValueError(f"priority {priority} needs scheduling_policy='priority'; the scheduling policy "
+                             f"is {policy!r}.")
 
     def add_tokens(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                    priority: int = 0, cache_salt: str | None = None, request_id: str | None = None,
