@@ -153,8 +153,9 @@ def test_kv_cache_is_sized_from_memory(gpu_model_dir):
 
 def test_sleep_gives_memory_back_and_wakes_up_to_the_same_tokens(gpu_model_dir):
     """Sleep mode on the GPU: sleep(level=1) returns the weights' and the KV cache's memory to the
-    driver, and after wake_up the decode graphs (captured again when an address moved) give the
-    same greedy tokens; so does a level-2 sleep followed by reload_weights."""
+    driver, and wake_up maps memory again at the same addresses (a tensor allocated meanwhile does
+    not take them), so the decode graphs captured at start-up give the same greedy tokens; so does
+    a level-2 sleep followed by reload_weights."""
     llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
               enable_sleep_mode=True)
     runner = llm.llm_engine.model_runner
@@ -166,21 +167,47 @@ def test_sleep_gives_memory_back_and_wakes_up_to_the_same_tokens(gpu_model_dir):
     weight = runner.model.model.embed_tokens.weight
     freed_bytes = (runner.kv_cache.numel() * runner.kv_cache.element_size()
                    + sum(p.numel() * p.element_size() for p in runner.model.parameters()))
-    free_before, graphs_before = torch.cuda.mem_get_info()[0], runner.graphs
+    free_before, graphs = torch.cuda.mem_get_info()[0], runner.graphs
     addresses = weight.data_ptr(), runner.kv_cache.data_ptr()
     llm.sleep(level=1)
     assert torch.cuda.mem_get_info()[0] - free_before >= 0.95 * freed_bytes
-    hog = torch.empty(4 << 20, dtype=torch.uint8, device="cuda")   # may take a freed address
+    hog = torch.empty(4 << 20, dtype=torch.uint8, device="cuda")
     llm.wake_up()
-    moved = (weight.data_ptr(), runner.kv_cache.data_ptr()) != addresses
-    assert runner.graphs is not None and (runner.graphs is not graphs_before) == moved
+    assert (weight.data_ptr(), runner.kv_cache.data_ptr()) == addresses and runner.graphs is graphs
     assert tokens() == expected
     del hog
     llm.sleep(level=2)
     llm.wake_up(tags=["weights"])
     llm.collective_rpc("reload_weights")
     llm.wake_up(tags=["kv_cache"])
-    assert tokens() == expected
+    assert tokens() == expected and runner.graphs is graphs
+
+
+def test_arena_keeps_its_addresses_and_views_across_release():
+    """cuda_vmm.Arena: release() gives the physical memory back and keep() maps new memory at the
+    same addresses; place_in_arena moves tensors into one arena, a shared Parameter once."""
+    from nanovllm.utils.cuda_vmm import Arena, place_in_arena
+    arena = Arena((3 << 20) + 5, torch.device("cuda"))       # not a multiple of the granularity
+    data = arena.tensor()
+    assert data.shape == ((3 << 20) + 5,) and data.dtype == torch.uint8 and data.data_ptr() == arena.address
+    data.fill_(7)
+    torch.cuda.synchronize()
+    free = torch.cuda.mem_get_info()[0]
+    arena.release()
+    assert torch.cuda.mem_get_info()[0] - free >= 3 << 20 and not arena.mapped
+    arena.keep()
+    data[:10].fill_(1)
+    assert data[:10].tolist() == [1] * 10 and data.data_ptr() == arena.address
+    shared = torch.nn.Parameter(torch.randn(5, 3, device="cuda"), requires_grad=False)
+    other = torch.arange(7, dtype=torch.bfloat16, device="cuda")
+    values = shared.clone(), other.clone()
+    weights = place_in_arena([shared, other], torch.device("cuda"))
+    assert torch.equal(shared, values[0]) and torch.equal(other, values[1])
+    assert shared.data_ptr() == weights.address and other.data_ptr() == weights.address + 256
+    weights.release()
+    weights.keep()
+    other.copy_(values[1])
+    assert torch.equal(other, values[1]) and other.data_ptr() == weights.address + 256
 
 
 def test_lm_head_sees_only_the_warmed_row_counts(gpu_model_dir):

@@ -36,10 +36,12 @@ def block_bytes(layers: list, block_size: int, dtype: torch.dtype) -> int:
     return per_layer * len(layers) * dtype.itemsize
 
 
-def allocate(layers: list, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The cache tensor, its views handed to the layers (layer.k_cache, layer.v_cache)."""
-    kv_cache = torch.empty(2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim,
-                           dtype=dtype, device=device)
+def allocate(layers: list, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+             memory: torch.Tensor | None = None) -> torch.Tensor:
+    """The cache tensor, its views handed to the layers (layer.k_cache, layer.v_cache). memory:
+    bytes to lay it in (sleep mode's arena), exactly its size; None: a new tensor."""
+    shape = (2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
+    kv_cache = torch.empty(shape, dtype=dtype, device=device) if memory is None else memory.view(dtype).view(shape)
     if kv_cache.is_cuda:
         # The Gluon prefill kernel reads whole tiles of a page, past a sequence's end too: values
         # never written must be finite there (their weights are 0, but 0 * NaN is NaN).

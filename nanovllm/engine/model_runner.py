@@ -17,7 +17,7 @@ from nanovllm.engine.penalty_counts import PenaltyCounts
 from nanovllm.engine.prompt_logprobs import PromptLogprobsChunk, score_prompts
 from nanovllm.engine.sampling_inputs import build_sampling_metadata
 from nanovllm.engine.scheduler import SchedulerOutput
-from nanovllm.engine.sleep import SLEEP_TAGS, Hibernation
+from nanovllm.engine.sleep import SLEEP_TAGS, ArenaMemory, Hibernation, Storages
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import HostBatch, StepInputs, build_step, mixed_step_decodes, prompt_spans
 from nanovllm.engine.upload import upload
@@ -28,6 +28,7 @@ from nanovllm.engine.profiler import ProfilerConfig, RankProfiler
 from nanovllm.logger import init_logger
 from nanovllm.model.loader import init_dummy_weights, load_model
 from nanovllm.model.qwen3 import QwenForCausalLM
+from nanovllm.utils.cuda_vmm import Arena, place_in_arena
 from nanovllm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -73,6 +74,12 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         self._load_weights()
+        # sleep mode on CUDA: the weights and the KV cache in arenas, so that they can be freed
+        # and mapped again at the same addresses (engine/sleep.py)
+        self.arenas: dict[str, Arena] | None = None
+        if config.enable_sleep_mode and self.device.type == "cuda":
+            self.arenas = {"weights": place_in_arena(list(self.model.parameters()), self.device)}
+            torch.cuda.empty_cache()   # the weights' first copies
         self.timings["load_s"] = time.perf_counter() - start
         self.backend = select_backend(config.attention_backend, self.device, config.block_size,
                                       config.kv_cache_torch_dtype.itemsize == 1)
@@ -96,7 +103,6 @@ class ModelRunner:
             self.timings["cuda_graphs_s"] = time.perf_counter() - start
             self._add_compile_ahead(self.graphs.compile_s)
         self.hibernations: dict[str, Hibernation] | None = None   # sleep mode's, made by the first sleep()
-        self.graphs_stale = False   # a woken storage moved since the graphs were captured
         # the LM head computes the logits of n rows for logits_bucket(n) rows (see there)
         self.logits_buckets = graph_buckets(config.max_num_seqs) if self.device.type == "cuda" else []
         if self.logits_buckets:
@@ -187,12 +193,17 @@ class ModelRunner:
                            if cfg.kv_cache_memory_bytes is not None
                            else f"gpu_memory_utilization={cfg.gpu_memory_utilization}")
                 raise ValueError(f"no memory is left for the KV cache at {setting}; raise it or use a smaller model.")
-        self.kv_cache = self._make_kv_cache(num_blocks)
+        memory = None
+        if self.arenas is not None:
+            block_bytes = kv_cache.block_bytes(self.attention_layers, self.block_size, cfg.kv_cache_torch_dtype)
+            self.arenas["kv_cache"] = Arena(num_blocks * block_bytes, self.device)
+            memory = self.arenas["kv_cache"].tensor()
+        self.kv_cache = self._make_kv_cache(num_blocks, memory)
         return num_blocks
 
-    def _make_kv_cache(self, num_blocks: int) -> torch.Tensor:
+    def _make_kv_cache(self, num_blocks: int, memory: torch.Tensor | None = None) -> torch.Tensor:
         return kv_cache.allocate(self.attention_layers, num_blocks, self.block_size,
-                                 self.config.kv_cache_torch_dtype, self.device)
+                                 self.config.kv_cache_torch_dtype, self.device, memory)
 
     @torch.inference_mode()
     def _profile_kv_budget(self) -> int:
@@ -363,8 +374,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # no kernel may still be reading what is freed
         if self.hibernations is None:
-            self.hibernations = {"weights": Hibernation(self.model.parameters()),
-                                 "kv_cache": Hibernation([self.kv_cache])}
+            memories = ({tag: ArenaMemory(arena) for tag, arena in self.arenas.items()} if self.arenas is not None
+                        else {"weights": Storages(self.model.parameters()), "kv_cache": Storages([self.kv_cache])})
+            self.hibernations = {tag: Hibernation(memory) for tag, memory in memories.items()}
         freed = 0
         for tag, memory in self.hibernations.items():
             if not memory.asleep:
@@ -375,20 +387,14 @@ class ModelRunner:
         return freed
 
     def wake_up(self, tags: list[str] | None = None):
-        """Allocate the tagged memory again ("weights", "kv_cache"; None: both). The KV cache comes
-        back zeroed; once both are awake, the CUDA graphs are captured again if an address moved."""
+        """Allocate the tagged memory again ("weights", "kv_cache"; None: both), at the addresses
+        the CUDA graphs read. The KV cache comes back zeroed."""
         for tag in tags or SLEEP_TAGS:
             memory = self.hibernations[tag] if self.hibernations else None
             if memory is not None and memory.asleep:
-                self.graphs_stale |= memory.wake_up()
+                memory.wake_up()
                 if tag == "kv_cache":
                     self.kv_cache.zero_()
-        if self.graphs is not None and self.graphs_stale and not self.sleeping_tags:
-            self.graphs.reset()
-            self.graphs = None
-            torch.cuda.empty_cache()
-            self.graphs = self._capture_graphs()
-            self.graphs_stale = False
 
     @property
     def sleeping_tags(self) -> list[str]:

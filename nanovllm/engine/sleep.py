@@ -2,56 +2,79 @@
 of the weights and of the KV cache while the engine idles, and keep everything else: the process,
 its compiled kernels and CUDA graphs, the tokenizer, the scheduler.
 
-A tensor's storage is emptied in place (resized to zero bytes; on CUDA its blocks then go back to
-the driver) and refilled by resizing it back, so every view of it stays valid: the layers'
-k_cache / v_cache, an LM head tied to the embedding. Level 1 copies the weights to host memory
-first (pinned on CUDA) and back on wake-up; level 2 forgets them, and the caller loads weights
-again (collective_rpc("reload_weights"), as with vLLM). A refilled storage may lie at another
-address, where a captured CUDA graph would not look: `moved` tells the runner to capture again.
+On CUDA, with sleep mode on, the weights and the KV cache live in arenas (utils/cuda_vmm.py) from
+start-up: sleeping releases an arena's physical memory and waking maps new memory at the same
+addresses, so every tensor, view and captured CUDA graph stays valid (as vLLM's CuMemAllocator
+does). On the CPU, where there are no graphs, a tensor's storage is emptied in place (resized to
+zero bytes) and refilled by resizing it back, so its views stay valid too. Level 1 copies the
+weights to host memory first (pinned on CUDA) and back on wake-up; level 2 forgets them, and the
+caller loads weights again (collective_rpc("reload_weights"), as with vLLM).
 """
 import torch
+
+from nanovllm.utils.cuda_vmm import Arena
 
 SLEEP_TAGS = ("weights", "kv_cache")
 
 
-class Hibernation:
-    """Some tensors' storages, emptied and refilled in place."""
+class Storages:
+    """Tensors' storages (views and tied tensors share one), emptied and refilled by resizing."""
 
     def __init__(self, tensors):
-        storages = {}
-        for tensor in tensors:
-            storage = tensor.untyped_storage()
-            storages.setdefault(storage.data_ptr(), storage)   # views and tied tensors share one
-        self.storages = list(storages.values())
-        self.sizes = [storage.nbytes() for storage in self.storages]
-        self.addresses = list(storages)
+        storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage() for tensor in tensors}
+        self.parts = list(storages.values())
+        self.sizes = [storage.nbytes() for storage in self.parts]
+        self.nbytes = sum(self.sizes)
+
+    def release(self):
+        for storage in self.parts:
+            storage.resize_(0)
+
+    def keep(self):
+        for storage, size in zip(self.parts, self.sizes):
+            storage.resize_(size)
+
+
+class ArenaMemory:
+    """An arena, released and mapped again at the same addresses."""
+
+    def __init__(self, arena: Arena):
+        self.arena, self.nbytes = arena, arena.nbytes
+        self.parts = [arena.tensor().untyped_storage()]
+
+    def release(self):
+        self.arena.release()
+
+    def keep(self):
+        self.arena.keep()
+
+
+class Hibernation:
+    """Memory (Storages or ArenaMemory) given back while asleep, with its bytes kept or not."""
+
+    def __init__(self, memory: Storages | ArenaMemory):
+        self.memory = memory
         self.backups: list[torch.UntypedStorage] | None = None
         self.asleep = False
 
     @property
     def nbytes(self) -> int:
-        return sum(self.sizes)
+        return self.memory.nbytes
 
     def sleep(self, keep: bool):
-        """Free the storages; keep: copy their bytes to host memory first."""
+        """Free the memory; keep: copy its bytes to host memory first."""
         if keep:
             self.backups = []
-            for storage in self.storages:
-                backup = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.is_cuda)
-                self.backups.append(backup.untyped_storage().copy_(storage))
-        for storage in self.storages:
-            storage.resize_(0)
+            for part in self.memory.parts:
+                backup = torch.empty(part.nbytes(), dtype=torch.uint8, pin_memory=part.is_cuda)
+                self.backups.append(backup.untyped_storage().copy_(part))
+        self.memory.release()
         self.asleep = True
 
-    def wake_up(self) -> bool:
-        """Allocate the storages again, with the kept bytes if any (else uninitialised) -> whether
-        one of them now lies at another address."""
-        for i, (storage, size) in enumerate(zip(self.storages, self.sizes)):
-            storage.resize_(size)
-            if self.backups is not None:
-                storage.copy_(self.backups[i])
+    def wake_up(self):
+        """Allocate the memory again, with the kept bytes if any (else uninitialised)."""
+        self.memory.keep()
+        for part, backup in zip(self.memory.parts, self.backups or []):
+            part.copy_(backup)
         self.backups = None
         self.asleep = False
-        addresses = [storage.data_ptr() for storage in self.storages]
-        moved, self.addresses = addresses != self.addresses, addresses
-        return moved
