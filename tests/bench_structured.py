@@ -18,6 +18,7 @@ keeps the end token out) without detokenization, so every run makes the same tok
 work apart from the grammar's.
 
     PYTHONPATH=. python3 tests/bench_structured.py [--grammar json-string | regex] [--repeat 2] [--num-seqs 256]
+                                                   [--engine vllm]   # the same through vLLM
 """
 import argparse
 import cProfile
@@ -36,7 +37,6 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from bench import make_workload, preset_dir
-from nanovllm import LLM, SamplingParams
 
 REGEX = "[a-m ]+"
 GRAMMARS = {"json-string": {"json": {"type": "string"}}, "regex": {"regex": REGEX}}
@@ -80,7 +80,15 @@ def main():
     p.add_argument("--grammar", choices=list(GRAMMARS), default="json-string")
     p.add_argument("--profile", action="store_true", help="also run each kind once under cProfile: the host's "
                    "heaviest functions")
+    p.add_argument("--engine", choices=["nanovllm", "vllm"], default="nanovllm")
     args = p.parse_args()
+    if args.engine == "vllm":
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        from vllm import LLM, SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
+    else:
+        from nanovllm import LLM, SamplingParams
+        from nanovllm.sampling_params import StructuredOutputsParams
     start = time.perf_counter()
     llm = LLM(model_dir(), load_format="dummy", max_model_len=4096)
     print(f"start-up {time.perf_counter() - start:.1f}s")
@@ -94,7 +102,7 @@ def main():
         ignore_eos, no min_tokens)."""
         if kind == "bench":
             return [SamplingParams(temperature=t, max_tokens=m, ignore_eos=True, detokenize=False) for m, t in settings]
-        held = GRAMMARS[args.grammar] if kind == "held" else None
+        held = StructuredOutputsParams(**GRAMMARS[args.grammar]) if kind == "held" else None
         return [SamplingParams(temperature=t, max_tokens=m, min_tokens=m, detokenize=False, structured_outputs=held)
                 for m, t in settings]
 

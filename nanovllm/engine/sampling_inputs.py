@@ -17,16 +17,19 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids
     """One row per sequence. Optional parts stay None when no row uses them. The parts are built
     as host arrays and moved to the sampler's device in one copy, without a sync. counts: the
     penalised sequences' token counts on the device (needed when a row has penalties)."""
-    md = host_sampling_metadata(seqs, vocab_size, eos_token_ids, counts)
+    md = host_sampling_metadata(seqs, vocab_size, eos_token_ids, counts, pin_memory=device.type == "cuda")
     names = [f.name for f in fields(md) if isinstance(getattr(md, f.name), np.ndarray)]
     for name, tensor in zip(names, upload([getattr(md, name) for name in names], device)):
         setattr(md, name, tensor)
+    if md.grammar_bitmask is not None:   # filled in pinned memory already: a copy of its own
+        md.grammar_bitmask = md.grammar_bitmask.to(device, non_blocking=True)
     return md
 
 
 def host_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int],
-                           counts: PenaltyCounts | None = None) -> SamplingMetadata:
-    """SamplingMetadata with numpy arrays where the sampler takes tensors."""
+                           counts: PenaltyCounts | None = None, pin_memory: bool = False) -> SamplingMetadata:
+    """SamplingMetadata with numpy arrays where the sampler takes tensors, but for the grammar
+    bitmask: a host tensor (pinned if pin_memory), which xgrammar fills in place."""
     params = [seq.sampling_params for seq in seqs]
     vocab = vocab_size
     all_greedy = all(p.is_greedy for p in params)
@@ -93,7 +96,7 @@ def host_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids:
     if forced:
         rows, tokens = zip(*forced)
         md.forced_rows, md.forced_tokens = np.asarray(rows, np.int64), np.asarray(tokens, np.int64)
-    constrained = grammar_bitmask(seqs, vocab)
+    constrained = grammar_bitmask(seqs, vocab, pin_memory)
     if constrained is not None:
         md.grammar_rows, md.grammar_bitmask = constrained
     num_logprobs = [p.num_logprobs for p in params if p.num_logprobs is not None]

@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass, fields
 
 import numpy as np
+import torch
 
 from nanovllm.engine.reasoning import MarkerScan, ThinkingMarkers
 from nanovllm.logger import init_logger
@@ -150,13 +151,14 @@ def batch_matcher():
     return import_xgrammar().BatchGrammarMatcher()
 
 
-def grammar_bitmask(seqs: list, vocab_size: int) -> tuple[np.ndarray, np.ndarray] | None:
+def grammar_bitmask(seqs: list, vocab_size: int, pin_memory: bool = False) -> tuple[np.ndarray, torch.Tensor] | None:
     """For the sequences whose grammar (seq.grammar) constrains their next token -> (their rows,
-    their bitmasks [rows, ceil(vocab_size / 32)] int32), None if there are none."""
+    their bitmasks [rows, ceil(vocab_size / 32)] int32, in pinned memory if pin_memory), None if
+    there are none. (xgrammar writes whole rows: the tensor needs no initial value.)"""
     rows = [i for i, seq in enumerate(seqs)
             if seq.grammar is not None and seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens)]
     if not rows:
         return None
-    bitmask = import_xgrammar().allocate_token_bitmask(len(rows), vocab_size)
+    bitmask = torch.empty(len(rows), -(-vocab_size // 32), dtype=torch.int32, pin_memory=pin_memory)
     batch_matcher().batch_fill_next_token_bitmask([seqs[i].grammar.matcher for i in rows], bitmask)
-    return np.asarray(rows, np.int64), bitmask.numpy()
+    return np.asarray(rows, np.int64), bitmask
