@@ -4,18 +4,18 @@ workload (256 requests of 100-1,024 random prompt ids and 100-1,024 output token
 same requests unconstrained, and as bench.py sends them (ignore_eos instead of min_tokens), one
 after the other in one process.
 
-bench.py's presets have no tokenizer, which xgrammar needs: this tool saves a stand-in beside
-the preset's config, a byte-level BPE vocabulary of the model's 151,936 ids (the 256 byte
-symbols, then lowercase words of two to four letters, with and without a leading space, then the
-end tokens), so that the grammar's work per token is what a real vocabulary of that size costs.
-(The tests' 384-token BPE padded to 151,936 ids made each accepted token ~25x dearer: xgrammar's
-cost grows with the number of special ids.) Two grammars (--grammar): a JSON string (`{"type":
-"string"}`: a token that may stand in a JSON string; on the CPU machine xgrammar fills 256 rows in ~2 ms
-and accepts a token in ~4 us) and the regex `[a-m ]+` (about a tenth of the vocabulary; ~1.1 ms
-a row, since xgrammar has no cached masks for it). A random model almost never closes the
-string, so neither grammar ends. Every request runs to its max_tokens (min_tokens = max_tokens
-keeps the end token out) without detokenization, so every run makes the same tokens' worth of
-work apart from the grammar's.
+bench.py's presets have no tokenizer, which xgrammar needs: this tool saves a stand-in beside the
+preset's config, a byte-level BPE vocabulary of the model's 151,936 ids (the byte symbols, the
+quote only as '"a', then lowercase words of two to four letters, with and without a leading space,
+then the end tokens), so that the grammar's work per token is what a real vocabulary of that size
+costs. (The tests' 384-token BPE padded to 151,936 ids made each accepted token ~25x dearer:
+xgrammar's cost grows with the number of special ids.) Two grammars (--grammar): a JSON string
+(`{"type": "string"}`: a token that may stand in a JSON string; on the CPU machine xgrammar fills
+256 rows in ~2 ms and accepts a token in ~4 us) and the regex `[a-m ]+` (about a tenth of the
+vocabulary; ~1.1 ms a row, since xgrammar has no cached masks for it). Neither ends: '"a' opens a
+string and cannot close one. Every request runs to its max_tokens (min_tokens = max_tokens keeps
+the end token out) without detokenization, so every run makes the same tokens' worth of work apart
+from the grammar's.
 
     PYTHONPATH=. python3 tests/bench_structured.py [--grammar json-string | regex] [--repeat 2] [--num-seqs 256]
                                                    [--engine vllm]   # the same through vLLM
@@ -45,7 +45,9 @@ GRAMMARS = {"json-string": {"json": {"type": "string"}}, "regex": {"regex": REGE
 def stand_in_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     """A byte-level BPE of vocab_size tokens: byte symbols, lowercase words, three end tokens."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {symbol: i for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    # No token holds a quote but '"a', which may open a JSON string and so cannot close one.
+    symbols = sorted(set(pre_tokenizers.ByteLevel.alphabet()) - {'"'}) + ['"a']
+    vocab = {symbol: i for i, symbol in enumerate(symbols)}
     words = ("".join(letters) for n in (2, 3, 4) for letters in itertools.product(string.ascii_lowercase, repeat=n))
     for word in words:
         for token in (word, "\u0120" + word):             # \u0120: the byte-level symbol of a space
