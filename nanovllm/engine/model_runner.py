@@ -177,8 +177,8 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> int:
         cfg = self.config
         num_blocks = cfg.num_kvcache_blocks
+        block_bytes = kv_cache.block_bytes(self.attention_layers, self.block_size, cfg.kv_cache_torch_dtype)
         if num_blocks is None:
-            block_bytes = kv_cache.block_bytes(self.attention_layers, self.block_size, cfg.kv_cache_torch_dtype)
             if cfg.kv_cache_memory_bytes is not None:
                 budget = cfg.kv_cache_memory_bytes
             elif self.device.type == "cuda":
@@ -195,7 +195,6 @@ class ModelRunner:
                 raise ValueError(f"no memory is left for the KV cache at {setting}; raise it or use a smaller model.")
         memory = None
         if self.arenas is not None:
-            block_bytes = kv_cache.block_bytes(self.attention_layers, self.block_size, cfg.kv_cache_torch_dtype)
             self.arenas["kv_cache"] = Arena(num_blocks * block_bytes, self.device)
             memory = self.arenas["kv_cache"].tensor()
         self.kv_cache = self._make_kv_cache(num_blocks, memory)
