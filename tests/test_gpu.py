@@ -1,6 +1,7 @@
 """GPU correctness: bf16 logprobs close to HF transformers (vLLM's check_logprobs_close), with
 CUDA graphs on and off, prefix caching, chunked prefill and preemption. Skips without CUDA."""
 import functools
+import importlib.util
 import math
 
 import pytest
@@ -319,6 +320,24 @@ def test_structured_outputs_on_gpu(gpu_model_dir):
     assert outs[0].text in ("red", "green", "blue") and re.fullmatch(r"[a-c]{2}-[0-9]{3}", outs[1].text)
     value = json.loads(outs[2].text)
     assert set(value) == {"ok", "n"} and value["n"] in (1, 2, 3)
+
+
+def test_logit_edit_kernels_compile_at_start_up(gpu_model_dir):
+    """The penalty and bitmask kernels get their variants from the sampler's warm-up, so that the
+    first request with penalties or a grammar compiles nothing on an empty Triton cache."""
+    from nanovllm.kernels.triton_logit_edits import _bitmask_kernel, _penalties_kernel
+    kernels = (_penalties_kernel, _bitmask_kernel)
+    for kernel in kernels:   # forgotten by this process (loaded again from Triton's disk cache)
+        kernel.device_caches.clear()
+    variants = lambda: [sum(len(cache[0]) for cache in kernel.device_caches.values()) for kernel in kernels]
+    llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024)
+    assert variants() == [1, 1]
+    sps = [SamplingParams(temperature=0.7, max_tokens=8, presence_penalty=0.5, repetition_penalty=1.2),
+           SamplingParams(temperature=0.0, max_tokens=8, frequency_penalty=0.3)]
+    if importlib.util.find_spec("xgrammar") is not None:
+        sps.append(SamplingParams(temperature=0.7, max_tokens=8, structured_outputs={"regex": "[a-c]+"}))
+    llm.generate(PROMPTS[:len(sps)], sps, use_tqdm=False)
+    assert variants() == [1, 1]
 
 
 @pytest.fixture(scope="module")

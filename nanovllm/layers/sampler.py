@@ -232,19 +232,26 @@ class Sampler:
         """Sample random logits with these top_k (0: none) and top_p at 1 and max_rows rows (with
         a top_k: radix select alone, then the candidate path), so that their kernels are compiled
         now, not inside the first request that uses them (top-k's took ~12 s on a fresh H200
-        machine, ~0.05 s once Triton's cache holds them). The noise generator is left as it was.
-        -> False if there is nothing to compile (the CPU path)."""
+        machine, ~0.05 s once Triton's cache holds them). The first row is also penalised and
+        held to an all-allowing grammar bitmask, for the logit-edit kernels. The noise generator
+        is left as it was. -> False if there is nothing to compile (the CPU path)."""
         if not self.fused:
             return False
         device, state = self.generator.device, self.generator.get_state()
         values = torch.Generator(device=device).manual_seed(0)
         for rows in sorted({1, max_rows}):
-            full = lambda value, kind=None: torch.full((rows,), value, dtype=kind, device=device)
+            full = lambda value, kind=None, n=rows: torch.full((n,), value, dtype=kind, device=device)
             md = SamplingMetadata(temperatures=full(0.6), is_greedy=full(False), all_greedy=False, any_greedy=False,
                                   top_k=full(top_k, torch.int64) if top_k > 0 else None,
                                   max_top_k=top_k if top_k > 0 else None,
                                   top_p=full(top_p) if top_p < 1.0 else None, min_p=None,
-                                  row_seeds=[], banned_rows=None, banned_tokens=None)
+                                  row_seeds=[], banned_rows=None, banned_tokens=None,
+                                  penalty_rows=full(0, torch.int64, 1), presence_penalties=full(0.5, n=1),
+                                  frequency_penalties=full(0.5, n=1), repetition_penalties=full(1.2, n=1),
+                                  penalty_table=torch.zeros(1, vocab_size + 1, dtype=torch.int32, device=device),
+                                  penalty_table_rows=full(0, torch.int64, 1), grammar_rows=full(0, torch.int64, 1),
+                                  grammar_bitmask=torch.full((1, -(-vocab_size // 32)), -1, dtype=torch.int32,
+                                                             device=device))
             self(torch.randn(rows, vocab_size, generator=values, device=device, dtype=dtype), md)
         self.generator.set_state(state)
         return True
