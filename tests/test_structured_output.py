@@ -1,13 +1,14 @@
 """Structured outputs: SamplingParams.structured_outputs held by xgrammar (engine/structured_output.py)."""
 import json
 import re
+import time
 
 import pytest
 import torch
 
 from conftest import watch_overlap
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.structured_output import choice_as_grammar
+from nanovllm.engine.structured_output import BitmaskFiller, choice_as_grammar
 from nanovllm.layers.sampler import apply_token_bitmask
 from nanovllm.sampling_params import StructuredOutputsParams
 
@@ -134,6 +135,36 @@ def test_token_bitmask_sets_other_logits_to_minus_inf():
     apply_token_bitmask(logits, torch.tensor([0, 2]), bitmask)
     finite = [torch.isfinite(row).nonzero().flatten().tolist() for row in logits]
     assert finite == [[0, 2], list(range(70)), [63, 69]]
+
+
+def test_bitmask_filler_takes_every_core_after_a_slow_fill(tokenizer):
+    """A fill longer than SLOW_FILL_S sends the next one to the every-core matcher, a short one
+    back to xgrammar's default; both fill the same bits."""
+    xgr = pytest.importorskip("xgrammar")
+    filler = BitmaskFiller()
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    grammar = xgr.GrammarCompiler(info).compile_regex("[a-m ]+")
+    matchers = [xgr.GrammarMatcher(grammar) for _ in range(3)]
+    masks = {}
+    for every_core, batch in filler.by_cores.items():
+        masks[every_core] = torch.empty(3, -(-len(tokenizer) // 32), dtype=torch.int32)
+        batch.batch_fill_next_token_bitmask(matchers, masks[every_core])
+    assert torch.equal(masks[False], masks[True]) and (masks[True] != -1).any()
+
+    class Timed:   # stands in for a batch matcher whose fill takes `seconds`
+        def __init__(self, every_core: bool, seconds: float):
+            self.every_core, self.seconds = every_core, seconds
+
+        def batch_fill_next_token_bitmask(self, matchers, bitmask):
+            used.append(self.every_core)
+            time.sleep(self.seconds)
+
+    used = []
+    filler.SLOW_FILL_S = 0.05
+    filler.by_cores = {False: Timed(False, 0.1), True: Timed(True, 0.0)}
+    for _ in range(4):
+        filler.fill(matchers, masks[True])
+    assert used == [False, True, False, True]
 
 
 # ---- with a reasoning model: the grammar waits for the end of thinking, as in vLLM ---------

@@ -5,7 +5,7 @@ schema, a regex, one of several strings or an EBNF grammar, by xgrammar, as vLLM
 Each such sequence gets a grammar matcher. Before a step samples for the sequence, the matcher
 reads the tokens the sequence got since the last step; then the batch's matchers fill a bitmask of
 the tokens that may come next (bit j of word w: token 32 w + j), all rows at once on several
-threads. The sampler sets every other logit to -inf before it
+threads (on every core when a fill is slow). The sampler sets every other logit to -inf before it
 takes logprobs, as vLLM's model runner does before its sampler. Once the grammar is complete, only
 a stop token may follow, so the completion ends there. When a reasoning parser is named
 (LLM(reasoning_parser="qwen3")), the grammar starts only after the model's thinking block has
@@ -13,7 +13,9 @@ ended, as in vLLM; structured_outputs_config={"enable_in_reasoning": True} start
 """
 import functools
 import json
+import os
 import re
+import time
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -145,10 +147,29 @@ class GrammarState:
         return not self.matcher.is_terminated()
 
 
+class BitmaskFiller:
+    """Fills many rows' bitmasks at once, with xgrammar's batch matcher: on half the cores
+    (xgrammar's default) while a fill is short enough to hide under the step's forward pass on the
+    GPU, and on every core after a fill that took longer than SLOW_FILL_S. Each thread count loses
+    where the other wins (default workload held to a grammar, H200 machine of 16 cores): every core
+    makes a JSON string's run (a fill of microseconds a row) 0.2-0.6 s slower, and a regex's (~1 ms
+    a row, as xgrammar has no cached masks for it) 4-8 s faster (docs/perf_notes.md row 73)."""
+    SLOW_FILL_S = 0.005
+
+    def __init__(self):
+        xgr = import_xgrammar()
+        self.by_cores = {False: xgr.BatchGrammarMatcher(), True: xgr.BatchGrammarMatcher(os.cpu_count() or 1)}
+        self.last_fill_s = 0.0
+
+    def fill(self, matchers: list, bitmask: torch.Tensor):
+        start = time.perf_counter()
+        self.by_cores[self.last_fill_s > self.SLOW_FILL_S].batch_fill_next_token_bitmask(matchers, bitmask)
+        self.last_fill_s = time.perf_counter() - start
+
+
 @functools.cache
-def batch_matcher():
-    """Fills many rows' bitmasks at once, on several threads."""
-    return import_xgrammar().BatchGrammarMatcher()
+def bitmask_filler() -> BitmaskFiller:
+    return BitmaskFiller()
 
 
 def grammar_bitmask(seqs: list, vocab_size: int, pin_memory: bool = False) -> tuple[np.ndarray, torch.Tensor] | None:
@@ -160,5 +181,5 @@ def grammar_bitmask(seqs: list, vocab_size: int, pin_memory: bool = False) -> tu
     if not rows:
         return None
     bitmask = torch.empty(len(rows), -(-vocab_size // 32), dtype=torch.int32, pin_memory=pin_memory)
-    batch_matcher().batch_fill_next_token_bitmask([seqs[i].grammar.matcher for i in rows], bitmask)
+    bitmask_filler().fill([seqs[i].grammar.matcher for i in rows], bitmask)
     return np.asarray(rows, np.int64), bitmask
