@@ -239,19 +239,19 @@ class Sampler:
             return False
         device, state = self.generator.device, self.generator.get_state()
         values = torch.Generator(device=device).manual_seed(0)
+        one = lambda value, kind=None: torch.full((1,), value, dtype=kind, device=device)
+        edits = dict(penalty_rows=one(0, torch.int64), penalty_table_rows=one(0, torch.int64),
+                     penalty_table=torch.zeros(1, vocab_size + 1, dtype=torch.int32, device=device),
+                     presence_penalties=one(0.5), frequency_penalties=one(0.5), repetition_penalties=one(1.2),
+                     grammar_rows=one(0, torch.int64),
+                     grammar_bitmask=torch.full((1, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device))
         for rows in sorted({1, max_rows}):
-            full = lambda value, kind=None, n=rows: torch.full((n,), value, dtype=kind, device=device)
+            full = lambda value, kind=None: torch.full((rows,), value, dtype=kind, device=device)
             md = SamplingMetadata(temperatures=full(0.6), is_greedy=full(False), all_greedy=False, any_greedy=False,
                                   top_k=full(top_k, torch.int64) if top_k > 0 else None,
                                   max_top_k=top_k if top_k > 0 else None,
                                   top_p=full(top_p) if top_p < 1.0 else None, min_p=None,
-                                  row_seeds=[], banned_rows=None, banned_tokens=None,
-                                  penalty_rows=full(0, torch.int64, 1), presence_penalties=full(0.5, n=1),
-                                  frequency_penalties=full(0.5, n=1), repetition_penalties=full(1.2, n=1),
-                                  penalty_table=torch.zeros(1, vocab_size + 1, dtype=torch.int32, device=device),
-                                  penalty_table_rows=full(0, torch.int64, 1), grammar_rows=full(0, torch.int64, 1),
-                                  grammar_bitmask=torch.full((1, -(-vocab_size // 32)), -1, dtype=torch.int32,
-                                                             device=device))
+                                  row_seeds=[], banned_rows=None, banned_tokens=None, **edits)
             self(torch.randn(rows, vocab_size, generator=values, device=device, dtype=dtype), md)
         self.generator.set_state(state)
         return True
