@@ -20,6 +20,7 @@ from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sleep import SLEEP_TAGS, ArenaMemory, Hibernation, Storages
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import HostBatch, StepInputs, build_step, mixed_step_decodes, prompt_spans
+from nanovllm.engine.structured_output import BitmaskFiller
 from nanovllm.engine.upload import upload
 from nanovllm.kernels import compile_ahead
 from nanovllm.layers.attention import Attention, AttentionMetadata, MixedDecodes, select_backend
@@ -90,6 +91,7 @@ class ModelRunner:
                         if self.device.type == "cuda" else 1)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed)) if tp.rank == 0 else None
         self.penalty_counts = PenaltyCounts(self.vocab_size, self.device) if tp.rank == 0 else None
+        self.bitmask_filler = BitmaskFiller() if tp.rank == 0 else None
         self.last_sampled: torch.Tensor | None = None   # the latest step's sampled token ids, on the device
 
         start = time.perf_counter()
@@ -287,7 +289,8 @@ class ModelRunner:
         return input_ids, positions, meta
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
-        return build_sampling_metadata(seqs, self.vocab_size, self.eos_token_ids, self.device, self.penalty_counts)
+        return build_sampling_metadata(seqs, self.vocab_size, self.eos_token_ids, self.device, self.penalty_counts,
+                                       self.bitmask_filler)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, sampling_seqs: list[Sequence], pending: dict[int, int] | None = None,

@@ -6,18 +6,20 @@ import torch
 
 from nanovllm.engine.penalty_counts import PenaltyCounts
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.structured_output import grammar_bitmask
+from nanovllm.engine.structured_output import BitmaskFiller, grammar_bitmask
 from nanovllm.engine.upload import upload
 from nanovllm.layers.sampler import SamplingMetadata
 from nanovllm.utils.arrays import padded
 
 
 def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int],
-                            device: torch.device, counts: PenaltyCounts | None = None) -> SamplingMetadata:
+                            device: torch.device, counts: PenaltyCounts | None = None,
+                            filler: BitmaskFiller | None = None) -> SamplingMetadata:
     """One row per sequence. Optional parts stay None when no row uses them. The parts are built
     as host arrays and moved to the sampler's device in one copy, without a sync. counts: the
-    penalised sequences' token counts on the device (needed when a row has penalties)."""
-    md = host_sampling_metadata(seqs, vocab_size, eos_token_ids, counts, pin_memory=device.type == "cuda")
+    penalised sequences' token counts on the device (needed when a row has penalties); filler:
+    what fills the grammar bitmasks (needed when a row is held to a grammar)."""
+    md = host_sampling_metadata(seqs, vocab_size, eos_token_ids, counts, filler, pin_memory=device.type == "cuda")
     names = [f.name for f in fields(md) if isinstance(getattr(md, f.name), np.ndarray)]
     for name, tensor in zip(names, upload([getattr(md, name) for name in names], device)):
         setattr(md, name, tensor)
@@ -27,7 +29,8 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids
 
 
 def host_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int],
-                           counts: PenaltyCounts | None = None, pin_memory: bool = False) -> SamplingMetadata:
+                           counts: PenaltyCounts | None = None, filler: BitmaskFiller | None = None,
+                           pin_memory: bool = False) -> SamplingMetadata:
     """SamplingMetadata with numpy arrays where the sampler takes tensors, but for the grammar
     bitmask: a host tensor (pinned if pin_memory), which xgrammar fills in place."""
     params = [seq.sampling_params for seq in seqs]
@@ -96,7 +99,7 @@ def host_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids:
     if forced:
         rows, tokens = zip(*forced)
         md.forced_rows, md.forced_tokens = np.asarray(rows, np.int64), np.asarray(tokens, np.int64)
-    constrained = grammar_bitmask(seqs, vocab, pin_memory)
+    constrained = grammar_bitmask(seqs, vocab, filler, pin_memory)
     if constrained is not None:
         md.grammar_rows, md.grammar_bitmask = constrained
     num_logprobs = [p.num_logprobs for p in params if p.num_logprobs is not None]

@@ -157,9 +157,13 @@ class BitmaskFiller:
     SLOW_FILL_S = 0.005
 
     def __init__(self):
-        xgr = import_xgrammar()
-        self.by_cores = {False: xgr.BatchGrammarMatcher(), True: xgr.BatchGrammarMatcher(os.cpu_count() or 1)}
         self.last_fill_s = 0.0
+
+    @functools.cached_property
+    def by_cores(self) -> dict:
+        """every core? -> xgrammar's batch matcher (made at the first fill: xgrammar is optional)"""
+        xgr = import_xgrammar()
+        return {False: xgr.BatchGrammarMatcher(), True: xgr.BatchGrammarMatcher(os.cpu_count() or 1)}
 
     def fill(self, matchers: list, bitmask: torch.Tensor):
         start = time.perf_counter()
@@ -167,12 +171,8 @@ class BitmaskFiller:
         self.last_fill_s = time.perf_counter() - start
 
 
-@functools.cache
-def bitmask_filler() -> BitmaskFiller:
-    return BitmaskFiller()
-
-
-def grammar_bitmask(seqs: list, vocab_size: int, pin_memory: bool = False) -> tuple[np.ndarray, torch.Tensor] | None:
+def grammar_bitmask(seqs: list, vocab_size: int, filler: BitmaskFiller | None,
+                    pin_memory: bool = False) -> tuple[np.ndarray, torch.Tensor] | None:
     """For the sequences whose grammar (seq.grammar) constrains their next token -> (their rows,
     their bitmasks [rows, ceil(vocab_size / 32)] int32, in pinned memory if pin_memory), None if
     there are none. (xgrammar writes whole rows: the tensor needs no initial value.)"""
@@ -181,5 +181,6 @@ def grammar_bitmask(seqs: list, vocab_size: int, pin_memory: bool = False) -> tu
     if not rows:
         return None
     bitmask = torch.empty(len(rows), -(-vocab_size // 32), dtype=torch.int32, pin_memory=pin_memory)
-    bitmask_filler().fill([seqs[i].grammar.matcher for i in rows], bitmask)
+    assert filler is not None, "sequences held to grammars, but no bitmask filler"
+    filler.fill([seqs[i].grammar.matcher for i in rows], bitmask)
     return np.asarray(rows, np.int64), bitmask
