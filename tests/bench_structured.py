@@ -15,7 +15,9 @@ xgrammar's cost grows with the number of special ids.) Two grammars (--grammar):
 vocabulary; ~1.1 ms a row, since xgrammar has no cached masks for it). Neither ends: '"a' opens a
 string and cannot close one. Every request runs to its max_tokens (min_tokens = max_tokens keeps
 the end token out) without detokenization, so every run makes the same tokens' worth of work apart
-from the grammar's.
+from the grammar's. Each timed run starts from an empty prefix cache, as in bench.py (the figures
+in docs/benchmarks.md before 2026-12-03's twenty-second session are from runs that, but for the
+first, found their prompts cached: ~0.1-0.3 s less, in either engine).
 
     PYTHONPATH=. python3 tests/bench_structured.py [--grammar json-string | regex] [--repeat 2] [--num-seqs 256]
                                                    [--engine vllm]   # the same through vLLM
@@ -113,6 +115,7 @@ def main():
         llm.generate(inputs[:32], params(kind, [(4, 0.6)] * 32), use_tqdm=False)
     for run in range(1, args.repeat + 1):
         for kind in kinds:
+            llm.reset_prefix_cache()   # every run prefills its prompts (they are the same in each)
             start = time.perf_counter()
             outs = llm.generate(inputs, params(kind), use_tqdm=False)
             elapsed = time.perf_counter() - start
