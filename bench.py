@@ -27,14 +27,19 @@ PRESETS = {
                        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "qwen3-30b-a3b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, tie_word_embeddings=False, num_experts=128,
+                          num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
 }
 
 
 def preset_dir(name: str) -> str:
-    from transformers import Qwen3Config
-    config = Qwen3Config(vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
-                         rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645, dtype="bfloat16",
-                         architectures=["Qwen3ForCausalLM"], **PRESETS[name])
+    from transformers import Qwen3Config, Qwen3MoeConfig
+    moe = "num_experts" in PRESETS[name]
+    config = (Qwen3MoeConfig if moe else Qwen3Config)(
+        vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        bos_token_id=151643, eos_token_id=151645, dtype="bfloat16",
+        architectures=["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"], **PRESETS[name])
     path = os.path.join(tempfile.gettempdir(), f"nanovllm-preset-{name}")
     config.save_pretrained(path)
     return path

@@ -372,11 +372,14 @@ def test_llama_logprobs_close_to_hf(gpu_llama_dir):
     assert our_gap <= 1.5 * hf_gap
 
 
-def test_qwen3_moe_logprobs_close_to_hf(tmp_path_factory, tokenizer):
-    """Qwen3-MoE runs eagerly (its experts are grouped on the host), MoE and dense layers mixed."""
-    path = build_model_dir(tmp_path_factory.mktemp("moe_gpu"), "qwen3_moe", tokenizer, seed=1, **SIZES)
-    llm = LLM(path, dtype="bfloat16", max_model_len=1024)
-    assert llm.llm_engine.model_runner.graphs is None
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_moe_logprobs_close_to_hf(tmp_path_factory, tokenizer, arch, enforce_eager):
+    """MoE models through the grouped-GEMM kernels (kernels/triton_moe.py), in the decode graphs
+    and eagerly: Qwen3-MoE with MoE and dense layers mixed, Qwen2-MoE with its shared expert."""
+    path = build_model_dir(tmp_path_factory.mktemp(f"{arch}_gpu"), arch, tokenizer, seed=1, **SIZES)
+    llm = LLM(path, dtype="bfloat16", max_model_len=1024, enforce_eager=enforce_eager)
+    assert (llm.llm_engine.model_runner.graphs is None) == enforce_eager
     ours, _ = run(llm)
     assert check_logprobs_close(ours, hf_reference(path)) >= len(PROMPTS) // 2
 

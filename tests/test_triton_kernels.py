@@ -708,3 +708,26 @@ def test_gumbel_argmax_noise_depends_only_on_the_seed():
     assert sample_fused(logits, temps, sampled, seeds).tolist() == full.tolist()
     other = sample_fused(logits, temps, sampled, seeds + 1)
     assert other.tolist() != full.tolist()
+
+
+# ---- mixture of experts (kernels/triton_moe.py) against the per-expert loop of layers/moe.py ----
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, hidden, intermediate",
+                         [(1, 8, 2, 64, 32), (5, 4, 1, 48, 40), (37, 8, 3, 80, 24), (300, 6, 2, 64, 32)])
+def test_fused_experts_equal_the_per_expert_loop(num_tokens, num_experts, top_k, hidden, intermediate):
+    """Odd sizes (hidden and intermediate not multiples of the tiles), experts left unused (1 token),
+    and blocks of 16, 32 and 64 rows (block_m_for: 300 x 2 over 6 experts is 100 rows each)."""
+    from nanovllm.distributed import SINGLE
+    from nanovllm.kernels.triton_moe import fused_experts
+    from nanovllm.layers.moe import Experts, route
+    gen = torch.Generator().manual_seed(num_tokens)
+    experts = Experts(num_experts, hidden, intermediate, SINGLE)
+    experts.w13.data = torch.randn(num_experts, 2 * intermediate, hidden, generator=gen) / hidden ** 0.5
+    experts.w2.data = torch.randn(num_experts, hidden, intermediate, generator=gen) / intermediate ** 0.5
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    weights, ids = route(torch.randn(num_tokens, num_experts, generator=gen), top_k, renormalize=False)
+    ref = experts(x, weights, ids)                       # on the CPU: the loop
+    dev = dict(device=DEVICE, dtype=DTYPE)
+    out = fused_experts(x.to(**dev), experts.w13.to(**dev), experts.w2.to(**dev), weights.to(DEVICE), ids.to(DEVICE))
+    assert out.shape == ref.shape and out.dtype == DTYPE
+    assert rel_err(out.cpu(), ref) < TOL

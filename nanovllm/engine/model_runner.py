@@ -98,8 +98,7 @@ class ModelRunner:
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.timings["kv_cache_s"] = time.perf_counter() - start
         self.graphs = None
-        if (self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs
-                and self.model.supports_cuda_graphs):
+        if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
             start = time.perf_counter()
             self.graphs = self._capture_graphs()
             self.timings["cuda_graphs_s"] = time.perf_counter() - start

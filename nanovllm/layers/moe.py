@@ -6,10 +6,10 @@ The experts' weights are stacked, [num_experts, ...], and split Megatron-style a
 tensor-parallel ranks like the dense MLP: each rank holds a slice of every expert's
 intermediate features, and the partial outputs are summed with one all-reduce.
 
-Each step reads the list of experts it uses on the host and gathers each expert's tokens with
-`nonzero`: shapes that depend on the data, so a step with MoE layers cannot be captured in a
-CUDA graph and the model runner runs such models eagerly. A fused, graph-safe MoE kernel is
-future work.
+On the GPU the experts run as two grouped GEMMs over the tokens sorted by expert, in shapes that
+depend only on the number of tokens (kernels/triton_moe.py), so MoE models are captured in CUDA
+graphs like dense ones. On the CPU each expert used gathers its tokens with `nonzero` (shapes
+that depend on the data): the plain-torch reference of the kernels.
 """
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,9 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden]; weights, ids: [T, top_k] -> [T, hidden]."""
+        if x.is_cuda:
+            from nanovllm.kernels.triton_moe import fused_experts
+            return self.tp.all_reduce(fused_experts(x, self.w13, self.w2, weights, ids))
         out = torch.zeros_like(x)
         for expert in ids.unique().tolist():
             tokens, slot = (ids == expert).nonzero(as_tuple=True)

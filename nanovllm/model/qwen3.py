@@ -125,8 +125,6 @@ class QwenForCausalLM(nn.Module):
         """tp: this rank's tensor-parallel group; each rank holds its shard of every layer."""
         super().__init__()
         self.model = QwenModel(config, tp)
-        # MoE layers group tokens by expert on the host: no CUDA graphs (layers/moe.py).
-        self.supports_cuda_graphs = not any(isinstance(layer.mlp, SparseMoeBlock) for layer in self.model.layers)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

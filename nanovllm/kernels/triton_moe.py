@@ -1,0 +1,117 @@
+"""The experts of a mixture-of-experts layer on the GPU, in shapes that depend only on the number
+of tokens, so that a step with MoE layers can be captured in a CUDA graph. Its reference is the
+per-expert loop of layers/moe.py (`Experts.forward` on the CPU).
+
+Each (token, choice) pair is an assignment: num_tokens x top_k of them, numbered token-major
+(assignment a = token * top_k + choice). `group_by_expert` sorts them by expert with fixed-shape
+torch ops (no host sync) and pads each expert's run to whole blocks of block_m rows:
+
+    sorted_ids:    | e0 e0 e0 pad | e1 pad pad pad | e3 e3 e3 e3 | e3 pad pad pad | pad ... |
+    block_expert:  |      0       |       1       |      3      |       3        | E ...   |
+
+(pad: the id num_assignments; block_expert E: a block past the last used one.) There are at most
+cdiv(num_assignments, block_m) + min(num_experts, num_assignments) blocks; the grid covers that
+many and the blocks past the end return at once.
+
+`moe_product` is then one grouped GEMM: a program takes one block of rows, all of one expert, and
+block_n output features; it gathers its rows of the input (token rows for the first product,
+assignment rows for the second) and multiplies them by that expert's weight. The gate | up
+product, SiLU x up (kernels/triton_fused.py) and the down product scaled by the routing weights
+give one output row per assignment; a token's output is the sum of its top_k rows.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.compile_ahead import launch
+from nanovllm.kernels.triton_fused import silu_and_mul
+
+BLOCK_N, BLOCK_K = 64, 64
+
+
+def block_m_for(num_assignments: int, num_experts: int) -> int:
+    """Rows per block: the MMA's smallest width when experts get a few rows each (decode), more
+    when they get many (prompts), so that each expert's weight tile serves more rows."""
+    per_expert = num_assignments / num_experts
+    return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids: [num_tokens, top_k] expert ids -> (sorted_ids [num_blocks * block_m] int32,
+    block_expert [num_blocks] int32), as drawn in the module docstring."""
+    flat = ids.flatten()                                                   # [A] expert of each assignment
+    num_assignments = flat.numel()
+    num_blocks = triton.cdiv(num_assignments, block_m) + min(num_experts, num_assignments)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))                    # [E] assignments per expert
+    blocks = (counts + block_m - 1) // block_m                             # [E] blocks per expert
+    block_end = blocks.cumsum(0)
+    order = flat.argsort(stable=True)                                      # assignments, by expert
+    expert = flat[order]
+    rank = torch.arange(num_assignments, device=ids.device) - (counts.cumsum(0) - counts)[expert]
+    padded_pos = (block_end - blocks)[expert] * block_m + rank             # where each goes in sorted_ids
+    sorted_ids = torch.full((num_blocks * block_m,), num_assignments, dtype=torch.int32, device=ids.device)
+    sorted_ids[padded_pos] = order.to(torch.int32)
+    # Block b belongs to the first expert whose blocks end after b (E past the last used block).
+    block_expert = torch.searchsorted(block_end, torch.arange(num_blocks, device=ids.device), right=True)
+    return sorted_ids, block_expert.to(torch.int32)
+
+
+@triton.jit
+def _moe_product_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, scale_ptr, N, K, num_assignments,
+                        stride_x, stride_we, stride_wn, stride_o, NUM_EXPERTS: tl.constexpr,
+                        ROWS_PER_X: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    block, n_block = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= NUM_EXPERTS:      # past the last used block
+        return
+    ids = tl.load(sorted_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))   # [BLOCK_M] assignments
+    is_row = ids < num_assignments
+    rows = ids // ROWS_PER_X       # x's row of each: its token (ROWS_PER_X = top_k) or itself (1)
+    offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_x + offs_k[None, :]                         # [M, K]
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [K, N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k
+        x = tl.load(x_ptrs, mask=is_row[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(x, w, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if SCALED:                     # by each assignment's routing weight
+        acc *= tl.load(scale_ptr + ids, mask=is_row, other=0.0)[:, None]
+    out_ptrs = out_ptr + ids[:, None].to(tl.int64) * stride_o + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=is_row[:, None] & n_ok[None, :])
+
+
+def moe_product(x: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
+                num_assignments: int, rows_per_x: int, block_m: int,
+                scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [num_assignments // rows_per_x, K]; w: [num_experts, N, K] -> [num_assignments, N], row a
+    = x[a // rows_per_x] @ w[expert of a].T (times scale[a] if given)."""
+    num_experts, n, k = w.shape
+    assert x.shape[1] == k and x.stride(1) == 1 and w.stride(2) == 1
+    out = torch.empty(num_assignments, n, dtype=x.dtype, device=x.device)
+    launch(_moe_product_kernel, (block_expert.numel(), triton.cdiv(n, BLOCK_N)),
+           x, w, out, sorted_ids, block_expert, scale if scale is not None else out, n, k, num_assignments,
+           x.stride(0), w.stride(0), w.stride(1), out.stride(0), NUM_EXPERTS=num_experts, ROWS_PER_X=rows_per_x,
+           SCALED=scale is not None, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    return out
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor) -> torch.Tensor:
+    """x: [T, hidden]; w13: [E, 2 I, hidden] (gate | up rows); w2: [E, hidden, I]; weights, ids:
+    [T, top_k] -> [T, hidden]: sum over a token's choices of weight x down(silu(gate) * up)."""
+    num_tokens, top_k = ids.shape
+    num_assignments = num_tokens * top_k
+    block_m = block_m_for(num_assignments, w13.shape[0])
+    sorted_ids, block_expert = group_by_expert(ids, w13.shape[0], block_m)
+    gate_up = moe_product(x, w13, sorted_ids, block_expert, num_assignments, top_k, block_m)   # [A, 2 I]
+    down = moe_product(silu_and_mul(gate_up), w2, sorted_ids, block_expert, num_assignments, 1, block_m,
+                       scale=weights.flatten().float())                                       # [A, hidden]
+    return down.view(num_tokens, top_k, -1).sum(1, dtype=torch.float32).to(x.dtype)
