@@ -731,3 +731,21 @@ def test_fused_experts_equal_the_per_expert_loop(num_tokens, num_experts, top_k,
     out = fused_experts(x.to(**dev), experts.w13.to(**dev), experts.w2.to(**dev), weights.to(DEVICE), ids.to(DEVICE))
     assert out.shape == ref.shape and out.dtype == DTYPE
     assert rel_err(out.cpu(), ref) < TOL
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, block_m",
+                         [(1, 8, 2, 16), (3, 5, 2, 2), (37, 8, 3, 16), (300, 6, 2, 64), (64, 128, 8, 16)])
+def test_grouping_kernels_place_what_the_torch_grouping_places(num_tokens, num_experts, top_k, block_m):
+    """The same blocks, experts and padding rows; within an expert's run the order is the order the
+    atomic adds landed in, so each run is compared as a set."""
+    from nanovllm.kernels.triton_moe import group_by_expert, group_by_expert_torch
+    gen = torch.Generator().manual_seed(num_tokens)
+    ids = torch.rand(num_tokens, num_experts, generator=gen).topk(top_k, -1).indices
+    ref_ids, ref_experts = group_by_expert_torch(ids, num_experts, block_m)
+    sorted_ids, block_expert = (t.cpu() for t in group_by_expert(ids.to(DEVICE), num_experts, block_m))
+    assert torch.equal(block_expert, ref_experts)
+    num_assignments = ids.numel()
+    assert torch.equal(sorted_ids == num_assignments, ref_ids == num_assignments)
+    runs = ref_experts.repeat_interleave(block_m)
+    for expert in range(num_experts):
+        assert sorted_ids[runs == expert].sort().values.tolist() == ref_ids[runs == expert].tolist()

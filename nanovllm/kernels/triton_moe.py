@@ -3,15 +3,19 @@ of tokens, so that a step with MoE layers can be captured in a CUDA graph. Its r
 per-expert loop of layers/moe.py (`Experts.forward` on the CPU).
 
 Each (token, choice) pair is an assignment: num_tokens x top_k of them, numbered token-major
-(assignment a = token * top_k + choice). `group_by_expert` sorts them by expert with fixed-shape
-torch ops (no host sync) and pads each expert's run to whole blocks of block_m rows:
+(assignment a = token * top_k + choice). `group_by_expert` groups them by expert (no host sync)
+and pads each expert's run to whole blocks of block_m rows:
 
     sorted_ids:    | e0 e0 e0 pad | e1 pad pad pad | e3 e3 e3 e3 | e3 pad pad pad | pad ... |
     block_expert:  |      0       |       1       |      3      |       3        | E ...   |
 
 (pad: the id num_assignments; block_expert E: a block past the last used one.) There are at most
 cdiv(num_assignments, block_m) + min(num_experts, num_assignments) blocks; the grid covers that
-many and the blocks past the end return at once.
+many and the blocks past the end return at once. Two small kernels do the grouping: one counts
+each expert's assignments with atomic adds (each add's old value is the assignment's place in its
+expert's run, so the order within a run is the order the adds land in, which does not change any
+product), the other places every assignment and the padding. `group_by_expert_torch` is their
+plain-torch reference, in fixed-shape torch ops (~25 kernels), with each run in assignment order.
 
 `moe_product` is then one grouped GEMM: a program takes one block of rows, all of one expert, and
 block_n output features; it gathers its rows of the input (token rows for the first product,
@@ -36,12 +40,79 @@ def block_m_for(num_assignments: int, num_experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
 
 
+def num_blocks_for(num_assignments: int, num_experts: int, block_m: int) -> int:
+    return triton.cdiv(num_assignments, block_m) + min(num_experts, num_assignments)
+
+
+GROUP_CHUNK = 32   # assignments (or blocks) a program of the grouping kernels takes at once
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, rank_ptr, num_assignments, CHUNK: tl.constexpr):
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    ok = offs < num_assignments
+    expert = tl.load(ids_ptr + offs, mask=ok, other=0)
+    rank = tl.atomic_add(counts_ptr + expert, 1, mask=ok, sem="relaxed")   # its place in its expert's run
+    tl.store(rank_ptr + offs, rank, mask=ok)
+
+
+@triton.jit
+def _place_kernel(ids_ptr, counts_ptr, rank_ptr, sorted_ids_ptr, block_expert_ptr, num_assignments, num_blocks,
+                  NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """Programs 0 .. n-2 place a chunk of assignments each; the last one writes the padding rows
+    and every block's expert (the two sets of rows are disjoint: no order between programs)."""
+    experts = tl.arange(0, EXPERTS)
+    counts = tl.load(counts_ptr + experts, mask=experts < NUM_EXPERTS, other=0)   # [EXPERTS]
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, 0)
+    block_first = block_end - blocks
+    if tl.program_id(0) < tl.num_programs(0) - 1:
+        offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+        ok = offs < num_assignments
+        expert = tl.load(ids_ptr + offs, mask=ok, other=0)
+        rank = tl.load(rank_ptr + offs, mask=ok, other=0)
+        first = tl.sum(tl.where(expert[:, None] == experts[None, :], block_first[None, :], 0), 1)
+        tl.store(sorted_ids_ptr + first * BLOCK_M + rank, offs, mask=ok)
+    else:
+        row = tl.arange(0, BLOCK_M)
+        # the rows after each expert's run, in its last block
+        used_in_last = counts - (blocks - 1) * BLOCK_M
+        pad = (blocks[:, None] > 0) & (row[None, :] >= used_in_last[:, None])
+        tl.store(sorted_ids_ptr + (block_end - 1)[:, None] * BLOCK_M + row[None, :], num_assignments, mask=pad)
+        total = tl.sum(blocks, 0)
+        for start in range(0, num_blocks, CHUNK):
+            block = start + tl.arange(0, CHUNK)
+            in_grid = block < num_blocks
+            owner = tl.sum((block_end[None, :] <= block[:, None]).to(tl.int32), 1)
+            tl.store(block_expert_ptr + block, tl.minimum(owner, NUM_EXPERTS), mask=in_grid)
+            unused = (block >= total) & in_grid                                 # blocks past the last used one
+            tl.store(sorted_ids_ptr + block[:, None] * BLOCK_M + row[None, :], num_assignments, mask=unused[:, None])
+
+
 def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ids: [num_tokens, top_k] expert ids -> (sorted_ids [num_blocks * block_m] int32,
     block_expert [num_blocks] int32), as drawn in the module docstring."""
+    flat = ids.flatten()
+    num_assignments = flat.numel()
+    num_blocks = num_blocks_for(num_assignments, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
+    rank = torch.empty(num_assignments, dtype=torch.int32, device=ids.device)
+    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
+    chunks = triton.cdiv(num_assignments, GROUP_CHUNK)
+    launch(_count_kernel, (chunks,), flat, counts, rank, num_assignments, CHUNK=GROUP_CHUNK)
+    launch(_place_kernel, (chunks + 1,), flat, counts, rank, sorted_ids, block_expert, num_assignments, num_blocks,
+           NUM_EXPERTS=num_experts, EXPERTS=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
+           CHUNK=GROUP_CHUNK)
+    return sorted_ids, block_expert
+
+
+def group_by_expert_torch(ids: torch.Tensor, num_experts: int,
+                          block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """group_by_expert in plain torch, each expert's run in assignment order."""
     flat = ids.flatten()                                                   # [A] expert of each assignment
     num_assignments = flat.numel()
-    num_blocks = triton.cdiv(num_assignments, block_m) + min(num_experts, num_assignments)
+    num_blocks = num_blocks_for(num_assignments, num_experts, block_m)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))                    # [E] assignments per expert
     blocks = (counts + block_m - 1) // block_m                             # [E] blocks per expert
