@@ -712,14 +712,19 @@ def test_gumbel_argmax_noise_depends_only_on_the_seed():
 
 # ---- mixture of experts (kernels/triton_moe.py) against the per-expert loop of layers/moe.py ----
 
+@pytest.mark.parametrize("grouping", ["torch", "triton"])
 @pytest.mark.parametrize("num_tokens, num_experts, top_k, hidden, intermediate",
                          [(1, 8, 2, 64, 32), (5, 4, 1, 48, 40), (37, 8, 3, 80, 24), (300, 6, 2, 64, 32)])
-def test_fused_experts_equal_the_per_expert_loop(num_tokens, num_experts, top_k, hidden, intermediate):
+def test_fused_experts_equal_the_per_expert_loop(num_tokens, num_experts, top_k, hidden, intermediate, grouping,
+                                                 monkeypatch):
     """Odd sizes (hidden and intermediate not multiples of the tiles), experts left unused (1 token),
-    and blocks of 16, 32 and 64 rows (block_m_for: 300 x 2 over 6 experts is 100 rows each)."""
+    and blocks of 16, 32 and 64 rows (block_m_for: 300 x 2 over 6 experts is 100 rows each); with
+    either grouping (NANOVLLM_MOE_GROUPING)."""
     from nanovllm.distributed import SINGLE
+    from nanovllm.kernels import triton_moe
     from nanovllm.kernels.triton_moe import fused_experts
     from nanovllm.layers.moe import Experts, route
+    monkeypatch.setattr(triton_moe, "triton_grouping", lambda: grouping == "triton")
     gen = torch.Generator().manual_seed(num_tokens)
     experts = Experts(num_experts, hidden, intermediate, SINGLE)
     experts.w13.data = torch.randn(num_experts, 2 * intermediate, hidden, generator=gen) / hidden ** 0.5

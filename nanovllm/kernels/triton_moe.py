@@ -16,6 +16,8 @@ each expert's assignments with atomic adds (each add's old value is the assignme
 expert's run, so the order within a run is the order the adds land in, which does not change any
 product), the other places every assignment and the padding. `group_by_expert_torch` is their
 plain-torch reference, in fixed-shape torch ops (~25 kernels), with each run in assignment order.
+The engine takes the torch grouping unless NANOVLLM_MOE_GROUPING=triton, until the kernels have
+been measured on a GPU (docs/perf_notes.md row 75).
 
 `moe_product` is then one grouped GEMM: a program takes one block of rows, all of one expert, and
 block_n output features; it gathers its rows of the input (token rows for the first product,
@@ -23,6 +25,9 @@ assignment rows for the second) and multiplies them by that expert's weight. The
 product, SiLU x up (kernels/triton_fused.py) and the down product scaled by the routing weights
 give one output row per assignment; a token's output is the sum of its top_k rows.
 """
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -107,6 +112,11 @@ def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     return sorted_ids, block_expert
 
 
+@functools.cache
+def triton_grouping() -> bool:
+    return os.environ.get("NANOVLLM_MOE_GROUPING") == "triton"
+
+
 def group_by_expert_torch(ids: torch.Tensor, num_experts: int,
                           block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """group_by_expert in plain torch, each expert's run in assignment order."""
@@ -181,7 +191,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     num_tokens, top_k = ids.shape
     num_assignments = num_tokens * top_k
     block_m = block_m_for(num_assignments, w13.shape[0])
-    sorted_ids, block_expert = group_by_expert(ids, w13.shape[0], block_m)
+    grouping = group_by_expert if triton_grouping() else group_by_expert_torch
+    sorted_ids, block_expert = grouping(ids, w13.shape[0], block_m)
     gate_up = moe_product(x, w13, sorted_ids, block_expert, num_assignments, top_k, block_m)   # [A, 2 I]
     down = moe_product(silu_and_mul(gate_up), w2, sorted_ids, block_expert, num_assignments, 1, block_m,
                        scale=weights.flatten().float())                                       # [A, hidden]
