@@ -112,11 +112,6 @@ def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     return sorted_ids, block_expert
 
 
-@functools.cache
-def triton_grouping() -> bool:
-    return os.environ.get("NANOVLLM_MOE_GROUPING") == "triton"
-
-
 def group_by_expert_torch(ids: torch.Tensor, num_experts: int,
                           block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """group_by_expert in plain torch, each expert's run in assignment order."""
@@ -182,6 +177,11 @@ def moe_product(x: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, bloc
            x.stride(0), w.stride(0), w.stride(1), out.stride(0), NUM_EXPERTS=num_experts, ROWS_PER_X=rows_per_x,
            SCALED=scale is not None, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     return out
+
+
+@functools.cache
+def triton_grouping() -> bool:
+    return os.environ.get("NANOVLLM_MOE_GROUPING") == "triton"
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
