@@ -712,30 +712,57 @@ def test_gumbel_argmax_noise_depends_only_on_the_seed():
 
 # ---- mixture of experts (kernels/triton_moe.py) against the per-expert loop of layers/moe.py ----
 
-@pytest.mark.parametrize("grouping", ["torch", "triton"])
-@pytest.mark.parametrize("num_tokens, num_experts, top_k, hidden, intermediate",
-                         [(1, 8, 2, 64, 32), (5, 4, 1, 48, 40), (37, 8, 3, 80, 24), (300, 6, 2, 64, 32)])
-def test_fused_experts_equal_the_per_expert_loop(num_tokens, num_experts, top_k, hidden, intermediate, grouping,
-                                                 monkeypatch):
+@pytest.mark.parametrize("entry", ["fused_experts", "fused_moe"])
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, hidden, intermediate, renormalize",
+                         [(1, 8, 2, 64, 32, False), (5, 4, 1, 48, 40, True), (37, 8, 3, 80, 24, True),
+                          (300, 6, 2, 64, 32, False)])
+def test_moe_kernels_equal_the_per_expert_loop(num_tokens, num_experts, top_k, hidden, intermediate, renormalize,
+                                               entry):
     """Odd sizes (hidden and intermediate not multiples of the tiles), experts left unused (1 token),
-    and blocks of 16, 32 and 64 rows (block_m_for: 300 x 2 over 6 experts is 100 rows each); with
-    either grouping (NANOVLLM_MOE_GROUPING)."""
+    and blocks of 16, 32 and 64 rows (block_m_for: 300 x 2 over 6 experts is 100 rows each);
+    fused_experts (torch routing and grouping) and fused_moe (NANOVLLM_MOE=fused: the routing kernel,
+    the grouping kernels, SiLU x up in the down product's loads)."""
     from nanovllm.distributed import SINGLE
-    from nanovllm.kernels import triton_moe
-    from nanovllm.kernels.triton_moe import fused_experts
+    from nanovllm.kernels.triton_moe import fused_experts, fused_moe
     from nanovllm.layers.moe import Experts, route
-    monkeypatch.setattr(triton_moe, "triton_grouping", lambda: grouping == "triton")
     gen = torch.Generator().manual_seed(num_tokens)
     experts = Experts(num_experts, hidden, intermediate, SINGLE)
     experts.w13.data = torch.randn(num_experts, 2 * intermediate, hidden, generator=gen) / hidden ** 0.5
     experts.w2.data = torch.randn(num_experts, hidden, intermediate, generator=gen) / intermediate ** 0.5
     x = torch.randn(num_tokens, hidden, generator=gen)
-    weights, ids = route(torch.randn(num_tokens, num_experts, generator=gen), top_k, renormalize=False)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    weights, ids = route(logits, top_k, renormalize)
     ref = experts(x, weights, ids)                       # on the CPU: the loop
     dev = dict(device=DEVICE, dtype=DTYPE)
-    out = fused_experts(x.to(**dev), experts.w13.to(**dev), experts.w2.to(**dev), weights.to(DEVICE), ids.to(DEVICE))
+    x, w13, w2 = x.to(**dev), experts.w13.to(**dev), experts.w2.to(**dev)
+    if entry == "fused_experts":
+        out = fused_experts(x, w13, w2, weights.to(DEVICE), ids.to(DEVICE))
+    else:
+        out = fused_moe(x, logits.to(**dev), w13, w2, top_k, renormalize)
     assert out.shape == ref.shape and out.dtype == DTYPE
     assert rel_err(out.cpu(), ref) < TOL
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, renormalize", [(1, 8, 2, False), (37, 128, 8, True),
+                                                                         (20, 60, 4, False), (5, 4, 3, True)])
+def test_routing_kernel_routes_as_route(num_tokens, num_experts, top_k, renormalize):
+    """The routing kernel's weights and ids (best first) are route's; its grouping places them as
+    the torch grouping does (as sets within each expert's run)."""
+    from nanovllm.kernels.triton_moe import block_m_for, group_by_expert_torch, route_and_group
+    from nanovllm.layers.moe import route
+    gen = torch.Generator().manual_seed(num_tokens)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    ref_weights, ref_ids = route(logits, top_k, renormalize)
+    block_m = block_m_for(num_tokens * top_k, num_experts)
+    weights, ids, sorted_ids, block_expert = (t.cpu() for t in route_and_group(logits.to(DEVICE), top_k,
+                                                                               renormalize, block_m))
+    assert ids.tolist() == ref_ids.tolist()
+    assert torch.allclose(weights, ref_weights, rtol=1e-5, atol=1e-6)
+    ref_sorted, ref_experts = group_by_expert_torch(ref_ids, num_experts, block_m)
+    assert torch.equal(block_expert, ref_experts)
+    runs = ref_experts.repeat_interleave(block_m)
+    for expert in range(num_experts):
+        assert sorted_ids[runs == expert].sort().values.tolist() == ref_sorted[runs == expert].tolist()
 
 
 @pytest.mark.parametrize("num_tokens, num_experts, top_k, block_m",

@@ -16,8 +16,10 @@ each expert's assignments with atomic adds (each add's old value is the assignme
 expert's run, so the order within a run is the order the adds land in, which does not change any
 product), the other places every assignment and the padding. `group_by_expert_torch` is their
 plain-torch reference, in fixed-shape torch ops (~25 kernels), with each run in assignment order.
-The engine takes the torch grouping unless NANOVLLM_MOE_GROUPING=triton, until the kernels have
-been measured on a GPU (docs/perf_notes.md row 75).
+With NANOVLLM_MOE=fused the routing (softmax, top_k, renormalising) is done by the counting
+kernel itself (`route_and_group`) and SiLU x up by the down product as it loads its input; until
+that has been measured on a GPU (docs/perf_notes.md row 75), the engine takes the torch routing
+and grouping by default.
 
 `moe_product` is then one grouped GEMM: a program takes one block of rows, all of one expert, and
 block_n output features; it gathers its rows of the input (token rows for the first product,
@@ -33,7 +35,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.compile_ahead import launch
-from nanovllm.kernels.triton_fused import silu_and_mul
+from nanovllm.kernels.triton_fused import silu_and_mul, silu_mul
 
 BLOCK_N, BLOCK_K = 64, 64
 
@@ -98,18 +100,76 @@ def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     """ids: [num_tokens, top_k] expert ids -> (sorted_ids [num_blocks * block_m] int32,
     block_expert [num_blocks] int32), as drawn in the module docstring."""
     flat = ids.flatten()
-    num_assignments = flat.numel()
-    num_blocks = num_blocks_for(num_assignments, num_experts, block_m)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
-    rank = torch.empty(num_assignments, dtype=torch.int32, device=ids.device)
-    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=ids.device)
-    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
-    chunks = triton.cdiv(num_assignments, GROUP_CHUNK)
-    launch(_count_kernel, (chunks,), flat, counts, rank, num_assignments, CHUNK=GROUP_CHUNK)
-    launch(_place_kernel, (chunks + 1,), flat, counts, rank, sorted_ids, block_expert, num_assignments, num_blocks,
-           NUM_EXPERTS=num_experts, EXPERTS=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
+    rank = torch.empty(flat.numel(), dtype=torch.int32, device=ids.device)
+    launch(_count_kernel, (triton.cdiv(flat.numel(), GROUP_CHUNK),), flat, counts, rank, flat.numel(),
            CHUNK=GROUP_CHUNK)
+    return _place(flat, counts, rank, block_m)
+
+
+def _place(flat_ids: torch.Tensor, counts: torch.Tensor, rank: torch.Tensor,
+           block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The placement kernel after the counts and ranks: -> (sorted_ids, block_expert)."""
+    num_assignments, num_experts = flat_ids.numel(), counts.numel()
+    num_blocks = num_blocks_for(num_assignments, num_experts, block_m)
+    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=flat_ids.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=flat_ids.device)
+    launch(_place_kernel, (triton.cdiv(num_assignments, GROUP_CHUNK) + 1,), flat_ids, counts, rank, sorted_ids,
+           block_expert, num_assignments, num_blocks, NUM_EXPERTS=num_experts,
+           EXPERTS=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=GROUP_CHUNK)
     return sorted_ids, block_expert
+
+
+ROUTE_TOKENS = 16   # tokens a program of the routing kernel takes
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, rank_ptr, num_tokens, stride_l,
+                  NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, CHOICES: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, TOKENS: tl.constexpr):
+    """layers/moe.py's `route` for TOKENS tokens (softmax over the experts, the top_k best, best
+    first, rescaled to sum to 1 if RENORMALIZE), and the counting of _count_kernel for each choice."""
+    tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    experts = tl.arange(0, EXPERTS)
+    choices = tl.arange(0, CHOICES)                              # CHOICES: top_k to a power of two
+    is_token = tokens < num_tokens
+    logits = tl.load(logits_ptr + tokens[:, None] * stride_l + experts[None, :],
+                     mask=is_token[:, None] & (experts < NUM_EXPERTS)[None, :], other=float("-inf")).to(tl.float32)
+    logits = tl.where(is_token[:, None], logits, 0.0)            # (rows past the end: no NaNs)
+    probs = tl.exp(logits - tl.max(logits, 1)[:, None])
+    probs = probs / tl.sum(probs, 1)[:, None]                    # [TOKENS, EXPERTS]; 0 past NUM_EXPERTS
+    weights = tl.zeros((TOKENS, CHOICES), tl.float32)
+    ids = tl.zeros((TOKENS, CHOICES), tl.int32)
+    for choice in tl.static_range(TOP_K):
+        best = tl.argmax(probs, 1)                               # the first of equals, as torch.topk on a tie
+        weight = tl.max(probs, 1)
+        weights = tl.where(choices[None, :] == choice, weight[:, None], weights)
+        ids = tl.where(choices[None, :] == choice, best[:, None], ids)
+        probs = tl.where(experts[None, :] == best[:, None], -1.0, probs)
+        rank = tl.atomic_add(counts_ptr + best, 1, mask=is_token, sem="relaxed")
+        tl.store(rank_ptr + tokens * TOP_K + choice, rank, mask=is_token)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, 1)[:, None]
+    out = tokens[:, None] * TOP_K + choices[None, :]
+    ok = is_token[:, None] & (choices < TOP_K)[None, :]
+    tl.store(weights_ptr + out, weights, mask=ok)
+    tl.store(ids_ptr + out, ids, mask=ok)
+
+
+def route_and_group(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                    block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[T, E] router logits -> (weights [T, top_k] float32, ids [T, top_k] int32, sorted_ids,
+    block_expert): `route` then `group_by_expert`, in two kernels (and a memset)."""
+    num_tokens, num_experts = router_logits.shape
+    device = router_logits.device
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    rank = torch.empty(num_tokens * top_k, dtype=torch.int32, device=device)
+    launch(_route_kernel, (triton.cdiv(num_tokens, ROUTE_TOKENS),), router_logits, weights, ids, counts, rank,
+           num_tokens, router_logits.stride(0), NUM_EXPERTS=num_experts, EXPERTS=triton.next_power_of_2(num_experts),
+           TOP_K=top_k, CHOICES=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, TOKENS=ROUTE_TOKENS)
+    return (weights, ids, *_place(ids.view(-1), counts, rank, block_m))
 
 
 def group_by_expert_torch(ids: torch.Tensor, num_experts: int,
@@ -136,8 +196,8 @@ def group_by_expert_torch(ids: torch.Tensor, num_experts: int,
 @triton.jit
 def _moe_product_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, scale_ptr, N, K, num_assignments,
                         stride_x, stride_we, stride_wn, stride_o, NUM_EXPERTS: tl.constexpr,
-                        ROWS_PER_X: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        ROWS_PER_X: tl.constexpr, SCALED: tl.constexpr, GATED: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     block, n_block = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + block)
     if expert >= NUM_EXPERTS:      # past the last used block
@@ -154,6 +214,8 @@ def _moe_product_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
     for k in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k
         x = tl.load(x_ptrs, mask=is_row[:, None] & k_ok[None, :], other=0.0)
+        if GATED:   # x's rows hold gate | up: the input is silu(gate) * up
+            x = silu_mul(x, tl.load(x_ptrs + K, mask=is_row[:, None] & k_ok[None, :], other=0.0))
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(x, w, acc)
         x_ptrs += BLOCK_K
@@ -166,34 +228,50 @@ def _moe_product_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
 
 def moe_product(x: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
                 num_assignments: int, rows_per_x: int, block_m: int,
-                scale: torch.Tensor | None = None) -> torch.Tensor:
+                scale: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """x: [num_assignments // rows_per_x, K]; w: [num_experts, N, K] -> [num_assignments, N], row a
-    = x[a // rows_per_x] @ w[expert of a].T (times scale[a] if given)."""
+    = x[a // rows_per_x] @ w[expert of a].T (times scale[a] if given). gated: x is [.., 2 K] holding
+    gate | up, and the product is of silu(gate) * up (applied as x is loaded)."""
     num_experts, n, k = w.shape
-    assert x.shape[1] == k and x.stride(1) == 1 and w.stride(2) == 1
+    assert x.shape[1] == (2 * k if gated else k) and x.stride(1) == 1 and w.stride(2) == 1
     out = torch.empty(num_assignments, n, dtype=x.dtype, device=x.device)
     launch(_moe_product_kernel, (block_expert.numel(), triton.cdiv(n, BLOCK_N)),
            x, w, out, sorted_ids, block_expert, scale if scale is not None else out, n, k, num_assignments,
            x.stride(0), w.stride(0), w.stride(1), out.stride(0), NUM_EXPERTS=num_experts, ROWS_PER_X=rows_per_x,
-           SCALED=scale is not None, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+           SCALED=scale is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     return out
 
 
 @functools.cache
-def triton_grouping() -> bool:
-    return os.environ.get("NANOVLLM_MOE_GROUPING") == "triton"
+def fused_routing() -> bool:
+    """NANOVLLM_MOE=fused: the routing and grouping kernels, and SiLU x up in the down product's
+    loads (docs/perf_notes.md row 75); otherwise layers/moe.py's `route`, the torch grouping and
+    the SiLU kernel, as first measured on a GPU."""
+    return os.environ.get("NANOVLLM_MOE") == "fused"
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor) -> torch.Tensor:
     """x: [T, hidden]; w13: [E, 2 I, hidden] (gate | up rows); w2: [E, hidden, I]; weights, ids:
     [T, top_k] -> [T, hidden]: sum over a token's choices of weight x down(silu(gate) * up)."""
-    num_tokens, top_k = ids.shape
+    block_m = block_m_for(ids.numel(), w13.shape[0])
+    sorted_ids, block_expert = group_by_expert_torch(ids, w13.shape[0], block_m)
+    return _experts(x, w13, w2, weights, sorted_ids, block_expert, block_m, gated_down=False)
+
+
+def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+              renormalize: bool) -> torch.Tensor:
+    """fused_experts of `route(router_logits, top_k, renormalize)`, with the routing kernel."""
+    block_m = block_m_for(x.shape[0] * top_k, w13.shape[0])
+    weights, _, sorted_ids, block_expert = route_and_group(router_logits, top_k, renormalize, block_m)
+    return _experts(x, w13, w2, weights, sorted_ids, block_expert, block_m, gated_down=True)
+
+
+def _experts(x, w13, w2, weights, sorted_ids, block_expert, block_m: int, gated_down: bool) -> torch.Tensor:
+    num_tokens, top_k = weights.shape
     num_assignments = num_tokens * top_k
-    block_m = block_m_for(num_assignments, w13.shape[0])
-    grouping = group_by_expert if triton_grouping() else group_by_expert_torch
-    sorted_ids, block_expert = grouping(ids, w13.shape[0], block_m)
     gate_up = moe_product(x, w13, sorted_ids, block_expert, num_assignments, top_k, block_m)   # [A, 2 I]
-    down = moe_product(silu_and_mul(gate_up), w2, sorted_ids, block_expert, num_assignments, 1, block_m,
-                       scale=weights.flatten().float())                                       # [A, hidden]
+    act = gate_up if gated_down else silu_and_mul(gate_up)
+    down = moe_product(act, w2, sorted_ids, block_expert, num_assignments, 1, block_m,
+                       scale=weights.flatten().float(), gated=gated_down)                     # [A, hidden]
     return down.view(num_tokens, top_k, -1).sum(1, dtype=torch.float32).to(x.dtype)

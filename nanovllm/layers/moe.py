@@ -81,11 +81,20 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        out = self.experts(x, weights, ids)
+        out = self._routed(x, self.gate(x))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+    def _routed(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """The experts' part: [T, hidden]."""
+        if x.is_cuda:
+            from nanovllm.kernels import triton_moe
+            if triton_moe.fused_routing():   # routing and grouping in kernels (NANOVLLM_MOE=fused)
+                return self.experts.tp.all_reduce(triton_moe.fused_moe(
+                    x, router_logits, self.experts.w13, self.experts.w2, self.top_k, self.renormalize))
+        weights, ids = route(router_logits, self.top_k, self.renormalize)
+        return self.experts(x, weights, ids)
 
 
 def is_moe_layer(config: PretrainedConfig, index: int) -> bool:
