@@ -1,15 +1,15 @@
 """The grouping of a mixture-of-experts layer's assignments by expert (kernels/triton_moe.py), in
-its plain-torch form, which runs on the CPU; the grouping and product kernels are tested against
-it and against the per-expert loop in test_triton_kernels.py."""
+its plain-torch form, which runs on the CPU; the routing, placement and product kernels are tested
+against it and against the per-expert loop in test_triton_kernels.py."""
 import pytest
 import torch
 
-from nanovllm.kernels.triton_moe import block_m_for, group_by_expert_torch
+from nanovllm.kernels.triton_moe import block_m_for, group_by_expert
 
 
 def test_group_by_expert_pads_each_experts_run_to_whole_blocks():
     ids = torch.tensor([[0, 3], [3, 1], [0, 3]])     # assignments 0-5, token-major
-    sorted_ids, block_expert = group_by_expert_torch(ids, num_experts=5, block_m=2)
+    sorted_ids, block_expert = group_by_expert(ids, num_experts=5, block_m=2)
     pad = 6
     assert sorted_ids.tolist() == [0, 4, 3, pad, 1, 2, 5, pad] + [pad] * 8   # e0 | e1 | e3 e3 | unused
     assert block_expert.tolist() == [0, 1, 3, 3, 5, 5, 5, 5]                # 5: past the last used block
@@ -21,7 +21,7 @@ def test_group_by_expert_places_every_assignment_once_in_a_block_of_its_expert(n
                                                                                block_m):
     gen = torch.Generator().manual_seed(num_tokens)
     ids = torch.rand(num_tokens, num_experts, generator=gen).topk(top_k, -1).indices
-    sorted_ids, block_expert = group_by_expert_torch(ids, num_experts, block_m)
+    sorted_ids, block_expert = group_by_expert(ids, num_experts, block_m)
     num_assignments = num_tokens * top_k
     assert block_expert.numel() == -(-num_assignments // block_m) + min(num_experts, num_assignments)
     assert sorted_ids.numel() == block_expert.numel() * block_m

@@ -743,41 +743,26 @@ def test_moe_kernels_equal_the_per_expert_loop(num_tokens, num_experts, top_k, h
     assert rel_err(out.cpu(), ref) < TOL
 
 
-@pytest.mark.parametrize("num_tokens, num_experts, top_k, renormalize", [(1, 8, 2, False), (37, 128, 8, True),
-                                                                         (20, 60, 4, False), (5, 4, 3, True)])
-def test_routing_kernel_routes_as_route(num_tokens, num_experts, top_k, renormalize):
-    """The routing kernel's weights and ids (best first) are route's; its grouping places them as
-    the torch grouping does (as sets within each expert's run)."""
-    from nanovllm.kernels.triton_moe import block_m_for, group_by_expert_torch, route_and_group
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, renormalize, block_m",
+                         [(1, 8, 2, False, 16), (37, 128, 8, True, 16), (20, 60, 4, False, 2), (5, 4, 3, True, 4),
+                          (300, 6, 2, False, 64)])
+def test_routing_kernel_routes_as_route(num_tokens, num_experts, top_k, renormalize, block_m):
+    """The routing kernel's weights and ids (best first) are route's; the placement kernel places
+    them as the torch grouping does: the same blocks, experts and padding rows, and each expert's
+    run the same set (its order is the order the atomic adds landed in)."""
+    from nanovllm.kernels.triton_moe import group_by_expert, route_and_group
     from nanovllm.layers.moe import route
     gen = torch.Generator().manual_seed(num_tokens)
     logits = torch.randn(num_tokens, num_experts, generator=gen)
     ref_weights, ref_ids = route(logits, top_k, renormalize)
-    block_m = block_m_for(num_tokens * top_k, num_experts)
     weights, ids, sorted_ids, block_expert = (t.cpu() for t in route_and_group(logits.to(DEVICE), top_k,
                                                                                renormalize, block_m))
     assert ids.tolist() == ref_ids.tolist()
     assert torch.allclose(weights, ref_weights, rtol=1e-5, atol=1e-6)
-    ref_sorted, ref_experts = group_by_expert_torch(ref_ids, num_experts, block_m)
+    ref_sorted, ref_experts = group_by_expert(ref_ids, num_experts, block_m)
     assert torch.equal(block_expert, ref_experts)
+    pad = num_tokens * top_k
+    assert torch.equal(sorted_ids == pad, ref_sorted == pad)
     runs = ref_experts.repeat_interleave(block_m)
     for expert in range(num_experts):
         assert sorted_ids[runs == expert].sort().values.tolist() == ref_sorted[runs == expert].tolist()
-
-
-@pytest.mark.parametrize("num_tokens, num_experts, top_k, block_m",
-                         [(1, 8, 2, 16), (3, 5, 2, 2), (37, 8, 3, 16), (300, 6, 2, 64), (64, 128, 8, 16)])
-def test_grouping_kernels_place_what_the_torch_grouping_places(num_tokens, num_experts, top_k, block_m):
-    """The same blocks, experts and padding rows; within an expert's run the order is the order the
-    atomic adds landed in, so each run is compared as a set."""
-    from nanovllm.kernels.triton_moe import group_by_expert, group_by_expert_torch
-    gen = torch.Generator().manual_seed(num_tokens)
-    ids = torch.rand(num_tokens, num_experts, generator=gen).topk(top_k, -1).indices
-    ref_ids, ref_experts = group_by_expert_torch(ids, num_experts, block_m)
-    sorted_ids, block_expert = (t.cpu() for t in group_by_expert(ids.to(DEVICE), num_experts, block_m))
-    assert torch.equal(block_expert, ref_experts)
-    num_assignments = ids.numel()
-    assert torch.equal(sorted_ids == num_assignments, ref_ids == num_assignments)
-    runs = ref_experts.repeat_interleave(block_m)
-    for expert in range(num_experts):
-        assert sorted_ids[runs == expert].sort().values.tolist() == ref_ids[runs == expert].tolist()

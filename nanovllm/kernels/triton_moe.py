@@ -3,23 +3,23 @@ of tokens, so that a step with MoE layers can be captured in a CUDA graph. Its r
 per-expert loop of layers/moe.py (`Experts.forward` on the CPU).
 
 Each (token, choice) pair is an assignment: num_tokens x top_k of them, numbered token-major
-(assignment a = token * top_k + choice). `group_by_expert` groups them by expert (no host sync)
-and pads each expert's run to whole blocks of block_m rows:
+(assignment a = token * top_k + choice). They are grouped by expert (no host sync) and each
+expert's run is padded to whole blocks of block_m rows:
 
     sorted_ids:    | e0 e0 e0 pad | e1 pad pad pad | e3 e3 e3 e3 | e3 pad pad pad | pad ... |
     block_expert:  |      0       |       1       |      3      |       3        | E ...   |
 
 (pad: the id num_assignments; block_expert E: a block past the last used one.) There are at most
 cdiv(num_assignments, block_m) + min(num_experts, num_assignments) blocks; the grid covers that
-many and the blocks past the end return at once. Two small kernels do the grouping: one counts
-each expert's assignments with atomic adds (each add's old value is the assignment's place in its
-expert's run, so the order within a run is the order the adds land in, which does not change any
-product), the other places every assignment and the padding. `group_by_expert_torch` is their
-plain-torch reference, in fixed-shape torch ops (~25 kernels), with each run in assignment order.
-With NANOVLLM_MOE=fused the routing (softmax, top_k, renormalising) is done by the counting
-kernel itself (`route_and_group`) and SiLU x up by the down product as it loads its input; until
-that has been measured on a GPU (docs/perf_notes.md row 75), the engine takes the torch routing
-and grouping by default.
+many and the blocks past the end return at once. `group_by_expert` groups in fixed-shape torch
+ops (~25 small kernels), each run in assignment order. With NANOVLLM_MOE=fused, `route_and_group`
+routes and groups in two kernels instead: the routing kernel (layers/moe.py's `route`: softmax,
+top_k, renormalising) also counts each expert's assignments with atomic adds, each add's old
+value being the assignment's place in its run (so a run's order is the order the adds land in,
+which changes no product), and the placement kernel writes the assignments, the padding and each
+block's expert; SiLU x up then happens in the down product's loads. Until that path has been
+measured on a GPU (docs/perf_notes.md row 75) the engine takes the torch one by default, which
+is also its reference.
 
 `moe_product` is then one grouped GEMM: a program takes one block of rows, all of one expert, and
 block_n output features; it gathers its rows of the input (token rows for the first product,
@@ -51,16 +51,7 @@ def num_blocks_for(num_assignments: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_assignments, block_m) + min(num_experts, num_assignments)
 
 
-GROUP_CHUNK = 32   # assignments (or blocks) a program of the grouping kernels takes at once
-
-
-@triton.jit
-def _count_kernel(ids_ptr, counts_ptr, rank_ptr, num_assignments, CHUNK: tl.constexpr):
-    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    ok = offs < num_assignments
-    expert = tl.load(ids_ptr + offs, mask=ok, other=0)
-    rank = tl.atomic_add(counts_ptr + expert, 1, mask=ok, sem="relaxed")   # its place in its expert's run
-    tl.store(rank_ptr + offs, rank, mask=ok)
+GROUP_CHUNK = 32   # assignments (or blocks) a program of the placement kernel takes at once
 
 
 @triton.jit
@@ -96,20 +87,9 @@ def _place_kernel(ids_ptr, counts_ptr, rank_ptr, sorted_ids_ptr, block_expert_pt
             tl.store(sorted_ids_ptr + block[:, None] * BLOCK_M + row[None, :], num_assignments, mask=unused[:, None])
 
 
-def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids: [num_tokens, top_k] expert ids -> (sorted_ids [num_blocks * block_m] int32,
-    block_expert [num_blocks] int32), as drawn in the module docstring."""
-    flat = ids.flatten()
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
-    rank = torch.empty(flat.numel(), dtype=torch.int32, device=ids.device)
-    launch(_count_kernel, (triton.cdiv(flat.numel(), GROUP_CHUNK),), flat, counts, rank, flat.numel(),
-           CHUNK=GROUP_CHUNK)
-    return _place(flat, counts, rank, block_m)
-
-
 def _place(flat_ids: torch.Tensor, counts: torch.Tensor, rank: torch.Tensor,
            block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The placement kernel after the counts and ranks: -> (sorted_ids, block_expert)."""
+    """The placement kernel after the routing kernel's counts and ranks: -> (sorted_ids, block_expert)."""
     num_assignments, num_experts = flat_ids.numel(), counts.numel()
     num_blocks = num_blocks_for(num_assignments, num_experts, block_m)
     sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=flat_ids.device)
@@ -128,7 +108,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, rank_ptr, num_to
                   NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, CHOICES: tl.constexpr,
                   RENORMALIZE: tl.constexpr, TOKENS: tl.constexpr):
     """layers/moe.py's `route` for TOKENS tokens (softmax over the experts, the top_k best, best
-    first, rescaled to sum to 1 if RENORMALIZE), and the counting of _count_kernel for each choice."""
+    first, rescaled to sum to 1 if RENORMALIZE); each choice counted in its expert's run."""
     tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     experts = tl.arange(0, EXPERTS)
     choices = tl.arange(0, CHOICES)                              # CHOICES: top_k to a power of two
@@ -172,9 +152,9 @@ def route_and_group(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     return (weights, ids, *_place(ids.view(-1), counts, rank, block_m))
 
 
-def group_by_expert_torch(ids: torch.Tensor, num_experts: int,
-                          block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """group_by_expert in plain torch, each expert's run in assignment order."""
+def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids: [num_tokens, top_k] expert ids -> (sorted_ids [num_blocks * block_m] int32,
+    block_expert [num_blocks] int32), as drawn in the module docstring; each run in assignment order."""
     flat = ids.flatten()                                                   # [A] expert of each assignment
     num_assignments = flat.numel()
     num_blocks = num_blocks_for(num_assignments, num_experts, block_m)
@@ -255,7 +235,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     """x: [T, hidden]; w13: [E, 2 I, hidden] (gate | up rows); w2: [E, hidden, I]; weights, ids:
     [T, top_k] -> [T, hidden]: sum over a token's choices of weight x down(silu(gate) * up)."""
     block_m = block_m_for(ids.numel(), w13.shape[0])
-    sorted_ids, block_expert = group_by_expert_torch(ids, w13.shape[0], block_m)
+    sorted_ids, block_expert = group_by_expert(ids, w13.shape[0], block_m)
     return _experts(x, w13, w2, weights, sorted_ids, block_expert, block_m, gated_down=False)
 
 
