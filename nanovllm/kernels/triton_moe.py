@@ -51,6 +51,79 @@ def num_blocks_for(num_assignments: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_assignments, block_m) + min(num_experts, num_assignments)
 
 
+def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids: [num_tokens, top_k] expert ids -> (sorted_ids [num_blocks * block_m] int32,
+    block_expert [num_blocks] int32), as drawn in the module docstring; each run in assignment order."""
+    flat = ids.flatten()                                                   # [A] expert of each assignment
+    num_assignments = flat.numel()
+    num_blocks = num_blocks_for(num_assignments, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))                    # [E] assignments per expert
+    blocks = (counts + block_m - 1) // block_m                             # [E] blocks per expert
+    block_end = blocks.cumsum(0)
+    order = flat.argsort(stable=True)                                      # assignments, by expert
+    expert = flat[order]
+    rank = torch.arange(num_assignments, device=ids.device) - (counts.cumsum(0) - counts)[expert]
+    padded_pos = (block_end - blocks)[expert] * block_m + rank             # where each goes in sorted_ids
+    sorted_ids = torch.full((num_blocks * block_m,), num_assignments, dtype=torch.int32, device=ids.device)
+    sorted_ids[padded_pos] = order.to(torch.int32)
+    # Block b belongs to the first expert whose blocks end after b (E past the last used block).
+    block_expert = torch.searchsorted(block_end, torch.arange(num_blocks, device=ids.device), right=True)
+    return sorted_ids, block_expert.to(torch.int32)
+
+
+ROUTE_TOKENS = 16   # tokens a program of the routing kernel takes
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, rank_ptr, num_tokens, stride_l,
+                  NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, CHOICES: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, TOKENS: tl.constexpr):
+    """layers/moe.py's `route` for TOKENS tokens (softmax over the experts, the top_k best, best
+    first, rescaled to sum to 1 if RENORMALIZE); each choice counted in its expert's run."""
+    tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    experts = tl.arange(0, EXPERTS)
+    choices = tl.arange(0, CHOICES)                              # CHOICES: top_k to a power of two
+    is_token = tokens < num_tokens
+    logits = tl.load(logits_ptr + tokens[:, None] * stride_l + experts[None, :],
+                     mask=is_token[:, None] & (experts < NUM_EXPERTS)[None, :], other=float("-inf")).to(tl.float32)
+    logits = tl.where(is_token[:, None], logits, 0.0)            # (rows past the end: no NaNs)
+    probs = tl.exp(logits - tl.max(logits, 1)[:, None])
+    probs = probs / tl.sum(probs, 1)[:, None]                    # [TOKENS, EXPERTS]; 0 past NUM_EXPERTS
+    weights = tl.zeros((TOKENS, CHOICES), tl.float32)
+    ids = tl.zeros((TOKENS, CHOICES), tl.int32)
+    for choice in tl.static_range(TOP_K):
+        best = tl.argmax(probs, 1)                               # (the first of equals)
+        weight = tl.max(probs, 1)
+        weights = tl.where(choices[None, :] == choice, weight[:, None], weights)
+        ids = tl.where(choices[None, :] == choice, best[:, None], ids)
+        probs = tl.where(experts[None, :] == best[:, None], -1.0, probs)
+        rank = tl.atomic_add(counts_ptr + best, 1, mask=is_token, sem="relaxed")
+        tl.store(rank_ptr + tokens * TOP_K + choice, rank, mask=is_token)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, 1)[:, None]
+    out = tokens[:, None] * TOP_K + choices[None, :]
+    ok = is_token[:, None] & (choices < TOP_K)[None, :]
+    tl.store(weights_ptr + out, weights, mask=ok)
+    tl.store(ids_ptr + out, ids, mask=ok)
+
+
+def route_and_group(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                    block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[T, E] router logits -> (weights [T, top_k] float32, ids [T, top_k] int32, sorted_ids,
+    block_expert): `route` then `group_by_expert`, in two kernels (and a memset)."""
+    num_tokens, num_experts = router_logits.shape
+    device = router_logits.device
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    rank = torch.empty(num_tokens * top_k, dtype=torch.int32, device=device)
+    launch(_route_kernel, (triton.cdiv(num_tokens, ROUTE_TOKENS),), router_logits, weights, ids, counts, rank,
+           num_tokens, router_logits.stride(0), NUM_EXPERTS=num_experts, EXPERTS=triton.next_power_of_2(num_experts),
+           TOP_K=top_k, CHOICES=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, TOKENS=ROUTE_TOKENS)
+    return (weights, ids, *_place(ids.view(-1), counts, rank, block_m))
+
+
 GROUP_CHUNK = 32   # assignments (or blocks) a program of the placement kernel takes at once
 
 
@@ -98,79 +171,6 @@ def _place(flat_ids: torch.Tensor, counts: torch.Tensor, rank: torch.Tensor,
            block_expert, num_assignments, num_blocks, NUM_EXPERTS=num_experts,
            EXPERTS=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=GROUP_CHUNK)
     return sorted_ids, block_expert
-
-
-ROUTE_TOKENS = 16   # tokens a program of the routing kernel takes
-
-
-@triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, rank_ptr, num_tokens, stride_l,
-                  NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, CHOICES: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, TOKENS: tl.constexpr):
-    """layers/moe.py's `route` for TOKENS tokens (softmax over the experts, the top_k best, best
-    first, rescaled to sum to 1 if RENORMALIZE); each choice counted in its expert's run."""
-    tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
-    experts = tl.arange(0, EXPERTS)
-    choices = tl.arange(0, CHOICES)                              # CHOICES: top_k to a power of two
-    is_token = tokens < num_tokens
-    logits = tl.load(logits_ptr + tokens[:, None] * stride_l + experts[None, :],
-                     mask=is_token[:, None] & (experts < NUM_EXPERTS)[None, :], other=float("-inf")).to(tl.float32)
-    logits = tl.where(is_token[:, None], logits, 0.0)            # (rows past the end: no NaNs)
-    probs = tl.exp(logits - tl.max(logits, 1)[:, None])
-    probs = probs / tl.sum(probs, 1)[:, None]                    # [TOKENS, EXPERTS]; 0 past NUM_EXPERTS
-    weights = tl.zeros((TOKENS, CHOICES), tl.float32)
-    ids = tl.zeros((TOKENS, CHOICES), tl.int32)
-    for choice in tl.static_range(TOP_K):
-        best = tl.argmax(probs, 1)                               # the first of equals, as torch.topk on a tie
-        weight = tl.max(probs, 1)
-        weights = tl.where(choices[None, :] == choice, weight[:, None], weights)
-        ids = tl.where(choices[None, :] == choice, best[:, None], ids)
-        probs = tl.where(experts[None, :] == best[:, None], -1.0, probs)
-        rank = tl.atomic_add(counts_ptr + best, 1, mask=is_token, sem="relaxed")
-        tl.store(rank_ptr + tokens * TOP_K + choice, rank, mask=is_token)
-    if RENORMALIZE:
-        weights = weights / tl.sum(weights, 1)[:, None]
-    out = tokens[:, None] * TOP_K + choices[None, :]
-    ok = is_token[:, None] & (choices < TOP_K)[None, :]
-    tl.store(weights_ptr + out, weights, mask=ok)
-    tl.store(ids_ptr + out, ids, mask=ok)
-
-
-def route_and_group(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                    block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[T, E] router logits -> (weights [T, top_k] float32, ids [T, top_k] int32, sorted_ids,
-    block_expert): `route` then `group_by_expert`, in two kernels (and a memset)."""
-    num_tokens, num_experts = router_logits.shape
-    device = router_logits.device
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
-    rank = torch.empty(num_tokens * top_k, dtype=torch.int32, device=device)
-    launch(_route_kernel, (triton.cdiv(num_tokens, ROUTE_TOKENS),), router_logits, weights, ids, counts, rank,
-           num_tokens, router_logits.stride(0), NUM_EXPERTS=num_experts, EXPERTS=triton.next_power_of_2(num_experts),
-           TOP_K=top_k, CHOICES=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, TOKENS=ROUTE_TOKENS)
-    return (weights, ids, *_place(ids.view(-1), counts, rank, block_m))
-
-
-def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids: [num_tokens, top_k] expert ids -> (sorted_ids [num_blocks * block_m] int32,
-    block_expert [num_blocks] int32), as drawn in the module docstring; each run in assignment order."""
-    flat = ids.flatten()                                                   # [A] expert of each assignment
-    num_assignments = flat.numel()
-    num_blocks = num_blocks_for(num_assignments, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))                    # [E] assignments per expert
-    blocks = (counts + block_m - 1) // block_m                             # [E] blocks per expert
-    block_end = blocks.cumsum(0)
-    order = flat.argsort(stable=True)                                      # assignments, by expert
-    expert = flat[order]
-    rank = torch.arange(num_assignments, device=ids.device) - (counts.cumsum(0) - counts)[expert]
-    padded_pos = (block_end - blocks)[expert] * block_m + rank             # where each goes in sorted_ids
-    sorted_ids = torch.full((num_blocks * block_m,), num_assignments, dtype=torch.int32, device=ids.device)
-    sorted_ids[padded_pos] = order.to(torch.int32)
-    # Block b belongs to the first expert whose blocks end after b (E past the last used block).
-    block_expert = torch.searchsorted(block_end, torch.arange(num_blocks, device=ids.device), right=True)
-    return sorted_ids, block_expert.to(torch.int32)
 
 
 @triton.jit
