@@ -254,4 +254,4 @@ def _experts(x, w13, w2, weights, sorted_ids, block_expert, block_m: int, gated_
     act = gate_up if gated_down else silu_and_mul(gate_up)
     down = moe_product(act, w2, sorted_ids, block_expert, num_assignments, 1, block_m,
                        scale=weights.flatten().float(), gated=gated_down)                     # [A, hidden]
-    return down.view(num_tokens, top_k, -1).sum(1, dtype=torch.float32).to(x.dtype)
+    return down.view(num_tokens, top_k, -1).sum(1)   # (accumulated in float32, rounded once)
