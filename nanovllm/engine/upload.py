@@ -12,16 +12,14 @@ settings); packed into one pinned buffer they travel as one or two.
 import numpy as np
 import torch
 
+from nanovllm.utils.arrays import aligned_offsets
+
 ALIGN = 16   # bytes
 
 
 def packed_offsets(arrays: list[np.ndarray]) -> tuple[list[int], int]:
     """-> (each array's byte offset, total bytes) when packed back to back at ALIGN."""
-    offsets, size = [], 0
-    for a in arrays:
-        offsets.append(size)
-        size += -(-a.nbytes // ALIGN) * ALIGN
-    return offsets, size
+    return aligned_offsets([a.nbytes for a in arrays], ALIGN)
 
 
 def torch_dtype(dtype: np.dtype) -> torch.dtype:

@@ -11,6 +11,8 @@ import ctypes
 
 import torch
 
+from nanovllm.utils.arrays import aligned_offsets
+
 # CU_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_LOCATION_TYPE_DEVICE, CU_MEM_ACCESS_FLAGS_PROT_READWRITE
 _PINNED, _ON_DEVICE, _READ_WRITE = 1, 1, 3
 
@@ -113,12 +115,10 @@ class Arena:
 def place_in_arena(tensors: list[torch.Tensor], device: torch.device, align: int = 256) -> Arena:
     """One arena holding the tensors' values, each tensor's .data then a view of it (so a
     Parameter keeps its identity and attributes, and modules sharing it share the view)."""
-    offsets, total = [], 0
     for t in tensors:
         if not t.is_contiguous():
             raise ValueError(f"place_in_arena needs contiguous tensors, got strides {t.stride()}.")
-        offsets.append(total)
-        total += -(-t.numel() * t.element_size() // align) * align
+    offsets, total = aligned_offsets([t.numel() * t.element_size() for t in tensors], align)
     arena = Arena(total, device)
     memory = arena.tensor()
     for t, offset in zip(tensors, offsets):
