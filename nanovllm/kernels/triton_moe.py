@@ -1,6 +1,6 @@
 """The experts of a mixture-of-experts layer on the GPU, in shapes that depend only on the number
 of tokens, so that a step with MoE layers can be captured in a CUDA graph. Its reference is the
-per-expert loop of layers/moe.py (`Experts.forward` on the CPU).
+per-expert loop of layers/moe.py (`Experts.per_expert`, the CPU path).
 
 Each (token, choice) pair is an assignment: num_tokens x top_k of them, numbered token-major
 (assignment a = token * top_k + choice). They are grouped by expert (no host sync) and each

@@ -54,18 +54,28 @@ class Experts(nn.Module):
         offset = 0 if part == "gate" else self.intermediate
         copy_checked(param.data[expert].narrow(0, offset, self.intermediate), rows, f"expert {expert} {part}")
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden]; weights, ids: [T, top_k] -> [T, hidden]."""
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+        """x: [T, hidden]; router_logits: [T, num_experts] -> [T, hidden], routed as `route` says."""
         if x.is_cuda:
-            from nanovllm.kernels.triton_moe import fused_experts
-            return self.tp.all_reduce(fused_experts(x, self.w13, self.w2, weights, ids))
+            from nanovllm.kernels import triton_moe
+            if triton_moe.fused_routing():   # routing and grouping in kernels (NANOVLLM_MOE=fused)
+                out = triton_moe.fused_moe(x, router_logits, self.w13, self.w2, top_k, renormalize)
+            else:
+                out = triton_moe.fused_experts(x, self.w13, self.w2, *route(router_logits, top_k, renormalize))
+        else:
+            out = self.per_expert(x, *route(router_logits, top_k, renormalize))
+        return self.tp.all_reduce(out)
+
+    def per_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The CPU path and the kernels' reference: x: [T, hidden]; weights, ids: [T, top_k] ->
+        [T, hidden], this rank's part (before the all-reduce)."""
         out = torch.zeros_like(x)
         for expert in ids.unique().tolist():
             tokens, slot = (ids == expert).nonzero(as_tuple=True)
             gate, up = F.linear(x[tokens], self.w13[expert]).chunk(2, -1)
             y = F.linear(F.silu(gate) * up, self.w2[expert])
             out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(x.dtype))
-        return self.tp.all_reduce(out)
+        return out
 
 
 class SparseMoeBlock(nn.Module):
@@ -81,20 +91,10 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._routed(x, self.gate(x))
+        out = self.experts(x, self.gate(x), self.top_k, self.renormalize)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
-
-    def _routed(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """The experts' part: [T, hidden]."""
-        if x.is_cuda:
-            from nanovllm.kernels import triton_moe
-            if triton_moe.fused_routing():   # routing and grouping in kernels (NANOVLLM_MOE=fused)
-                return self.experts.tp.all_reduce(triton_moe.fused_moe(
-                    x, router_logits, self.experts.w13, self.experts.w2, self.top_k, self.renormalize))
-        weights, ids = route(router_logits, self.top_k, self.renormalize)
-        return self.experts(x, weights, ids)
 
 
 def is_moe_layer(config: PretrainedConfig, index: int) -> bool:
