@@ -372,10 +372,16 @@ def test_llama_logprobs_close_to_hf(gpu_llama_dir):
     assert our_gap <= 1.5 * hf_gap
 
 
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe"])
+def gpu_moe_dir(request, tmp_path_factory, tokenizer):
+    """-> (architecture, checkpoint): one per architecture, so HF's reference runs once for each."""
+    arch = request.param
+    return arch, build_model_dir(tmp_path_factory.mktemp(f"{arch}_gpu"), arch, tokenizer, seed=1, **SIZES)
+
+
 @pytest.mark.parametrize("moe", ["default", "fused"])
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
 @pytest.mark.parametrize("enforce_eager", [False, True])
-def test_moe_logprobs_close_to_hf(tmp_path_factory, tokenizer, arch, enforce_eager, moe, monkeypatch):
+def test_moe_logprobs_close_to_hf(gpu_moe_dir, enforce_eager, moe, monkeypatch):
     """MoE models through the grouped-GEMM kernels (kernels/triton_moe.py), in the decode graphs
     and eagerly: Qwen3-MoE with MoE and dense layers mixed, Qwen2-MoE with its shared expert.
     Every sequence passes vLLM's check. This random Qwen2-MoE is sensitive to bf16 rounding, as
@@ -385,7 +391,7 @@ def test_moe_logprobs_close_to_hf(tmp_path_factory, tokenizer, arch, enforce_eag
     their kernels (NANOVLLM_MOE=fused)."""
     from nanovllm.kernels import triton_moe
     monkeypatch.setattr(triton_moe, "fused_routing", lambda: moe == "fused")
-    path = build_model_dir(tmp_path_factory.mktemp(f"{arch}_gpu"), arch, tokenizer, seed=1, **SIZES)
+    arch, path = gpu_moe_dir
     llm = LLM(path, dtype="bfloat16", max_model_len=1024, enforce_eager=enforce_eager)
     assert (llm.llm_engine.model_runner.graphs is None) == enforce_eager
     ours, _ = run(llm)
