@@ -379,18 +379,14 @@ def gpu_moe_dir(request, tmp_path_factory, tokenizer):
     return arch, build_model_dir(tmp_path_factory.mktemp(f"{arch}_gpu"), arch, tokenizer, seed=1, **SIZES)
 
 
-@pytest.mark.parametrize("moe", ["default", "fused"])
 @pytest.mark.parametrize("enforce_eager", [False, True])
-def test_moe_logprobs_close_to_hf(gpu_moe_dir, enforce_eager, moe, monkeypatch):
-    """MoE models through the grouped-GEMM kernels (kernels/triton_moe.py), in the decode graphs
-    and eagerly: Qwen3-MoE with MoE and dense layers mixed, Qwen2-MoE with its shared expert.
-    Every sequence passes vLLM's check. This random Qwen2-MoE is sensitive to bf16 rounding, as
-    the Llama above: on the CPU HF bf16 matches HF float32 in 9 of 16 sequences (Qwen3-MoE: 13),
-    and on the H200 ours matched HF bf16 in 6 (graphs and eager alike), so only Qwen3-MoE is also
-    held to matching most sequences fully. With the torch routing and grouping (the default) and with
-    their kernels (NANOVLLM_MOE=fused)."""
-    from nanovllm.kernels import triton_moe
-    monkeypatch.setattr(triton_moe, "fused_routing", lambda: moe == "fused")
+def test_moe_logprobs_close_to_hf(gpu_moe_dir, enforce_eager):
+    """MoE models through the routing, placement and grouped-GEMM kernels (kernels/triton_moe.py),
+    in the decode graphs and eagerly: Qwen3-MoE with MoE and dense layers mixed, Qwen2-MoE with its
+    shared expert. Every sequence passes vLLM's check. This random Qwen2-MoE is sensitive to bf16
+    rounding, as the Llama above: on the CPU HF bf16 matches HF float32 in 9 of 16 sequences
+    (Qwen3-MoE: 13), and on the H200 ours matched HF bf16 in 6 (graphs and eager alike), so only
+    Qwen3-MoE is also held to matching most sequences fully."""
     arch, path = gpu_moe_dir
     llm = LLM(path, dtype="bfloat16", max_model_len=1024, enforce_eager=enforce_eager)
     assert (llm.llm_engine.model_runner.graphs is None) == enforce_eager

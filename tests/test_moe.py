@@ -36,4 +36,4 @@ def test_group_by_expert_places_every_assignment_once_in_a_block_of_its_expert(n
 
 
 def test_block_m_grows_with_the_rows_per_expert():
-    assert [block_m_for(a, 128) for a in (8, 2048, 4096, 16384)] == [16, 16, 32, 64]
+    assert [block_m_for(a, 128) for a in (8, 2048, 4096, 4224, 16384)] == [16, 16, 32, 128, 128]

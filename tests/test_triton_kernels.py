@@ -712,18 +712,16 @@ def test_gumbel_argmax_noise_depends_only_on_the_seed():
 
 # ---- mixture of experts (kernels/triton_moe.py) against the per-expert loop of layers/moe.py ----
 
-@pytest.mark.parametrize("entry", ["fused_experts", "fused_moe"])
 @pytest.mark.parametrize("num_tokens, num_experts, top_k, hidden, intermediate, renormalize",
                          [(1, 8, 2, 64, 32, False), (5, 4, 1, 48, 40, True), (37, 8, 3, 80, 24, True),
-                          (300, 6, 2, 64, 32, False)])
-def test_moe_kernels_equal_the_per_expert_loop(num_tokens, num_experts, top_k, hidden, intermediate, renormalize,
-                                               entry):
-    """Odd sizes (hidden and intermediate not multiples of the tiles), experts left unused (1 token),
-    and blocks of 16, 32 and 64 rows (block_m_for: 300 x 2 over 6 experts is 100 rows each);
-    fused_experts (torch routing and grouping) and fused_moe (NANOVLLM_MOE=fused: the routing kernel,
-    the grouping kernels, SiLU x up in the down product's loads)."""
+                          (100, 8, 2, 72, 40, True), (300, 6, 2, 64, 32, False)])
+def test_moe_kernels_equal_the_per_expert_loop(num_tokens, num_experts, top_k, hidden, intermediate, renormalize):
+    """fused_moe (the routing and placement kernels, the two products with SiLU x up in the second's
+    loads) against route and the loop: odd sizes (hidden and intermediate not multiples of the
+    tiles), experts left unused (1 token), and each size of block with its TILES (block_m_for:
+    100 x 2 over 8 experts is 25 rows each, 32-row blocks; 300 x 2 over 6 is 100, 128-row blocks)."""
     from nanovllm.distributed import SINGLE
-    from nanovllm.kernels.triton_moe import fused_experts, fused_moe
+    from nanovllm.kernels.triton_moe import fused_moe
     from nanovllm.layers.moe import Experts, route
     gen = torch.Generator().manual_seed(num_tokens)
     experts = Experts(num_experts, hidden, intermediate, SINGLE)
@@ -731,14 +729,9 @@ def test_moe_kernels_equal_the_per_expert_loop(num_tokens, num_experts, top_k, h
     experts.w2.data = torch.randn(num_experts, hidden, intermediate, generator=gen) / intermediate ** 0.5
     x = torch.randn(num_tokens, hidden, generator=gen)
     logits = torch.randn(num_tokens, num_experts, generator=gen)
-    weights, ids = route(logits, top_k, renormalize)
-    ref = experts.per_expert(x, weights, ids)
+    ref = experts.per_expert(x, *route(logits, top_k, renormalize))
     dev = dict(device=DEVICE, dtype=DTYPE)
-    x, w13, w2 = x.to(**dev), experts.w13.to(**dev), experts.w2.to(**dev)
-    if entry == "fused_experts":
-        out = fused_experts(x, w13, w2, weights.to(DEVICE), ids.to(DEVICE))
-    else:
-        out = fused_moe(x, logits.to(**dev), w13, w2, top_k, renormalize)
+    out = fused_moe(x.to(**dev), logits.to(**dev), experts.w13.to(**dev), experts.w2.to(**dev), top_k, renormalize)
     assert out.shape == ref.shape and out.dtype == DTYPE
     assert rel_err(out.cpu(), ref) < TOL
 

@@ -11,40 +11,52 @@ expert's run is padded to whole blocks of block_m rows:
 
 (pad: the id num_assignments; block_expert E: a block past the last used one.) There are at most
 cdiv(num_assignments, block_m) + min(num_experts, num_assignments) blocks; the grid covers that
-many and the blocks past the end return at once. `group_by_expert` groups in fixed-shape torch
-ops (~25 small kernels), each run in assignment order. With NANOVLLM_MOE=fused, `route_and_group`
-routes and groups in two kernels instead: the routing kernel (layers/moe.py's `route`: softmax,
-top_k, renormalising) also counts each expert's assignments with atomic adds, each add's old
-value being the assignment's place in its run (so a run's order is the order the adds land in,
-which changes no product), and the placement kernel writes the assignments, the padding and each
-block's expert; SiLU x up then happens in the down product's loads. Until that path has been
-measured on a GPU (docs/perf_notes.md row 75) the engine takes the torch one by default, which
-is also its reference.
+many and the blocks past the end return at once. Two kernels route and group: the routing kernel
+(layers/moe.py's `route`: softmax, top_k, renormalising) also counts each expert's assignments
+with atomic adds, each add's old value being the assignment's place in its run (so a run's order
+is the order the adds land in, which changes no product), and the placement kernel writes the
+assignments, the padding and each block's expert. `group_by_expert` is their plain-torch
+reference (fixed-shape ops, each run in assignment order).
 
 `moe_product` is then one grouped GEMM: a program takes one block of rows, all of one expert, and
 block_n output features; it gathers its rows of the input (token rows for the first product,
 assignment rows for the second) and multiplies them by that expert's weight. The gate | up
-product, SiLU x up (kernels/triton_fused.py) and the down product scaled by the routing weights
-give one output row per assignment; a token's output is the sum of its top_k rows.
+product, then the down product of SiLU(gate) x up (applied as the second product loads its
+input) scaled by the routing weights, give one output row per assignment; a token's output is
+the sum of its top_k rows.
 """
-import functools
-import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from nanovllm.kernels.compile_ahead import launch
-from nanovllm.kernels.triton_fused import silu_and_mul, silu_mul
+from nanovllm.kernels.triton_fused import silu_mul
 
-BLOCK_N, BLOCK_K = 64, 64
+
+class Tiles(NamedTuple):
+    """A product kernel's launch shape."""
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# The fastest of tests/bench_moe.py's sweep on an H200, Qwen3-30B-A3B's shape, for the rows per
+# block: (gate | up product, down product). Wider tiles serve more rows per weight tile read;
+# the widest need ~200 KB of shared memory (a Hopper GPU's 227).
+TILES = {16: (Tiles(64, 128, 4, 3), Tiles(128, 64, 4, 3)),
+         32: (Tiles(128, 128, 4, 3), Tiles(256, 64, 4, 3)),
+         128: (Tiles(256, 64, 8, 4), Tiles(256, 64, 8, 3))}
 
 
 def block_m_for(num_assignments: int, num_experts: int) -> int:
-    """Rows per block: the MMA's smallest width when experts get a few rows each (decode), more
-    when they get many (prompts), so that each expert's weight tile serves more rows."""
+    """Rows per block (a key of TILES): the MMA's smallest width when experts get a few rows each
+    (decode), 128 when they get more than 32 (prompts), even though a run's last block is then
+    mostly padding, so that each expert's weight tile serves more rows."""
     per_expert = num_assignments / num_experts
-    return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 128
 
 
 def num_blocks_for(num_assignments: int, num_experts: int, block_m: int) -> int:
@@ -207,51 +219,34 @@ def _moe_product_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
 
 
 def moe_product(x: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
-                num_assignments: int, rows_per_x: int, block_m: int,
-                scale: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+                num_assignments: int, rows_per_x: int, block_m: int, scale: torch.Tensor | None = None,
+                gated: bool = False, tiles: Tiles | None = None) -> torch.Tensor:
     """x: [num_assignments // rows_per_x, K]; w: [num_experts, N, K] -> [num_assignments, N], row a
     = x[a // rows_per_x] @ w[expert of a].T (times scale[a] if given). gated: x is [.., 2 K] holding
-    gate | up, and the product is of silu(gate) * up (applied as x is loaded)."""
+    gate | up, and the product is of silu(gate) * up (applied as x is loaded). tiles: TILES's
+    for block_m unless given."""
+    tiles = tiles or TILES[block_m][gated]
     num_experts, n, k = w.shape
     assert x.shape[1] == (2 * k if gated else k) and x.stride(1) == 1 and w.stride(2) == 1
     out = torch.empty(num_assignments, n, dtype=x.dtype, device=x.device)
-    launch(_moe_product_kernel, (block_expert.numel(), triton.cdiv(n, BLOCK_N)),
+    launch(_moe_product_kernel, (block_expert.numel(), triton.cdiv(n, tiles.block_n)),
            x, w, out, sorted_ids, block_expert, scale if scale is not None else out, n, k, num_assignments,
            x.stride(0), w.stride(0), w.stride(1), out.stride(0), NUM_EXPERTS=num_experts, ROWS_PER_X=rows_per_x,
-           SCALED=scale is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+           SCALED=scale is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+           num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
-
-
-@functools.cache
-def fused_routing() -> bool:
-    """NANOVLLM_MOE=fused: the routing and grouping kernels, and SiLU x up in the down product's
-    loads (docs/perf_notes.md row 75); otherwise layers/moe.py's `route`, the torch grouping and
-    the SiLU kernel, as first measured on a GPU."""
-    return os.environ.get("NANOVLLM_MOE") == "fused"
-
-
-def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor) -> torch.Tensor:
-    """x: [T, hidden]; w13: [E, 2 I, hidden] (gate | up rows); w2: [E, hidden, I]; weights, ids:
-    [T, top_k] -> [T, hidden]: sum over a token's choices of weight x down(silu(gate) * up)."""
-    block_m = block_m_for(ids.numel(), w13.shape[0])
-    sorted_ids, block_expert = group_by_expert(ids, w13.shape[0], block_m)
-    return _experts(x, w13, w2, weights, sorted_ids, block_expert, block_m, gated_down=False)
 
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
               renormalize: bool) -> torch.Tensor:
-    """fused_experts of `route(router_logits, top_k, renormalize)`, with the routing kernel."""
-    block_m = block_m_for(x.shape[0] * top_k, w13.shape[0])
-    weights, _, sorted_ids, block_expert = route_and_group(router_logits, top_k, renormalize, block_m)
-    return _experts(x, w13, w2, weights, sorted_ids, block_expert, block_m, gated_down=True)
-
-
-def _experts(x, w13, w2, weights, sorted_ids, block_expert, block_m: int, gated_down: bool) -> torch.Tensor:
-    num_tokens, top_k = weights.shape
+    """x: [T, hidden]; router_logits: [T, E]; w13: [E, 2 I, hidden] (gate | up rows); w2: [E, hidden, I]
+    -> [T, hidden]: routed as `route(router_logits, top_k, renormalize)` says, the sum over a token's
+    choices of weight x down(silu(gate) * up)."""
+    num_tokens = x.shape[0]
     num_assignments = num_tokens * top_k
-    gate_up = moe_product(x, w13, sorted_ids, block_expert, num_assignments, top_k, block_m)   # [A, 2 I]
-    act = gate_up if gated_down else silu_and_mul(gate_up)
-    down = moe_product(act, w2, sorted_ids, block_expert, num_assignments, 1, block_m,
-                       scale=weights.flatten().float(), gated=gated_down)                     # [A, hidden]
+    block_m = block_m_for(num_assignments, w13.shape[0])
+    weights, _, sorted_ids, block_expert = route_and_group(router_logits, top_k, renormalize, block_m)
+    gate_up = moe_product(x, w13, sorted_ids, block_expert, num_assignments, top_k, block_m)          # [A, 2 I]
+    down = moe_product(gate_up, w2, sorted_ids, block_expert, num_assignments, 1, block_m,
+                       scale=weights.view(-1), gated=True)                                            # [A, hidden]
     return down.view(num_tokens, top_k, -1).sum(1)   # (accumulated in float32, rounded once)

@@ -57,11 +57,8 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
         """x: [T, hidden]; router_logits: [T, num_experts] -> [T, hidden], routed as `route` says."""
         if x.is_cuda:
-            from nanovllm.kernels import triton_moe
-            if triton_moe.fused_routing():   # routing and grouping in kernels (NANOVLLM_MOE=fused)
-                out = triton_moe.fused_moe(x, router_logits, self.w13, self.w2, top_k, renormalize)
-            else:
-                out = triton_moe.fused_experts(x, self.w13, self.w2, *route(router_logits, top_k, renormalize))
+            from nanovllm.kernels.triton_moe import fused_moe
+            out = fused_moe(x, router_logits, self.w13, self.w2, top_k, renormalize)
         else:
             out = self.per_expert(x, *route(router_logits, top_k, renormalize))
         return self.tp.all_reduce(out)
