@@ -49,6 +49,10 @@ class Tiles(NamedTuple):
 TILES = {16: (Tiles(64, 128, 4, 3), Tiles(128, 64, 4, 3)),
          32: (Tiles(128, 128, 4, 3), Tiles(256, 64, 4, 3)),
          128: (Tiles(256, 64, 8, 4), Tiles(256, 64, 8, 3))}
+# At 1-2 tokens (as many experts as assignments, each with one row) 128 features a program would
+# leave SMs idle (8 experts x 2,048 / 128 = 128 programs on 132 SMs): narrower, deeper tiles there.
+FEW_ASSIGNMENTS = 16
+FEW_TILES = (Tiles(64, 128, 4, 4), Tiles(64, 64, 4, 4))
 
 
 def block_m_for(num_assignments: int, num_experts: int) -> int:
@@ -224,8 +228,8 @@ def moe_product(x: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, bloc
     """x: [num_assignments // rows_per_x, K]; w: [num_experts, N, K] -> [num_assignments, N], row a
     = x[a // rows_per_x] @ w[expert of a].T (times scale[a] if given). gated: x is [.., 2 K] holding
     gate | up, and the product is of silu(gate) * up (applied as x is loaded). tiles: TILES's
-    for block_m unless given."""
-    tiles = tiles or TILES[block_m][gated]
+    for block_m (FEW_TILES for a few assignments) unless given."""
+    tiles = tiles or (FEW_TILES if num_assignments <= FEW_ASSIGNMENTS else TILES[block_m])[gated]
     num_experts, n, k = w.shape
     assert x.shape[1] == (2 * k if gated else k) and x.stride(1) == 1 and w.stride(2) == 1
     out = torch.empty(num_assignments, n, dtype=x.dtype, device=x.device)
