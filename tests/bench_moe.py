@@ -45,12 +45,20 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", default="1,8,64,256,1024,4096,16384")
     p.add_argument("--sweep", action="store_true", help="time each product over candidate_tiles")
+    p.add_argument("--ncu", action="store_true", help="no timing: the layer 5 times at each token count, for "
+                   "Nsight Compute to profile (e.g. ncu -k regex:moe_product --launch-skip 4 --launch-count 2)")
     args = p.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     dev = dict(device="cuda", dtype=torch.bfloat16)
     w13 = torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=gen, **dev) * 0.02
     w2 = torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, generator=gen, **dev) * 0.02
     gate = torch.randn(EXPERTS, HIDDEN, generator=gen, **dev) * 0.02
+    if args.ncu:
+        for num_tokens in map(int, args.tokens.split(",")):
+            for _ in range(5):
+                x = torch.randn(num_tokens, HIDDEN, generator=gen, **dev)
+                fused_moe(x, x @ gate.T, w13, w2, TOP_K, True)
+        return torch.cuda.synchronize()
     print("us per call in a CUDA graph; GB/s of the experts' weights a call reads")
     print(f"{'tokens':>6} {'route+place':>11} {'torch':>8} {'layer':>8} {'gate_up':>8} {'down':>8} "
           f"{'GB/s gate_up':>12} {'GB/s down':>10} {'TFLOP/s':>8}")
