@@ -49,8 +49,9 @@ class Tiles(NamedTuple):
 TILES = {16: (Tiles(64, 128, 4, 3), Tiles(128, 64, 4, 3)),
          32: (Tiles(128, 128, 4, 3), Tiles(256, 64, 4, 3)),
          128: (Tiles(256, 64, 8, 4), Tiles(256, 64, 8, 3))}
-# At 1-2 tokens (as many experts as assignments, each with one row) 128 features a program would
-# leave SMs idle (8 experts x 2,048 / 128 = 128 programs on 132 SMs): narrower, deeper tiles there.
+# At a few assignments (as many experts, each with one row) 128 features a program leave SMs idle
+# (1 token of top-8: 8 experts x 2,048 / 128 = 128 programs on 132 SMs): narrower, deeper tiles.
+# Measured at 1 token; at 2 (16 assignments) the 128-feature tiles were faster (perf_notes Next 11a).
 FEW_ASSIGNMENTS = 16
 FEW_TILES = (Tiles(64, 128, 4, 4), Tiles(64, 64, 4, 4))
 
