@@ -72,7 +72,7 @@ def main():
         block_m = block_m_for(num_tokens * TOP_K, EXPERTS)
 
         def torch_grouping(lg):
-            weights, ids = route(lg, TOP_K, True)
+            _, ids = route(lg, TOP_K, True)
             return group_by_expert(ids, EXPERTS, block_m)
 
         ours = us_per_call_in_graph([lambda lg=lg: route_and_group(lg, TOP_K, True, block_m) for lg in logits])

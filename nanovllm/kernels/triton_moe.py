@@ -37,10 +37,10 @@ from nanovllm.kernels.triton_fused import silu_mul
 
 class Tiles(NamedTuple):
     """A product kernel's launch shape."""
-    block_n: int = 64
-    block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
 
 
 # The fastest of tests/bench_moe.py's sweep on an H200, Qwen3-30B-A3B's shape, for the rows per
