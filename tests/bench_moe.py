@@ -81,14 +81,16 @@ def main():
         products = {}
         for bm in block_ms(num_tokens):
             groups = [route_and_group(lg, TOP_K, True, bm) for lg in logits]
-            gate_ups = [moe_product(x, w13, s, b, num_tokens * TOP_K, TOP_K, bm) for x, (_, _, s, b) in zip(xs, groups)]
+            acts = [moe_product(x, w13, s, b, num_tokens * TOP_K, TOP_K, bm, silu_mul=True)
+                    for x, (_, _, s, b) in zip(xs, groups)]
 
             def first(tiles, i):
-                return moe_product(xs[i], w13, *groups[i][2:], num_tokens * TOP_K, TOP_K, bm, tiles=tiles)
+                return moe_product(xs[i], w13, *groups[i][2:], num_tokens * TOP_K, TOP_K, bm, silu_mul=True,
+                                   tiles=tiles)
 
             def second(tiles, i):
-                return moe_product(gate_ups[i], w2, *groups[i][2:], num_tokens * TOP_K, 1, bm,
-                                   scale=groups[i][0].view(-1), gated=True, tiles=tiles)
+                return moe_product(acts[i], w2, *groups[i][2:], num_tokens * TOP_K, 1, bm,
+                                   scale=groups[i][0].view(-1), tiles=tiles)
 
             tiles = [None] + (candidate_tiles(bm) if args.sweep else [])   # None: TILES's
 

@@ -716,8 +716,8 @@ def test_gumbel_argmax_noise_depends_only_on_the_seed():
                          [(1, 8, 2, 64, 32, False), (5, 4, 1, 48, 40, True), (37, 8, 3, 80, 24, True),
                           (100, 8, 2, 72, 40, True), (300, 6, 2, 64, 32, False)])
 def test_moe_kernels_equal_the_per_expert_loop(num_tokens, num_experts, top_k, hidden, intermediate, renormalize):
-    """fused_moe (the routing and placement kernels, the two products with SiLU x up in the second's
-    loads) against route and the loop: odd sizes (hidden and intermediate not multiples of the
+    """fused_moe (the routing and placement kernels, the two products with SiLU x up in the first's
+    output) against route and the loop: odd sizes (hidden and intermediate not multiples of the
     tiles), experts left unused (1 token), and each size of block with its TILES (block_m_for:
     100 x 2 over 8 experts is 25 rows each, 32-row blocks; 300 x 2 over 6 is 100, 128-row blocks)."""
     from nanovllm.distributed import SINGLE

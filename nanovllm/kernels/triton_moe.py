@@ -21,9 +21,9 @@ reference (fixed-shape ops, each run in assignment order).
 `moe_product` is then one grouped GEMM: a program takes one block of rows, all of one expert, and
 block_n output features; it gathers its rows of the input (token rows for the first product,
 assignment rows for the second) and multiplies them by that expert's weight. The gate | up
-product, then the down product of SiLU(gate) x up (applied as the second product loads its
-input) scaled by the routing weights, give one output row per assignment; a token's output is
-the sum of its top_k rows.
+product (each program reading the gate rows and the up rows of its features, and writing
+SiLU(gate) x up), then the down product scaled by the routing weights, give one output row per
+assignment; a token's output is the sum of its top_k rows.
 """
 from typing import NamedTuple
 
@@ -193,7 +193,7 @@ def _place(flat_ids: torch.Tensor, counts: torch.Tensor, rank: torch.Tensor,
 @triton.jit
 def _moe_product_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, scale_ptr, N, K, num_assignments,
                         stride_x, stride_we, stride_wn, stride_o, NUM_EXPERTS: tl.constexpr,
-                        ROWS_PER_X: tl.constexpr, SCALED: tl.constexpr, GATED: tl.constexpr,
+                        ROWS_PER_X: tl.constexpr, SCALED: tl.constexpr, SILU_MUL: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     block, n_block = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + block)
@@ -202,43 +202,54 @@ def _moe_product_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
     ids = tl.load(sorted_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))   # [BLOCK_M] assignments
     is_row = ids < num_assignments
     rows = ids // ROWS_PER_X       # x's row of each: its token (ROWS_PER_X = top_k) or itself (1)
-    offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    # N output features; with SILU_MUL, w has 2 N rows (gate | up) and a program reads BLOCK_N of
+    # them: BLOCK_N / 2 gate rows and the up rows of the same features.
+    OUT_N: tl.constexpr = BLOCK_N // 2 if SILU_MUL else BLOCK_N
+    offs_n = n_block * OUT_N + tl.arange(0, OUT_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_x + offs_k[None, :]                         # [M, K]
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [K, N]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc = tl.zeros((BLOCK_M, OUT_N), tl.float32)
+    acc_up = tl.zeros((BLOCK_M, OUT_N), tl.float32)
     for k in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k
         x = tl.load(x_ptrs, mask=is_row[:, None] & k_ok[None, :], other=0.0)
-        if GATED:   # x's rows hold gate | up: the input is silu(gate) * up
-            x = silu_mul(x, tl.load(x_ptrs + K, mask=is_row[:, None] & k_ok[None, :], other=0.0))
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(x, w, acc)
+        if SILU_MUL:
+            up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc_up = tl.dot(x, up, acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    out_dtype = out_ptr.dtype.element_ty
+    if SILU_MUL:                   # each product rounded first, as the two-kernel path rounds them
+        acc = silu_mul(acc.to(out_dtype), acc_up.to(out_dtype))
     if SCALED:                     # by each assignment's routing weight
         acc *= tl.load(scale_ptr + ids, mask=is_row, other=0.0)[:, None]
     out_ptrs = out_ptr + ids[:, None].to(tl.int64) * stride_o + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=is_row[:, None] & n_ok[None, :])
+    tl.store(out_ptrs, acc.to(out_dtype), mask=is_row[:, None] & n_ok[None, :])
 
 
 def moe_product(x: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
                 num_assignments: int, rows_per_x: int, block_m: int, scale: torch.Tensor | None = None,
-                gated: bool = False, tiles: Tiles | None = None) -> torch.Tensor:
+                silu_mul: bool = False, tiles: Tiles | None = None) -> torch.Tensor:
     """x: [num_assignments // rows_per_x, K]; w: [num_experts, N, K] -> [num_assignments, N], row a
-    = x[a // rows_per_x] @ w[expert of a].T (times scale[a] if given). gated: x is [.., 2 K] holding
-    gate | up, and the product is of silu(gate) * up (applied as x is loaded). tiles: TILES's
-    for block_m (FEW_TILES for a few assignments) unless given."""
-    tiles = tiles or (FEW_TILES if num_assignments <= FEW_ASSIGNMENTS else TILES[block_m])[gated]
+    = x[a // rows_per_x] @ w[expert of a].T (times scale[a] if given). silu_mul: w's rows hold
+    gate | up, and the output is silu(gate) * up: [num_assignments, N / 2]. tiles: TILES's for
+    block_m (FEW_TILES for a few assignments) unless given."""
+    gate_up_tiles, down_tiles = FEW_TILES if num_assignments <= FEW_ASSIGNMENTS else TILES[block_m]
+    tiles = tiles or (gate_up_tiles if silu_mul else down_tiles)
     num_experts, n, k = w.shape
-    assert x.shape[1] == (2 * k if gated else k) and x.stride(1) == 1 and w.stride(2) == 1
+    n = n // 2 if silu_mul else n
+    assert x.shape[1] == k and x.stride(1) == 1 and w.stride(2) == 1
     out = torch.empty(num_assignments, n, dtype=x.dtype, device=x.device)
-    launch(_moe_product_kernel, (block_expert.numel(), triton.cdiv(n, tiles.block_n)),
+    out_n = tiles.block_n // 2 if silu_mul else tiles.block_n
+    launch(_moe_product_kernel, (block_expert.numel(), triton.cdiv(n, out_n)),
            x, w, out, sorted_ids, block_expert, scale if scale is not None else out, n, k, num_assignments,
            x.stride(0), w.stride(0), w.stride(1), out.stride(0), NUM_EXPERTS=num_experts, ROWS_PER_X=rows_per_x,
-           SCALED=scale is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-           num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+           SCALED=scale is not None, SILU_MUL=silu_mul, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
+           BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
@@ -251,7 +262,7 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     num_assignments = num_tokens * top_k
     block_m = block_m_for(num_assignments, w13.shape[0])
     weights, _, sorted_ids, block_expert = route_and_group(router_logits, top_k, renormalize, block_m)
-    gate_up = moe_product(x, w13, sorted_ids, block_expert, num_assignments, top_k, block_m)          # [A, 2 I]
-    down = moe_product(gate_up, w2, sorted_ids, block_expert, num_assignments, 1, block_m,
-                       scale=weights.view(-1), gated=True)                                            # [A, hidden]
+    act = moe_product(x, w13, sorted_ids, block_expert, num_assignments, top_k, block_m, silu_mul=True)  # [A, I]
+    down = moe_product(act, w2, sorted_ids, block_expert, num_assignments, 1, block_m,
+                       scale=weights.view(-1))                                                           # [A, hidden]
     return down.view(num_tokens, top_k, -1).sum(1)   # (accumulated in float32, rounded once)
