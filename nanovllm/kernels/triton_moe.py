@@ -51,7 +51,7 @@ TILES = {16: (Tiles(64, 128, 4, 3), Tiles(128, 64, 4, 3)),
          128: (Tiles(256, 64, 8, 4), Tiles(256, 64, 8, 3))}
 # At a few assignments (as many experts, each with one row) 128 features a program leave SMs idle
 # (1 token of top-8: 8 experts x 2,048 / 128 = 128 programs on 132 SMs): narrower, deeper tiles.
-# Measured at 1 token; at 2 (16 assignments) the 128-feature tiles were faster (perf_notes Next 11a).
+# The fastest at 1 token, and within 1.5% of the fastest at 2 (16 assignments; perf_notes row 78).
 FEW_ASSIGNMENTS = 16
 FEW_TILES = (Tiles(64, 128, 4, 4), Tiles(64, 64, 4, 4))
 
