@@ -90,7 +90,7 @@ def main():
     for cache in ("bf16", "fp8e4nv"):
         types = {"q_ptr": "*bf16", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}",
                  "block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
-                 "out_ptr": "*bf16", "scale": "fp32"}
+                 "out_ptr": "*bf16", "scale": "fp32", "min_q_len": "i32"}
         for block_m, block_n, warps, stages in ((64, 64, 4, 2), (64, 64, 4, 3), (128, 128, 8, 3)):
             constants = dict(GROUP=2, HEAD_DIM=128, PAGE=256, BLOCK_M=block_m, BLOCK_N=block_n)
             compiled = compile_kernel(ta._prefill_kernel, types, constants, warps, stages, None)
@@ -100,7 +100,7 @@ def main():
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
              "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32"}
     for split_k, block_n, block_k, stages, warps in ((1, 64, 256, 4, 4), (8, 64, 256, 4, 4), (1, 32, 128, 6, 4)):
-        constants = dict(HAS_BIAS=False, GATED=False, EVEN_K=True, SPLIT_K=split_k, BLOCK_M=ts.MAX_ROWS,
+        constants = dict(HAS_BIAS=False, SILU_MUL=False, EVEN_K=True, SPLIT_K=split_k, BLOCK_M=ts.MAX_ROWS,
                          BLOCK_N=block_n, BLOCK_K=block_k, LINE=64, PREFETCH_LINES=16, PDL=False)
         compiled = compile_kernel(ts._skinny_linear_kernel, types, constants, warps, stages, None)
         ptx = compiled.asm["ptx"]
@@ -111,10 +111,10 @@ def main():
     ptx = compiled.asm["ptx"]
     print(report("(1, 32, 128, 6, 4) PDL", compiled, 4) + f"  prefetch.global.L2 {ptx.count('prefetch.global.L2')}, "
           f"griddepcontrol.wait {ptx.count('griddepcontrol.wait')}")
-    constants = dict(HAS_BIAS=False, GATED=True, EVEN_K=True, SPLIT_K=8, BLOCK_M=ts.MAX_ROWS, BLOCK_N=64,
-                     BLOCK_K=256, LINE=64, PREFETCH_LINES=16, PDL=True)   # down_proj, SiLU x up as x is loaded
-    print(report("(8, 64, 256, 4, 4) PDL, gated input", compile_kernel(ts._skinny_linear_kernel, types, constants,
-                                                                     4, 4, None), 4))
+    constants = dict(HAS_BIAS=False, SILU_MUL=True, EVEN_K=True, SPLIT_K=1, BLOCK_M=ts.MAX_ROWS, BLOCK_N=64,
+                     BLOCK_K=256, LINE=64, PREFETCH_LINES=16, PDL=True)   # gate_up_proj, writing SiLU x up
+    print(report("(1, 64, 256, 4, 4) PDL, SiLU x up", compile_kernel(ts._skinny_linear_kernel, types, constants,
+                                                                   4, 4, None), 4))
 
     print("q/k norm + RoPE + KV store (Qwen3-0.6B heads, bf16 and fp8 caches), PDL on:")
     from nanovllm.kernels import triton_fused as tf

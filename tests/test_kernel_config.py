@@ -64,20 +64,20 @@ def test_row_parallel_products_split_only_at_decode_batch_sizes():
     assert split_k_before_norm(32, 384, 1024) == 1
 
 
-def test_gated_down_projection_takes_gate_and_up():
-    """RowParallelLinear(x, gated=True), as GatedMLP calls it, is the product of silu(gate) * up
-    (on the CPU through silu_and_mul first; on CUDA at small batches inside the kernel's loads)."""
+def test_gate_up_projection_with_silu_mul_gives_the_activation():
+    """MergedColumnParallelLinear(x, silu_mul=True), as GatedMLP calls it, is silu(gate) * up of
+    its two parts (on the CPU through silu_and_mul after the product; on CUDA at small batches
+    inside the product's kernel)."""
     import torch
     from nanovllm.layers.activation import silu_and_mul
-    from nanovllm.layers.linear import RowParallelLinear
+    from nanovllm.layers.linear import MergedColumnParallelLinear
     gen = torch.Generator().manual_seed(0)
-    down = RowParallelLinear(6, 4, to_norm=True)
-    down.weight.data = torch.randn(4, 6, generator=gen)
-    gate_up = torch.randn(3, 12, generator=gen)
-    gate, up = gate_up[:, :6], gate_up[:, 6:]
-    expected = (torch.nn.functional.silu(gate) * up) @ down.weight.T
-    assert torch.allclose(down(gate_up, gated=True), expected, atol=1e-6)
-    assert torch.equal(down(gate_up, gated=True), down(silu_and_mul(gate_up)))
+    gate_up = MergedColumnParallelLinear(4, [6, 6])
+    gate_up.weight.data = torch.randn(12, 4, generator=gen)
+    x = torch.randn(3, 4, generator=gen)
+    gate, up = x @ gate_up.weight[:6].T, x @ gate_up.weight[6:].T
+    assert torch.allclose(gate_up(x, silu_mul=True), torch.nn.functional.silu(gate) * up, atol=1e-6)
+    assert torch.equal(gate_up(x, silu_mul=True), silu_and_mul(gate_up(x)))
 
 
 def test_compile_ahead_tells_launches_apart_by_what_triton_specialises_on():

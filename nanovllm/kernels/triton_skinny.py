@@ -38,12 +38,15 @@ def enabled() -> bool:
 
 @triton.jit
 def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
-                          stride_x, stride_w, stride_o, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                          stride_x, stride_w, stride_o, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
                           EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, LINE: tl.constexpr, PREFETCH_LINES: tl.constexpr,
                           PDL: tl.constexpr):
     block, split = tl.program_id(0), tl.program_id(1)
-    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    # N output features; with SILU_MUL the weight has 2 N rows (gate | up), a program reads
+    # BLOCK_N of them (the gate rows and the up rows of OUT_N features) and writes silu(gate) * up.
+    OUT_N: tl.constexpr = BLOCK_N // 2 if SILU_MUL else BLOCK_N
+    offs_n = block * OUT_N + tl.arange(0, OUT_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
@@ -52,13 +55,15 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, 
     if PDL:
         # The weight does not depend on the kernel before this one (x does): start pulling this
         # program's slice into L2 while that kernel finishes, then wait for it.
-        rows = tl.minimum(offs_n, N - 1)
+        r = tl.arange(0, BLOCK_N)   # the program's weight rows: its features' (gate rows, then up rows)
+        rows = tl.minimum(block * OUT_N + r % OUT_N + (r // OUT_N) * N, (2 * N if SILU_MUL else N) - 1)
         cols = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * LINE, K - 1)
         _prefetch_l2(w_ptr + rows[:, None] * stride_w + cols[None, :])
     pdl.begin(PDL)
     w_ptrs = w_ptr + offs_n[:, None] * stride_w + (k_start + offs_k)[None, :]   # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + offs_m[:, None] * stride_x + (k_start + offs_k)[None, :]   # [BLOCK_M, BLOCK_K]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)                   # y transposed
+    acc = tl.zeros((OUT_N, BLOCK_M), tl.float32)                     # y transposed
+    acc_up = tl.zeros((OUT_N, BLOCK_M), tl.float32)
     for k in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         if EVEN_K:
             k_ok = (offs_k < BLOCK_K)[None, :]
@@ -66,9 +71,10 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, 
             k_ok = (offs_k < K - k)[None, :]
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok, other=0.0)
         x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
-        if GATED:   # x's rows hold gate | up: the input is silu(gate) * up
-            x = silu_mul(x, tl.load(x_ptrs + K, mask=m_ok[:, None] & k_ok, other=0.0))
         acc = tl.dot(w, tl.trans(x), acc)
+        if SILU_MUL:
+            up = tl.load(w_ptrs + N * stride_w, mask=n_ok[:, None] & k_ok, other=0.0)
+            acc_up = tl.dot(up, tl.trans(x), acc_up)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if SPLIT_K > 1:
@@ -84,6 +90,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, 
             _store(acc, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_o, HAS_BIAS)
             tl.atomic_xchg(count_ptr + block, 0, sem="relaxed", scope="gpu")
     else:
+        if SILU_MUL:   # each product rounded first, as silu_and_mul after the product rounds them
+            acc = silu_mul(acc.to(out_ptr.dtype.element_ty), acc_up.to(out_ptr.dtype.element_ty))
         _store(acc, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_o, HAS_BIAS)
 
 
@@ -120,14 +128,18 @@ def _num_sms(device: torch.device) -> int:
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   out: torch.Tensor | None = None, split_k: int | None = None, block_n: int = BLOCK_N,
                   block_k: int = BLOCK_K, num_stages: int = NUM_STAGES, num_warps: int = 4,
-                  gated: bool = False) -> torch.Tensor:
+                  silu_mul: bool = False) -> torch.Tensor:
     """x: [M, K] with M <= MAX_ROWS, weight: [N, K], bias: [N] or None -> [M, N] in x's dtype
-    (written to out if given). gated: x is [M, 2 K] holding gate | up, and the product is of
-    silu(gate) * up (the activation applied as x is loaded, no kernel of its own). The keyword
-    arguments from split_k to num_warps are tuning knobs (tests/bench_skinny.py sweeps them);
-    split_k None: split_k_for's choice."""
+    (written to out if given). silu_mul: weight's rows hold gate | up (a gated MLP's gate_up_proj,
+    no bias), and the result is silu(gate) * up, [M, N / 2] (the activation applied to the
+    products in registers, no kernel of its own; never split). The keyword arguments from split_k
+    to num_warps are tuning knobs (tests/bench_skinny.py sweeps them); split_k None: split_k_for's
+    choice."""
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
-    assert m <= MAX_ROWS and x.shape[1] == (2 * k if gated else k) and x.stride(1) == 1 and weight.stride(1) == 1
+    assert m <= MAX_ROWS and x.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
+    if silu_mul:
+        assert bias is None and n % 2 == 0 and split_k in (None, 1)
+        n, split_k = n // 2, 1
     if split_k is None:
         split_k = split_k_for(n, k, _num_sms(x.device) if x.is_cuda else INTERPRETER_SMS, block_n, block_k)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
@@ -135,7 +147,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     assert out.shape == (m, n) and out.stride(1) == 1
-    blocks = triton.cdiv(n, block_n)
+    blocks = triton.cdiv(n, block_n // 2 if silu_mul else block_n)
     parts = counters = out
     if split_k > 1:
         parts = torch.empty(split_k, n, MAX_ROWS, dtype=torch.float32, device=x.device)
@@ -143,7 +155,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         assert blocks <= counters.numel()
     launch(_skinny_linear_kernel, (blocks, split_k),
         x, weight, bias if bias is not None else weight, out, parts, counters, m, n, k, k_per_split,
-        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, GATED=gated, EVEN_K=k % block_k == 0,
+        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0,
         SPLIT_K=split_k, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, LINE=LINE_BYTES // x.element_size(),
         PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k_per_split * x.element_size(), LINE_BYTES)),
         num_stages=num_stages, num_warps=num_warps, **pdl.launch_options(m))

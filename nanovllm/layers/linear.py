@@ -37,15 +37,17 @@ def takes_small_batch_kernel(x: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+           out: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
     """F.linear (see takes_small_batch_kernel for when it is ours). out: where to write the result
-    ([rows, out_features], contiguous), if not in a new tensor. gated: x holds gate | up halves and
-    the input is silu(gate) * up, which the small-batch kernel computes as it loads x."""
+    ([rows, out_features], contiguous), if not in a new tensor. silu_mul: weight's rows hold gate |
+    up halves and the result is silu(gate) * up, which the small-batch kernel computes in the same
+    kernel (no out or bias then)."""
     if takes_small_batch_kernel(x):
         from nanovllm.kernels.triton_skinny import skinny_linear
-        return skinny_linear(x, weight, bias, out=out, gated=gated)
-    if gated:
-        x = silu_and_mul(x)
+        return skinny_linear(x, weight, bias, out=out, silu_mul=silu_mul)
+    if silu_mul:
+        assert out is None and bias is None
+        return silu_and_mul(F.linear(x, weight))
     if out is None:
         return F.linear(x, weight, bias)
     if bias is None:
@@ -132,6 +134,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, tp)
 
+    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """silu_mul: the two parts are a gated MLP's gate and up; return silu(gate) * up (see linear)."""
+        assert not silu_mul or len(self.output_sizes) == 2
+        return linear(x, self.weight, self.bias, silu_mul=silu_mul)
+
     def shard_range(self, shard_id: int) -> tuple[int, int]:
         sizes = [s // self.tp_size for s in self.output_sizes]
         return sum(sizes[:shard_id]), sizes[shard_id]
@@ -167,14 +174,13 @@ class RowParallelLinear(LinearBase):
         super().__init__(input_size // tp.size, output_size, bias, shard_dim=1, tp=tp)
         self.to_norm = to_norm and tp.size == 1 and not bias
 
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor | SplitKPartials:
-        """gated: x holds gate | up halves, and the input is silu(gate) * up (see linear)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
         if self.to_norm and is_16bit_cuda_matrix(x):
             splits = split_k_before_norm(x.shape[0], *self.weight.shape[::-1])
             if splits > 1:
-                return split_k_partials(silu_and_mul(x) if gated else x, self.weight, splits)
+                return split_k_partials(x, self.weight, splits)
         # Bias is added once, on rank 0, before the sum. The product goes straight into the
         # all-reduce's input buffer when it has one (no copy into it).
         out = self.tp.all_reduce_input((x.shape[0], self.weight.shape[0]), x.dtype) if x.dim() == 2 else None
-        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, out=out, gated=gated)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, out=out)
         return self.tp.all_reduce(y)

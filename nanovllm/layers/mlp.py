@@ -26,5 +26,5 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp, to_norm=to_norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # At small batches the down projection's kernel applies the activation as it loads its input.
-        return self.down_proj(self.gate_up_proj(x), gated=True)
+        # At small batches the gate_up projection's kernel applies the activation to its products.
+        return self.down_proj(self.gate_up_proj(x, silu_mul=True))
