@@ -326,9 +326,10 @@ def test_skinny_linear(rows, n, k, bias, split_k):
 @pytest.mark.parametrize("rows, n, k", [(1, 6144, 1024), (5, 300, 1000), (16, 40, 64)])
 def test_skinny_linear_silu_mul_as_the_product_then_silu_and_mul(rows, n, k):
     """silu_mul=True (the gate_up projection of a gated MLP) gives silu(gate) * up of the two halves
-    of the product: within bf16 rounding of the product, then the SiLU kernel (the kernel rounds
-    the same float32 sums, but a program's tile holds other rows, so the sums may differ in their
-    last bits); n / 2 = 150 and 20 end in a partial block of features."""
+    of the product, as the product followed by the SiLU kernel does (bitwise in the interpreter, and
+    on an H200 at the Qwen3-0.6B and -8B MLP shapes; but a program's tile holds other weight rows
+    than the plain product's, so only closeness is asserted); n / 2 = 150 and 20 end
+    in a partial block of features."""
     import torch.nn.functional as F
     from nanovllm.kernels.triton_fused import silu_and_mul
     from nanovllm.kernels.triton_skinny import skinny_linear
