@@ -155,8 +155,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         assert blocks <= counters.numel()
     launch(_skinny_linear_kernel, (blocks, split_k),
         x, weight, bias if bias is not None else weight, out, parts, counters, m, n, k, k_per_split,
-        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0,
-        SPLIT_K=split_k, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, LINE=LINE_BYTES // x.element_size(),
+        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        EVEN_K=k % block_k == 0, SPLIT_K=split_k, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        LINE=LINE_BYTES // x.element_size(),
         PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k_per_split * x.element_size(), LINE_BYTES)),
         num_stages=num_stages, num_warps=num_warps, **pdl.launch_options(m))
     return out
