@@ -5,7 +5,7 @@ larger decode batches (a developer tool, not a test).
 Each figure is the time per call inside a CUDA graph (as in the decode graphs), the calls cycling
 through enough copies of the weight that it is read from HBM, not L2.
 
-    PYTHONPATH=. python3 tests/bench_skinny.py [--sweep]
+    PYTHONPATH=. python3 tests/bench_skinny.py [--sweep] [--silu-mul]
 """
 import argparse
 import itertools
@@ -21,6 +21,9 @@ SHAPES = {   # name: (K, N)
     "0.6b lm_head": (1024, 151936),
     "8b/2 qkv": (4096, 3072), "8b/2 o": (2048, 4096), "8b/2 gate_up": (4096, 12288), "8b/2 down": (6144, 4096),
 }
+# gate_up with silu_mul=True: (block_n, block_k, stages); 64 rows a program (the default) make two 32-row dots,
+# which Triton gives to mma.sync, 128 rows two 64-row dots on wgmma (perf_notes row 79, Next 6c)
+SILU_MUL_TILES = ((64, 256, 4), (128, 128, 4), (128, 256, 3), (64, 128, 6))
 ROWS = (1, 2, 4, 8, 16)
 LARGER_ROWS = (32, 64, 128, 256)   # cuBLAS alone: how far its decode-batch GEMMs are from the weights' floor
 
@@ -28,7 +31,11 @@ LARGER_ROWS = (32, 64, 128, 256)   # cuBLAS alone: how far its decode-batch GEMM
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true", help="at batch 1, time every (split_k, block_n, block_k, stages)")
+    p.add_argument("--silu-mul", action="store_true", help="only the gate_up shapes, plain and with silu_mul=True "
+                   "over SILU_MUL_TILES")
     args = p.parse_args()
+    if args.silu_mul:
+        return time_silu_mul()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     print("us per call in a CUDA graph (weights from HBM); GB/s of weight; ours with the default config")
     print(f"{'shape':14} {'rows':>4} {'cuBLAS':>8} {'ours':>8} {'GB/s cuBLAS':>12} {'GB/s ours':>10}  max |diff|")
@@ -62,6 +69,28 @@ def main():
             print(f"  sweep at 1 row, default split_k {split_k_for(n, k, num_sms)}; best (us, split_k, block_n, "
                   f"block_k, stages): {results[:4]}")
         del weights, w0
+        torch.cuda.empty_cache()
+
+
+def time_silu_mul():
+    print("us per call in a CUDA graph (weights from HBM): gate_up plain, then with silu_mul=True per (block_n, "
+          "block_k, stages)")
+    for name, (k, n) in SHAPES.items():
+        if not name.endswith("gate_up"):
+            continue
+        weights = copies_beyond_l2(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+        for m in ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row = [f"plain {us_per_call_in_graph([lambda w=w: skinny_linear(x, w) for w in weights]):7.2f}"]
+            for bn, bk, stages in SILU_MUL_TILES:
+                try:
+                    us = us_per_call_in_graph([lambda w=w: skinny_linear(x, w, silu_mul=True, block_n=bn, block_k=bk,
+                                                                         num_stages=stages) for w in weights])
+                    row.append(f"{(bn, bk, stages)} {us:7.2f}")
+                except Exception as e:   # e.g. out of shared memory
+                    row.append(f"{(bn, bk, stages)} {type(e).__name__}")
+            print(f"{name:14} {m:4}  " + "  ".join(row))
+        del weights
         torch.cuda.empty_cache()
 
 
