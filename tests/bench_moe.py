@@ -1,7 +1,8 @@
 """A mixture-of-experts layer's kernels (kernels/triton_moe.py) on the GPU, for the Qwen3-30B-A3B
 shape (128 experts, top 8, hidden 2,048, intermediate 768), at decode and prompt token counts: the
-routing and placement kernels against the torch routing and grouping, the whole layer, and with
---sweep each product over a range of tiles (a developer tool, not a test).
+routing and placement kernels ("single": in one program, up to ROUTE_TOKENS tokens) against the
+torch routing and grouping, the whole layer (with NANOVLLM_MOE_ROUTE's routing), and with --sweep
+each product over a range of tiles (a developer tool, not a test).
 
 Each figure is the time per call inside a CUDA graph (as in the decode graphs), the calls cycling
 through several routings, so that the experts' weights are read from HBM as in a model's step.
@@ -16,8 +17,8 @@ import torch
 
 from gpu_timing import us_per_call_in_graph
 from nanovllm.kernels.compile_ahead import dry_run
-from nanovllm.kernels.triton_moe import (TILES, Tiles, block_m_for, fused_moe, group_by_expert, moe_product,
-                                         route_and_group)
+from nanovllm.kernels.triton_moe import (ROUTE_TOKENS, TILES, Tiles, block_m_for, fused_moe, group_by_expert,
+                                         moe_product, route_and_group)
 from nanovllm.layers.moe import route
 
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 128, 2048, 768, 8
@@ -60,7 +61,7 @@ def main():
                 fused_moe(x, x @ gate.T, w13, w2, TOP_K, True)
         return torch.cuda.synchronize()
     print("us per call in a CUDA graph; GB/s of the experts' weights a call reads")
-    print(f"{'tokens':>6} {'route+place':>11} {'torch':>8} {'layer':>8} {'gate_up':>8} {'down':>8} "
+    print(f"{'tokens':>6} {'route+place':>11} {'single':>8} {'torch':>8} {'layer':>8} {'gate_up':>8} {'down':>8} "
           f"{'GB/s gate_up':>12} {'GB/s down':>10} {'TFLOP/s':>8}")
     sweeps = []
     for num_tokens in map(int, args.tokens.split(",")):
@@ -75,7 +76,10 @@ def main():
             _, ids = route(lg, TOP_K, True)
             return group_by_expert(ids, EXPERTS, block_m)
 
-        ours = us_per_call_in_graph([lambda lg=lg: route_and_group(lg, TOP_K, True, block_m) for lg in logits])
+        ours = us_per_call_in_graph([lambda lg=lg: route_and_group(lg, TOP_K, True, block_m, single_program=False)
+                                     for lg in logits])
+        single = (us_per_call_in_graph([lambda lg=lg: route_and_group(lg, TOP_K, True, block_m, single_program=True)
+                                        for lg in logits]) if num_tokens <= ROUTE_TOKENS else float("nan"))
         theirs = us_per_call_in_graph([lambda lg=lg: torch_grouping(lg) for lg in logits])
         layer = us_per_call_in_graph([lambda x=x: fused_moe(x, x @ gate.T, w13, w2, TOP_K, True) for x in xs])
         products = {}
@@ -115,7 +119,7 @@ def main():
         default = {name: next(us for us, bm, t in results if bm == block_m and t is None)
                    for name, results in products.items()}
         first_us, second_us = default["gate_up"], default["down"]
-        print(f"{num_tokens:6} {ours:11.1f} {theirs:8.1f} {layer:8.1f} {first_us:8.1f} {second_us:8.1f} "
+        print(f"{num_tokens:6} {ours:11.1f} {single:8.1f} {theirs:8.1f} {layer:8.1f} {first_us:8.1f} {second_us:8.1f} "
               f"{bytes13 / first_us / 1e3:12.0f} {bytes2 / second_us / 1e3:10.0f} "
               f"{flops / (first_us + second_us) / 1e6:8.1f}")
         sweeps.append((num_tokens, products, default))

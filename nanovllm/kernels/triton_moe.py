@@ -25,6 +25,8 @@ product (each program reading the gate rows and the up rows of its features, and
 SiLU(gate) x up), then the down product scaled by the routing weights, give one output row per
 assignment; a token's output is the sum of its top_k rows.
 """
+import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -89,59 +91,148 @@ def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     return sorted_ids, block_expert.to(torch.int32)
 
 
-ROUTE_TOKENS = 16   # tokens a program of the routing kernel takes
+ROUTE_TOKENS = 16   # tokens a program of the routing kernel takes; up to this many, one program may do it all
+
+
+@functools.cache
+def single_program_routing() -> bool:
+    """Route and place up to ROUTE_TOKENS tokens in one program (`_route_and_place_kernel`) with
+    NANOVLLM_MOE_ROUTE=single; off until measured on a GPU (perf_notes Next 11a)."""
+    return os.environ.get("NANOVLLM_MOE_ROUTE") == "single"
 
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, rank_ptr, num_tokens, stride_l,
-                  NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, CHOICES: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, TOKENS: tl.constexpr):
-    """layers/moe.py's `route` for TOKENS tokens (softmax over the experts, the top_k best, best
-    first, rescaled to sum to 1 if RENORMALIZE); each choice counted in its expert's run."""
-    tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+def _route(logits_ptr, weights_ptr, ids_ptr, counts_ptr, rank_ptr, tokens, num_tokens, stride_l,
+           NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, CHOICES: tl.constexpr,
+           RENORMALIZE: tl.constexpr, COUNT: tl.constexpr):
+    """layers/moe.py's `route` for the given tokens (softmax over the experts, the top_k best, best
+    first, rescaled to sum to 1 if RENORMALIZE), stored to weights and ids; with COUNT each choice
+    is counted in its expert's run. -> the ids, [tokens, CHOICES] (CHOICES: top_k to a power of two)."""
     experts = tl.arange(0, EXPERTS)
-    choices = tl.arange(0, CHOICES)                              # CHOICES: top_k to a power of two
+    choices = tl.arange(0, CHOICES)
     is_token = tokens < num_tokens
     logits = tl.load(logits_ptr + tokens[:, None] * stride_l + experts[None, :],
                      mask=is_token[:, None] & (experts < NUM_EXPERTS)[None, :], other=float("-inf")).to(tl.float32)
     logits = tl.where(is_token[:, None], logits, 0.0)            # (rows past the end: no NaNs)
     probs = tl.exp(logits - tl.max(logits, 1)[:, None])
-    probs = probs / tl.sum(probs, 1)[:, None]                    # [TOKENS, EXPERTS]; 0 past NUM_EXPERTS
-    weights = tl.zeros((TOKENS, CHOICES), tl.float32)
-    ids = tl.zeros((TOKENS, CHOICES), tl.int32)
+    probs = probs / tl.sum(probs, 1)[:, None]                    # [tokens, EXPERTS]; 0 past NUM_EXPERTS
+    weights = tl.zeros((tokens.shape[0], CHOICES), tl.float32)
+    ids = tl.zeros((tokens.shape[0], CHOICES), tl.int32)
     for choice in tl.static_range(TOP_K):
         best = tl.argmax(probs, 1)                               # (the first of equals)
         weight = tl.max(probs, 1)
         weights = tl.where(choices[None, :] == choice, weight[:, None], weights)
         ids = tl.where(choices[None, :] == choice, best[:, None], ids)
         probs = tl.where(experts[None, :] == best[:, None], -1.0, probs)
-        rank = tl.atomic_add(counts_ptr + best, 1, mask=is_token, sem="relaxed")
-        tl.store(rank_ptr + tokens * TOP_K + choice, rank, mask=is_token)
+        if COUNT:
+            rank = tl.atomic_add(counts_ptr + best, 1, mask=is_token, sem="relaxed")
+            tl.store(rank_ptr + tokens * TOP_K + choice, rank, mask=is_token)
     if RENORMALIZE:
         weights = weights / tl.sum(weights, 1)[:, None]
     out = tokens[:, None] * TOP_K + choices[None, :]
     ok = is_token[:, None] & (choices < TOP_K)[None, :]
     tl.store(weights_ptr + out, weights, mask=ok)
     tl.store(ids_ptr + out, ids, mask=ok)
+    return ids
 
 
-def route_and_group(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                    block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, rank_ptr, num_tokens, stride_l,
+                  NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, CHOICES: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, TOKENS: tl.constexpr):
+    """`route` for TOKENS tokens, each choice counted in its expert's run by an atomic add whose
+    old value is the choice's place in the run."""
+    tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    _route(logits_ptr, weights_ptr, ids_ptr, counts_ptr, rank_ptr, tokens, num_tokens, stride_l,
+           NUM_EXPERTS, EXPERTS, TOP_K, CHOICES, RENORMALIZE, COUNT=True)
+
+
+@triton.jit
+def _route_and_place_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, block_expert_ptr, num_tokens,
+                            num_blocks, stride_l, NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr,
+                            TOP_K: tl.constexpr, CHOICES: tl.constexpr, RENORMALIZE: tl.constexpr,
+                            TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """Up to TOKENS tokens in one program: `_route_kernel` and `_place_kernel` without atomics.
+    Each expert's count and each assignment's place in its run come from comparisons of every
+    assignment with every expert and every other assignment, so a run is in assignment order, as
+    `group_by_expert` places it."""
+    tokens = tl.arange(0, TOKENS)
+    ids = _route(logits_ptr, weights_ptr, ids_ptr, ids_ptr, ids_ptr, tokens, num_tokens, stride_l,
+                 NUM_EXPERTS, EXPERTS, TOP_K, CHOICES, RENORMALIZE, COUNT=False)
+    choices = tl.arange(0, CHOICES)
+    ok = (tokens < num_tokens)[:, None] & (choices < TOP_K)[None, :]
+    assignment = tl.reshape(tl.where(ok, tokens[:, None] * TOP_K + choices[None, :], -1), (TOKENS * CHOICES,))
+    expert = tl.reshape(tl.where(ok, ids, NUM_EXPERTS), (TOKENS * CHOICES,))   # NUM_EXPERTS: no assignment
+    experts = tl.arange(0, EXPERTS)
+    counts = tl.sum((expert[:, None] == experts[None, :]).to(tl.int32), 0)
+    counts = tl.where(experts < NUM_EXPERTS, counts, 0)                         # [EXPERTS]
+    earlier = (expert[None, :] == expert[:, None]) & (assignment[None, :] < assignment[:, None])
+    rank = tl.sum(earlier.to(tl.int32), 1)                                      # its place in its run
+    _place_runs(expert, rank, assignment, assignment >= 0, counts, sorted_ids_ptr, EXPERTS, BLOCK_M)
+    _place_padding(counts, sorted_ids_ptr, block_expert_ptr, num_tokens * TOP_K, num_blocks, NUM_EXPERTS,
+                   BLOCK_M, CHUNK)
+
+
+def route_and_group(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int,
+                    single_program: bool | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """[T, E] router logits -> (weights [T, top_k] float32, ids [T, top_k] int32, sorted_ids,
-    block_expert): `route` then `group_by_expert`, in two kernels (and a memset)."""
+    block_expert): `route` then `group_by_expert`, in two kernels (and a memset), or, up to
+    ROUTE_TOKENS tokens with single_program (None: single_program_routing()), in one."""
     num_tokens, num_experts = router_logits.shape
     device = router_logits.device
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
+    shape = dict(NUM_EXPERTS=num_experts, EXPERTS=triton.next_power_of_2(num_experts), TOP_K=top_k,
+                 CHOICES=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, TOKENS=ROUTE_TOKENS)
+    if single_program is None:
+        single_program = single_program_routing()
+    if single_program and num_tokens <= ROUTE_TOKENS:
+        num_blocks = num_blocks_for(num_tokens * top_k, num_experts, block_m)
+        sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+        block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+        launch(_route_and_place_kernel, (1,), router_logits, weights, ids, sorted_ids, block_expert, num_tokens,
+               num_blocks, router_logits.stride(0), **shape, BLOCK_M=block_m, CHUNK=GROUP_CHUNK, num_warps=8)
+        return weights, ids, sorted_ids, block_expert
     counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
     rank = torch.empty(num_tokens * top_k, dtype=torch.int32, device=device)
     launch(_route_kernel, (triton.cdiv(num_tokens, ROUTE_TOKENS),), router_logits, weights, ids, counts, rank,
-           num_tokens, router_logits.stride(0), NUM_EXPERTS=num_experts, EXPERTS=triton.next_power_of_2(num_experts),
-           TOP_K=top_k, CHOICES=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, TOKENS=ROUTE_TOKENS)
+           num_tokens, router_logits.stride(0), **shape)
     return (weights, ids, *_place(ids.view(-1), counts, rank, block_m))
 
 
 GROUP_CHUNK = 32   # assignments (or blocks) a program of the placement kernel takes at once
+
+
+@triton.jit
+def _place_runs(expert, rank, assignment, ok, counts, sorted_ids_ptr, EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Each assignment to its place: its expert's first block, plus its rank in the run."""
+    experts = tl.arange(0, EXPERTS)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_first = tl.cumsum(blocks, 0) - blocks
+    first = tl.sum(tl.where(expert[:, None] == experts[None, :], block_first[None, :], 0), 1)
+    tl.store(sorted_ids_ptr + first * BLOCK_M + rank, assignment, mask=ok)
+
+
+@triton.jit
+def _place_padding(counts, sorted_ids_ptr, block_expert_ptr, num_assignments, num_blocks, NUM_EXPERTS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """The padding rows (the rows after each expert's run, in its last block, and every row of the
+    blocks past the last used one) and every block's expert."""
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, 0)
+    row = tl.arange(0, BLOCK_M)
+    used_in_last = counts - (blocks - 1) * BLOCK_M
+    pad = (blocks[:, None] > 0) & (row[None, :] >= used_in_last[:, None])
+    tl.store(sorted_ids_ptr + (block_end - 1)[:, None] * BLOCK_M + row[None, :], num_assignments, mask=pad)
+    total = tl.sum(blocks, 0)
+    for start in range(0, num_blocks, CHUNK):
+        block = start + tl.arange(0, CHUNK)
+        in_grid = block < num_blocks
+        owner = tl.sum((block_end[None, :] <= block[:, None]).to(tl.int32), 1)
+        tl.store(block_expert_ptr + block, tl.minimum(owner, NUM_EXPERTS), mask=in_grid)
+        unused = (block >= total) & in_grid
+        tl.store(sorted_ids_ptr + block[:, None] * BLOCK_M + row[None, :], num_assignments, mask=unused[:, None])
 
 
 @triton.jit
@@ -151,30 +242,15 @@ def _place_kernel(ids_ptr, counts_ptr, rank_ptr, sorted_ids_ptr, block_expert_pt
     and every block's expert (the two sets of rows are disjoint: no order between programs)."""
     experts = tl.arange(0, EXPERTS)
     counts = tl.load(counts_ptr + experts, mask=experts < NUM_EXPERTS, other=0)   # [EXPERTS]
-    blocks = (counts + BLOCK_M - 1) // BLOCK_M
-    block_end = tl.cumsum(blocks, 0)
-    block_first = block_end - blocks
     if tl.program_id(0) < tl.num_programs(0) - 1:
         offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
         ok = offs < num_assignments
         expert = tl.load(ids_ptr + offs, mask=ok, other=0)
         rank = tl.load(rank_ptr + offs, mask=ok, other=0)
-        first = tl.sum(tl.where(expert[:, None] == experts[None, :], block_first[None, :], 0), 1)
-        tl.store(sorted_ids_ptr + first * BLOCK_M + rank, offs, mask=ok)
+        _place_runs(expert, rank, offs, ok, counts, sorted_ids_ptr, EXPERTS, BLOCK_M)
     else:
-        row = tl.arange(0, BLOCK_M)
-        # the rows after each expert's run, in its last block
-        used_in_last = counts - (blocks - 1) * BLOCK_M
-        pad = (blocks[:, None] > 0) & (row[None, :] >= used_in_last[:, None])
-        tl.store(sorted_ids_ptr + (block_end - 1)[:, None] * BLOCK_M + row[None, :], num_assignments, mask=pad)
-        total = tl.sum(blocks, 0)
-        for start in range(0, num_blocks, CHUNK):
-            block = start + tl.arange(0, CHUNK)
-            in_grid = block < num_blocks
-            owner = tl.sum((block_end[None, :] <= block[:, None]).to(tl.int32), 1)
-            tl.store(block_expert_ptr + block, tl.minimum(owner, NUM_EXPERTS), mask=in_grid)
-            unused = (block >= total) & in_grid                                 # blocks past the last used one
-            tl.store(sorted_ids_ptr + block[:, None] * BLOCK_M + row[None, :], num_assignments, mask=unused[:, None])
+        _place_padding(counts, sorted_ids_ptr, block_expert_ptr, num_assignments, num_blocks, NUM_EXPERTS,
+                       BLOCK_M, CHUNK)
 
 
 def _place(flat_ids: torch.Tensor, counts: torch.Tensor, rank: torch.Tensor,
