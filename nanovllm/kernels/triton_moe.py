@@ -97,7 +97,7 @@ ROUTE_TOKENS = 16   # tokens a program of the routing kernel takes; up to this m
 @functools.cache
 def single_program_routing() -> bool:
     """Route and place up to ROUTE_TOKENS tokens in one program (`_route_and_place_kernel`) with
-    NANOVLLM_MOE_ROUTE=single; off until measured on a GPU (perf_notes Next 11a)."""
+    NANOVLLM_MOE_ROUTE=single; off until measured on a GPU (perf_notes row 80)."""
     return os.environ.get("NANOVLLM_MOE_ROUTE") == "single"
 
 
