@@ -756,8 +756,8 @@ def test_routing_kernel_routes_as_route(num_tokens, num_experts, top_k, renormal
     gen = torch.Generator().manual_seed(num_tokens)
     logits = torch.randn(num_tokens, num_experts, generator=gen)
     ref_weights, ref_ids = route(logits, top_k, renormalize)
-    weights, ids, sorted_ids, block_expert = (t.cpu() for t in route_and_group(logits.to(DEVICE), top_k,
-                                                                               renormalize, block_m))
+    weights, ids, sorted_ids, block_expert = (t.cpu() for t in route_and_group(logits.to(DEVICE), top_k, renormalize,
+                                                                               block_m, single_program=False))
     assert ids.tolist() == ref_ids.tolist()
     assert torch.allclose(weights, ref_weights, rtol=1e-5, atol=1e-6)
     ref_sorted, ref_experts = group_by_expert(ref_ids, num_experts, block_m)

@@ -168,8 +168,9 @@ def _route_and_place_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, bl
     counts = tl.where(experts < NUM_EXPERTS, counts, 0)                         # [EXPERTS]
     earlier = (expert[None, :] == expert[:, None]) & (assignment[None, :] < assignment[:, None])
     rank = tl.sum(earlier.to(tl.int32), 1)                                      # its place in its run
-    _place_runs(expert, rank, assignment, assignment >= 0, counts, sorted_ids_ptr, EXPERTS, BLOCK_M)
-    _place_padding(counts, sorted_ids_ptr, block_expert_ptr, num_tokens * TOP_K, num_blocks, NUM_EXPERTS,
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M                                  # each expert's blocks
+    _place_runs(expert, rank, assignment, assignment >= 0, blocks, sorted_ids_ptr, EXPERTS, BLOCK_M)
+    _place_padding(counts, blocks, sorted_ids_ptr, block_expert_ptr, num_tokens * TOP_K, num_blocks, NUM_EXPERTS,
                    BLOCK_M, CHUNK)
 
 
@@ -205,21 +206,21 @@ GROUP_CHUNK = 32   # assignments (or blocks) a program of the placement kernel t
 
 
 @triton.jit
-def _place_runs(expert, rank, assignment, ok, counts, sorted_ids_ptr, EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Each assignment to its place: its expert's first block, plus its rank in the run."""
+def _place_runs(expert, rank, assignment, ok, blocks, sorted_ids_ptr, EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Each assignment to its place: its expert's first block (blocks: each expert's count of
+    them), plus its rank in the run."""
     experts = tl.arange(0, EXPERTS)
-    blocks = (counts + BLOCK_M - 1) // BLOCK_M
     block_first = tl.cumsum(blocks, 0) - blocks
     first = tl.sum(tl.where(expert[:, None] == experts[None, :], block_first[None, :], 0), 1)
     tl.store(sorted_ids_ptr + first * BLOCK_M + rank, assignment, mask=ok)
 
 
 @triton.jit
-def _place_padding(counts, sorted_ids_ptr, block_expert_ptr, num_assignments, num_blocks, NUM_EXPERTS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+def _place_padding(counts, blocks, sorted_ids_ptr, block_expert_ptr, num_assignments, num_blocks,
+                   NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
     """The padding rows (the rows after each expert's run, in its last block, and every row of the
-    blocks past the last used one) and every block's expert."""
-    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    blocks past the last used one) and every block's expert (counts: each expert's assignments;
+    blocks: its blocks)."""
     block_end = tl.cumsum(blocks, 0)
     row = tl.arange(0, BLOCK_M)
     used_in_last = counts - (blocks - 1) * BLOCK_M
@@ -242,14 +243,15 @@ def _place_kernel(ids_ptr, counts_ptr, rank_ptr, sorted_ids_ptr, block_expert_pt
     and every block's expert (the two sets of rows are disjoint: no order between programs)."""
     experts = tl.arange(0, EXPERTS)
     counts = tl.load(counts_ptr + experts, mask=experts < NUM_EXPERTS, other=0)   # [EXPERTS]
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
     if tl.program_id(0) < tl.num_programs(0) - 1:
         offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
         ok = offs < num_assignments
         expert = tl.load(ids_ptr + offs, mask=ok, other=0)
         rank = tl.load(rank_ptr + offs, mask=ok, other=0)
-        _place_runs(expert, rank, offs, ok, counts, sorted_ids_ptr, EXPERTS, BLOCK_M)
+        _place_runs(expert, rank, offs, ok, blocks, sorted_ids_ptr, EXPERTS, BLOCK_M)
     else:
-        _place_padding(counts, sorted_ids_ptr, block_expert_ptr, num_assignments, num_blocks, NUM_EXPERTS,
+        _place_padding(counts, blocks, sorted_ids_ptr, block_expert_ptr, num_assignments, num_blocks, NUM_EXPERTS,
                        BLOCK_M, CHUNK)
 
 
