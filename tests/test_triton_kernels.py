@@ -744,20 +744,27 @@ def test_moe_kernels_equal_the_per_expert_loop(num_tokens, num_experts, top_k, h
     assert rel_err(out.cpu(), ref) < TOL
 
 
-@pytest.mark.parametrize("num_tokens, num_experts, top_k, renormalize, block_m",
-                         [(1, 8, 2, False, 16), (37, 128, 8, True, 16), (20, 60, 4, False, 2), (5, 4, 3, True, 4),
-                          (300, 6, 2, False, 64)])
-def test_routing_kernel_routes_as_route(num_tokens, num_experts, top_k, renormalize, block_m):
+ROUTING_CASES = [(1, 8, 2, False, 16), (37, 128, 8, True, 16), (20, 60, 4, False, 2), (5, 4, 3, True, 4),
+                 (300, 6, 2, False, 64), (16, 128, 8, True, 16), (13, 60, 4, False, 2), (16, 6, 2, False, 64)]
+
+
+@pytest.mark.parametrize("single_program", [False, True])
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, renormalize, block_m", ROUTING_CASES)
+def test_routing_kernels_route_as_route(num_tokens, num_experts, top_k, renormalize, block_m, single_program):
     """The routing kernel's weights and ids (best first) are route's; the placement kernel places
     them as the torch grouping does: the same blocks, experts and padding rows, and each expert's
-    run the same set (its order is the order the atomic adds landed in)."""
-    from nanovllm.kernels.triton_moe import group_by_expert, route_and_group
+    run the same set (its order is the order the atomic adds landed in). Up to ROUTE_TOKENS tokens
+    one program may route and place (single_program, NANOVLLM_MOE_ROUTE=single): then the blocks are
+    group_by_expert's exactly, each run in assignment order (no atomics)."""
+    from nanovllm.kernels.triton_moe import ROUTE_TOKENS, group_by_expert, route_and_group
     from nanovllm.layers.moe import route
+    if single_program and num_tokens > ROUTE_TOKENS:
+        pytest.skip("one program routes up to ROUTE_TOKENS tokens")
     gen = torch.Generator().manual_seed(num_tokens)
     logits = torch.randn(num_tokens, num_experts, generator=gen)
     ref_weights, ref_ids = route(logits, top_k, renormalize)
     weights, ids, sorted_ids, block_expert = (t.cpu() for t in route_and_group(logits.to(DEVICE), top_k, renormalize,
-                                                                               block_m, single_program=False))
+                                                                               block_m, single_program))
     assert ids.tolist() == ref_ids.tolist()
     assert torch.allclose(weights, ref_weights, rtol=1e-5, atol=1e-6)
     ref_sorted, ref_experts = group_by_expert(ref_ids, num_experts, block_m)
@@ -767,23 +774,5 @@ def test_routing_kernel_routes_as_route(num_tokens, num_experts, top_k, renormal
     runs = ref_experts.repeat_interleave(block_m)
     for expert in range(num_experts):
         assert sorted_ids[runs == expert].sort().values.tolist() == ref_sorted[runs == expert].tolist()
-
-
-@pytest.mark.parametrize("num_tokens, num_experts, top_k, renormalize, block_m",
-                         [(1, 8, 2, False, 16), (16, 128, 8, True, 16), (5, 4, 3, True, 4), (13, 60, 4, False, 2),
-                          (16, 6, 2, False, 64)])
-def test_single_program_routing_places_as_group_by_expert(num_tokens, num_experts, top_k, renormalize, block_m):
-    """Up to ROUTE_TOKENS tokens one program may route and place (NANOVLLM_MOE_ROUTE=single): route's
-    weights and ids, and group_by_expert's blocks exactly, each run in assignment order (no atomics)."""
-    from nanovllm.kernels.triton_moe import ROUTE_TOKENS, group_by_expert, route_and_group
-    from nanovllm.layers.moe import route
-    assert num_tokens <= ROUTE_TOKENS
-    gen = torch.Generator().manual_seed(num_tokens)
-    logits = torch.randn(num_tokens, num_experts, generator=gen)
-    ref_weights, ref_ids = route(logits, top_k, renormalize)
-    weights, ids, sorted_ids, block_expert = (t.cpu() for t in route_and_group(logits.to(DEVICE), top_k, renormalize,
-                                                                               block_m, single_program=True))
-    assert ids.tolist() == ref_ids.tolist()
-    assert torch.allclose(weights, ref_weights, rtol=1e-5, atol=1e-6)
-    ref_sorted, ref_experts = group_by_expert(ref_ids, num_experts, block_m)
-    assert torch.equal(sorted_ids, ref_sorted) and torch.equal(block_expert, ref_experts)
+    if single_program:
+        assert torch.equal(sorted_ids, ref_sorted)
