@@ -1,7 +1,7 @@
 """A mixture-of-experts layer's kernels (kernels/triton_moe.py) on the GPU, for the Qwen3-30B-A3B
 shape (128 experts, top 8, hidden 2,048, intermediate 768), at decode and prompt token counts: the
-routing and placement kernels ("single": in one program, up to ROUTE_TOKENS tokens) against the
-torch routing and grouping, the whole layer (with NANOVLLM_MOE_ROUTE's routing), and with --sweep
+routing and placement kernels (two kernels; "single": one program, up to ROUTE_TOKENS tokens) against
+the torch routing and grouping, the whole layer, and with --sweep
 each product over a range of tiles (a developer tool, not a test).
 
 Each figure is the time per call inside a CUDA graph (as in the decode graphs), the calls cycling

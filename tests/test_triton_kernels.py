@@ -754,7 +754,7 @@ def test_routing_kernels_route_as_route(num_tokens, num_experts, top_k, renormal
     """The routing kernel's weights and ids (best first) are route's; the placement kernel places
     them as the torch grouping does: the same blocks, experts and padding rows, and each expert's
     run the same set (its order is the order the atomic adds landed in). Up to ROUTE_TOKENS tokens
-    one program may route and place (single_program, NANOVLLM_MOE_ROUTE=single): then the blocks are
+    one program routes and places (single_program, the default): then the blocks are
     group_by_expert's exactly, each run in assignment order (no atomics)."""
     from nanovllm.kernels.triton_moe import ROUTE_TOKENS, group_by_expert, route_and_group
     from nanovllm.layers.moe import route

@@ -11,12 +11,13 @@ expert's run is padded to whole blocks of block_m rows:
 
 (pad: the id num_assignments; block_expert E: a block past the last used one.) There are at most
 cdiv(num_assignments, block_m) + min(num_experts, num_assignments) blocks; the grid covers that
-many and the blocks past the end return at once. Two kernels route and group: the routing kernel
-(layers/moe.py's `route`: softmax, top_k, renormalising) also counts each expert's assignments
-with atomic adds, each add's old value being the assignment's place in its run (so a run's order
-is the order the adds land in, which changes no product), and the placement kernel writes the
-assignments, the padding and each block's expert. `group_by_expert` is their plain-torch
-reference (fixed-shape ops, each run in assignment order).
+many and the blocks past the end return at once. Up to ROUTE_TOKENS tokens (decode steps) one
+program routes (layers/moe.py's `route`: softmax, top_k, renormalising) and groups, placing each
+assignment by comparing it with every other. Above that two kernels do it: the routing kernel also
+counts each expert's assignments with atomic adds, each add's old value being the assignment's
+place in its run (so a run's order is the order the adds land in, which changes no product), and
+the placement kernel writes the assignments, the padding and each block's expert.
+`group_by_expert` is their plain-torch reference (fixed-shape ops, each run in assignment order).
 
 `moe_product` is then one grouped GEMM: a program takes one block of rows, all of one expert, and
 block_n output features; it gathers its rows of the input (token rows for the first product,
@@ -25,8 +26,6 @@ product (each program reading the gate rows and the up rows of its features, and
 SiLU(gate) x up), then the down product scaled by the routing weights, give one output row per
 assignment; a token's output is the sum of its top_k rows.
 """
-import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -92,13 +91,6 @@ def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
 
 
 ROUTE_TOKENS = 16   # tokens a program of the routing kernel takes; up to this many, one program may do it all
-
-
-@functools.cache
-def single_program_routing() -> bool:
-    """Route and place up to ROUTE_TOKENS tokens in one program (`_route_and_place_kernel`) with
-    NANOVLLM_MOE_ROUTE=single; off until measured on a GPU (perf_notes row 80)."""
-    return os.environ.get("NANOVLLM_MOE_ROUTE") == "single"
 
 
 @triton.jit
@@ -175,19 +167,17 @@ def _route_and_place_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, bl
 
 
 def route_and_group(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int,
-                    single_program: bool | None = None
+                    single_program: bool = True
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """[T, E] router logits -> (weights [T, top_k] float32, ids [T, top_k] int32, sorted_ids,
     block_expert): `route` then `group_by_expert`, in two kernels (and a memset), or, up to
-    ROUTE_TOKENS tokens with single_program (None: single_program_routing()), in one."""
+    ROUTE_TOKENS tokens with single_program, in one (perf_notes row 80)."""
     num_tokens, num_experts = router_logits.shape
     device = router_logits.device
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
     shape = dict(NUM_EXPERTS=num_experts, EXPERTS=triton.next_power_of_2(num_experts), TOP_K=top_k,
                  CHOICES=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, TOKENS=ROUTE_TOKENS)
-    if single_program is None:
-        single_program = single_program_routing()
     if single_program and num_tokens <= ROUTE_TOKENS:
         num_blocks = num_blocks_for(num_tokens * top_k, num_experts, block_m)
         sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
