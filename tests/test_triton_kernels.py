@@ -227,6 +227,13 @@ def test_rms_norm(rows, hidden):
     assert out.dtype == DTYPE and torch.equal(out_res.cpu(), x + res)
     assert rel_err(out.cpu(), norm._norm(x + res)) < TOL
     assert rel_err(rms_norm(parts.to(DEVICE), w, 1e-6).cpu(), norm._norm(x)) < TOL
+    # x given as a MoE layer's choices ([rows, choices, hidden] seen as [choices, rows, hidden]): the
+    # model's dtype, added in float32, rounded once
+    choices = torch.randn(rows, 3, hidden, generator=gen).to(DTYPE)
+    x = (choices[:, 0].float() + choices[:, 1].float() + choices[:, 2].float()).to(DTYPE)
+    out, out_res = rms_norm(choices.to(DEVICE).transpose(0, 1), w, 1e-6, res.to(DEVICE))
+    assert out.dtype == DTYPE and torch.equal(out_res.cpu(), x + res)
+    assert rel_err(out.cpu(), norm._norm(x + res)) < TOL
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="torch.bmm's float32 output from 16-bit inputs is CUDA's")
@@ -236,7 +243,7 @@ def test_row_parallel_product_as_split_k_partials_into_the_norm(rows, splits):
     norm's results equal those from the whole product."""
     import torch.nn.functional as F
     from nanovllm.layers.layernorm import RMSNorm
-    from nanovllm.layers.linear import RowParallelLinear, SplitKPartials
+    from nanovllm.layers.linear import RowParallelLinear, Partials
     gen = torch.Generator().manual_seed(rows)
     layer = RowParallelLinear(2048, 1024, to_norm=True).to(DEVICE, DTYPE)
     layer.weight.data = (torch.randn(1024, 2048, generator=gen) * 0.02).to(DEVICE, DTYPE)
@@ -248,7 +255,7 @@ def test_row_parallel_product_as_split_k_partials_into_the_norm(rows, splits):
     if splits == 1:
         assert isinstance(y, torch.Tensor)
         return
-    assert isinstance(y, SplitKPartials) and y.parts.shape == (splits, rows, 1024) and y.parts.dtype == torch.float32
+    assert isinstance(y, Partials) and y.parts.shape == (splits, rows, 1024) and y.parts.dtype == torch.float32
     whole = F.linear(x.float(), layer.weight.float())
     assert rel_err(y.parts.sum(0), whole) < 1e-3
     out, out_res = norm(y, res)
@@ -739,9 +746,39 @@ def test_moe_kernels_equal_the_per_expert_loop(num_tokens, num_experts, top_k, h
     logits = torch.randn(num_tokens, num_experts, generator=gen)
     ref = experts.per_expert(x, *route(logits, top_k, renormalize))
     dev = dict(device=DEVICE, dtype=DTYPE)
-    out = fused_moe(x.to(**dev), logits.to(**dev), experts.w13.to(**dev), experts.w2.to(**dev), top_k, renormalize)
+    args = (x.to(**dev), logits.to(**dev), experts.w13.to(**dev), experts.w2.to(**dev), top_k, renormalize)
+    out = fused_moe(*args)
     assert out.shape == ref.shape and out.dtype == DTYPE
     assert rel_err(out.cpu(), ref) < TOL
+    choices = fused_moe(*args, sum_choices=False)          # what the norm after the layer adds up
+    assert choices.shape == (top_k, *ref.shape) and rel_err(choices.float().sum(0).cpu(), ref) < TOL
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the experts hand the norm their choices on CUDA only")
+@pytest.mark.parametrize("num_tokens", [1, 37])
+def test_moe_layer_as_choices_into_the_norm(num_tokens):
+    """With to_norm the experts hand the norm each choice's output, and the norm's results are
+    those from the summed output; without it they sum."""
+    from nanovllm.distributed import SINGLE
+    from nanovllm.layers.layernorm import RMSNorm
+    from nanovllm.layers.linear import Partials
+    from nanovllm.layers.moe import Experts, route
+    gen = torch.Generator().manual_seed(num_tokens)
+    experts = Experts(8, 64, 32, SINGLE, to_norm=True)
+    experts.w13.data = torch.randn(8, 64, 64, generator=gen) / 8
+    experts.w2.data = torch.randn(8, 64, 32, generator=gen) / 32 ** 0.5
+    x, res = (torch.randn(num_tokens, 64, generator=gen) for _ in range(2))
+    logits = torch.randn(num_tokens, 8, generator=gen)
+    norm = RMSNorm(64)
+    norm.weight.data = torch.randn(64, generator=gen)
+    ref, ref_res = norm(experts.per_expert(x, *route(logits, 2, True)), res)
+    experts, norm = experts.to(DEVICE, DTYPE), norm.to(DEVICE, DTYPE)
+    y = experts(x.to(DEVICE, DTYPE), logits.to(DEVICE, DTYPE), 2, True)
+    assert isinstance(y, Partials) and y.parts.shape == (2, num_tokens, 64)
+    out, out_res = norm(y, res.to(DEVICE, DTYPE))
+    assert rel_err(out_res.cpu(), ref_res) < TOL and rel_err(out.cpu(), ref) < TOL
+    experts.to_norm = False
+    assert isinstance(experts(x.to(DEVICE, DTYPE), logits.to(DEVICE, DTYPE), 2, True), torch.Tensor)
 
 
 ROUTING_CASES = [(1, 8, 2, False, 16), (37, 128, 8, True, 16), (20, 60, 4, False, 2), (5, 4, 3, True, 4),

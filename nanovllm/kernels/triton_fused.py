@@ -32,11 +32,11 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
     if SPLITS == 1:
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     else:
-        # x is the sum of SPLITS float32 partial products (split-K), rounded to the model dtype
-        # as the product's own output would be.
-        acc = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+        # x is the sum of SPLITS parts (split-K products, or a MoE layer's choices), added in float32
+        # and rounded to the model dtype as the layer's own output would be.
+        acc = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         for s in range(1, SPLITS):
-            acc += tl.load(x_ptr + s * stride_split + row * stride_x + offs, mask=mask, other=0.0)
+            acc += tl.load(x_ptr + s * stride_split + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         x = acc.to(out_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         # The residual sum is rounded to the model dtype, as `x + residual` in torch is.
@@ -50,9 +50,10 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """x: [num_tokens, hidden], or split-K partial products [splits, num_tokens, hidden] in float32
-    (layers/linear.py) whose sum is x. Without residual -> norm(x); with it -> (norm(x + residual),
-    x + residual), in the residual's dtype (without it, in x's or, for partials, the weight's)."""
+    """x: [num_tokens, hidden], or parts [splits, num_tokens, hidden] whose sum is x (layers/linear.py's
+    Partials: float32 split-K products, or a MoE layer's choices in 16 bits; any strides but the
+    last). Without residual -> norm(x); with it -> (norm(x + residual), x + residual), in the
+    residual's dtype (without it, in x's or, for parts, the weight's)."""
     splits = 1 if x.dim() == 2 else x.shape[0]
     n_rows, n_cols = x.shape[-2:]
     dtype = residual.dtype if residual is not None else x.dtype if splits == 1 else weight.dtype

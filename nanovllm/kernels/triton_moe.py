@@ -322,10 +322,11 @@ def moe_product(x: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, bloc
 
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-              renormalize: bool) -> torch.Tensor:
+              renormalize: bool, sum_choices: bool = True) -> torch.Tensor:
     """x: [T, hidden]; router_logits: [T, E]; w13: [E, 2 I, hidden] (gate | up rows); w2: [E, hidden, I]
     -> [T, hidden]: routed as `route(router_logits, top_k, renormalize)` says, the sum over a token's
-    choices of weight x down(silu(gate) * up)."""
+    choices of weight x down(silu(gate) * up). Without sum_choices, the terms of that sum:
+    [top_k, T, hidden] (a strided view), for the next RMSNorm to add up."""
     num_tokens = x.shape[0]
     num_assignments = num_tokens * top_k
     block_m = block_m_for(num_assignments, w13.shape[0])
@@ -333,4 +334,5 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     act = moe_product(x, w13, sorted_ids, block_expert, num_assignments, top_k, block_m, silu_mul=True)  # [A, I]
     down = moe_product(act, w2, sorted_ids, block_expert, num_assignments, 1, block_m,
                        scale=weights.view(-1))                                                           # [A, hidden]
-    return down.view(num_tokens, top_k, -1).sum(1)   # (accumulated in float32, rounded once)
+    choices = down.view(num_tokens, top_k, -1)
+    return choices.sum(1) if sum_choices else choices.transpose(0, 1)   # (summed in float32, rounded once)

@@ -1,13 +1,13 @@
 import torch
 from torch import nn
 
-from nanovllm.layers.linear import SplitKPartials
+from nanovllm.layers.linear import Partials
 
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight, in float32. With `residual`, adds it first and returns the sum too
-    (the fused add-and-norm between decoder layers). x may be a row-parallel layer's
-    SplitKPartials (layers/linear.py), summed here and rounded to the residual's dtype."""
+    (the fused add-and-norm between decoder layers). x may be a row-parallel or MoE layer's
+    Partials (layers/linear.py), summed here and rounded to the residual's dtype."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -20,8 +20,8 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return x.to(dtype) * self.weight
 
-    def forward(self, x: torch.Tensor | SplitKPartials, residual: torch.Tensor | None = None):
-        if isinstance(x, SplitKPartials):        # (made on CUDA only) summed by the kernel
+    def forward(self, x: torch.Tensor | Partials, residual: torch.Tensor | None = None):
+        if isinstance(x, Partials):              # (made on CUDA only) summed by the kernel
             x = x.parts
         elif not (x.is_cuda and x.dim() == 2):
             if residual is None:

@@ -76,19 +76,21 @@ def split_k_before_norm(rows: int, in_features: int, out_features: int) -> int:
     return splits
 
 
-class SplitKPartials(NamedTuple):
-    """A product x @ weight.T left as float32 partial products over slices of the input features
-    ([splits, rows, out_features]); their sum is the product."""
+class Partials(NamedTuple):
+    """A layer's output left as parts whose sum it is, [splits, rows, out_features], for the RMSNorm
+    after it to add up (layers/layernorm.py): a product x @ weight.T as float32 partial products
+    over slices of the input features (split-K), or a MoE layer's output as each choice's weighted
+    output (layers/moe.py; 16-bit, a strided view)."""
     parts: torch.Tensor
 
 
-def split_k_partials(x: torch.Tensor, weight: torch.Tensor, splits: int) -> SplitKPartials:
+def split_k_partials(x: torch.Tensor, weight: torch.Tensor, splits: int) -> Partials:
     """x @ weight.T in `splits` partial products, from one strided-batched cuBLAS call on views of
     x and weight (no copies for a contiguous x)."""
     (rows, k), n = x.shape, weight.shape[0]
     xs = x.reshape(rows, splits, k // splits).transpose(0, 1)           # [splits, rows, k / splits]
     ws = weight.view(n, splits, k // splits).permute(1, 2, 0)           # [splits, k / splits, n]
-    return SplitKPartials(torch.bmm(xs, ws, out_dtype=torch.float32))
+    return Partials(torch.bmm(xs, ws, out_dtype=torch.float32))
 
 
 class LinearBase(nn.Module):
@@ -166,7 +168,7 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs summed with an all-reduce.
 
     to_norm: the caller hands the output straight to an RMSNorm (layers/layernorm.py). Then, on
-    one CUDA rank at decode batch sizes, the output may come back as SplitKPartials, which the
+    one CUDA rank at decode batch sizes, the output may come back as Partials, which the
     norm sums (see split_k_before_norm)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = SINGLE,
@@ -174,7 +176,7 @@ class RowParallelLinear(LinearBase):
         super().__init__(input_size // tp.size, output_size, bias, shard_dim=1, tp=tp)
         self.to_norm = to_norm and tp.size == 1 and not bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | Partials:
         if self.to_norm and is_16bit_cuda_matrix(x):
             splits = split_k_before_norm(x.shape[0], *self.weight.shape[::-1])
             if splits > 1:

@@ -8,8 +8,10 @@ intermediate features, and the partial outputs are summed with one all-reduce.
 
 On the GPU the experts run as two grouped GEMMs over the tokens sorted by expert, in shapes that
 depend only on the number of tokens (kernels/triton_moe.py), so MoE models are captured in CUDA
-graphs like dense ones. On the CPU each expert used gathers its tokens with `nonzero` (shapes
-that depend on the data): the plain-torch reference of the kernels.
+graphs like dense ones. On one GPU the sum over a token's choices is left to the RMSNorm after
+the layer (layers/linear.py's Partials), when nothing else comes between. On the CPU each expert
+used gathers its tokens with `nonzero` (shapes that depend on the data): the plain-torch
+reference of the kernels.
 """
 import torch
 import torch.nn.functional as F
@@ -17,7 +19,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanovllm.distributed import TPGroup
-from nanovllm.layers.linear import ReplicatedLinear, copy_checked
+from nanovllm.layers.linear import Partials, ReplicatedLinear, copy_checked
 from nanovllm.layers.mlp import GatedMLP, require_silu
 
 
@@ -32,11 +34,14 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 
 class Experts(nn.Module):
-    """num_experts SiLU-gated MLPs: w13[e] = gate | up rows, w2[e] = down (this rank's slices)."""
+    """num_experts SiLU-gated MLPs: w13[e] = gate | up rows, w2[e] = down (this rank's slices).
+    to_norm: the output goes straight to an RMSNorm, which may then sum the choices itself."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup,
+                 to_norm: bool = False):
         super().__init__()
         self.tp = tp
+        self.to_norm = to_norm and tp.size == 1
         self.intermediate = intermediate_size // tp.size
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate), requires_grad=False)
@@ -54,11 +59,15 @@ class Experts(nn.Module):
         offset = 0 if part == "gate" else self.intermediate
         copy_checked(param.data[expert].narrow(0, offset, self.intermediate), rows, f"expert {expert} {part}")
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
-        """x: [T, hidden]; router_logits: [T, num_experts] -> [T, hidden], routed as `route` says."""
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
+                renormalize: bool) -> torch.Tensor | Partials:
+        """x: [T, hidden]; router_logits: [T, num_experts] -> [T, hidden], routed as `route` says
+        (with to_norm on CUDA: each choice's weighted output, Partials of [top_k, T, hidden])."""
         if x.is_cuda:
             from nanovllm.kernels.triton_moe import fused_moe
-            out = fused_moe(x, router_logits, self.w13, self.w2, top_k, renormalize)
+            out = fused_moe(x, router_logits, self.w13, self.w2, top_k, renormalize, sum_choices=not self.to_norm)
+            if self.to_norm:
+                return Partials(out)
         else:
             out = self.per_expert(x, *route(router_logits, top_k, renormalize))
         return self.tp.all_reduce(out)
@@ -76,18 +85,21 @@ class Experts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp: TPGroup):
+    def __init__(self, config: PretrainedConfig, tp: TPGroup, to_norm: bool = False):
+        """to_norm: the output goes straight to an RMSNorm (see Experts)."""
         super().__init__()
         require_silu(config)
         self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts)
-        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size, tp)
+        shared = getattr(config, "shared_expert_intermediate_size", 0)
+        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size, tp,
+                               to_norm=to_norm and not shared)
         self.shared_expert = self.shared_expert_gate = None
-        if getattr(config, "shared_expert_intermediate_size", 0):
+        if shared:
             self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, config, tp)
             self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | Partials:
         out = self.experts(x, self.gate(x), self.top_k, self.renormalize)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

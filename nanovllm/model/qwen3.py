@@ -13,7 +13,7 @@ from nanovllm.distributed import SINGLE, TPGroup
 from nanovllm.layers.attention import Attention, AttentionMetadata
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import QKVParallelLinear, RowParallelLinear, SplitKPartials
+from nanovllm.layers.linear import Partials, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.mlp import GatedMLP
 from nanovllm.layers.moe import SparseMoeBlock, is_moe_layer
 from nanovllm.layers.rotary import RotaryEmbedding, max_positions, rope_settings
@@ -50,7 +50,7 @@ class QwenAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor | SplitKPartials:
+                meta: AttentionMetadata) -> torch.Tensor | Partials:
         # x: [num_tokens, hidden_size]; the result goes to the decoder layer's norm
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
@@ -78,7 +78,7 @@ class QwenDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = QwenAttention(config, tp, rotary_emb)
         if is_moe_layer(config, index):
-            self.mlp = SparseMoeBlock(config, tp)
+            self.mlp = SparseMoeBlock(config, tp, to_norm=True)
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config, tp, to_norm=True)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
