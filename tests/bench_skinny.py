@@ -19,11 +19,13 @@ from nanovllm.kernels.triton_skinny import skinny_linear, split_k_for
 SHAPES = {   # name: (K, N)
     "0.6b qkv": (1024, 4096), "0.6b o": (2048, 1024), "0.6b gate_up": (1024, 6144), "0.6b down": (3072, 1024),
     "0.6b lm_head": (1024, 151936),
+    "8b gate_up": (4096, 24576),
     "8b/2 qkv": (4096, 3072), "8b/2 o": (2048, 4096), "8b/2 gate_up": (4096, 12288), "8b/2 down": (6144, 4096),
 }
 # gate_up with silu_mul=True: (block_n, block_k, stages); 64 rows a program (the default) make two 32-row dots,
-# which Triton gives to mma.sync, 128 rows two 64-row dots on wgmma (perf_notes row 79, Next 6c)
-SILU_MUL_TILES = ((64, 256, 4), (128, 128, 4), (128, 256, 3), (64, 128, 6))
+# which Triton gives to mma.sync, 128 rows two 64-row dots on wgmma (perf_notes rows 79 and 81: faster alone, not
+# in the engine)
+SILU_MUL_TILES = ((64, 256, 4), (128, 128, 4), (128, 128, 3), (128, 64, 4), (128, 256, 3), (64, 128, 6))
 ROWS = (1, 2, 4, 8, 16)
 LARGER_ROWS = (32, 64, 128, 256)   # cuBLAS alone: how far its decode-batch GEMMs are from the weights' floor
 
