@@ -25,6 +25,10 @@ assignment rows for the second) and multiplies them by that expert's weight. The
 product (each program reading the gate rows and the up rows of its features, and writing
 SiLU(gate) x up), then the down product scaled by the routing weights, give one output row per
 assignment; a token's output is the sum of its top_k rows.
+
+Triton does not specialise these kernels on the token, assignment and block counts (`do_not_specialize`):
+they only bound masks, and a step whose count start-up did not meet (not a multiple of 16, say) would
+otherwise compile a variant of its own while it runs (perf_notes row 83).
 """
 from typing import NamedTuple
 
@@ -128,7 +132,7 @@ def _route(logits_ptr, weights_ptr, ids_ptr, counts_ptr, rank_ptr, tokens, num_t
     return ids
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, rank_ptr, num_tokens, stride_l,
                   NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, CHOICES: tl.constexpr,
                   RENORMALIZE: tl.constexpr, TOKENS: tl.constexpr):
@@ -139,7 +143,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, rank_ptr, num_to
            NUM_EXPERTS, EXPERTS, TOP_K, CHOICES, RENORMALIZE, COUNT=True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_blocks"])
 def _route_and_place_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, block_expert_ptr, num_tokens,
                             num_blocks, stride_l, NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr,
                             TOP_K: tl.constexpr, CHOICES: tl.constexpr, RENORMALIZE: tl.constexpr,
@@ -226,7 +230,7 @@ def _place_padding(counts, blocks, sorted_ids_ptr, block_expert_ptr, num_assignm
         tl.store(sorted_ids_ptr + block[:, None] * BLOCK_M + row[None, :], num_assignments, mask=unused[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_assignments", "num_blocks"])
 def _place_kernel(ids_ptr, counts_ptr, rank_ptr, sorted_ids_ptr, block_expert_ptr, num_assignments, num_blocks,
                   NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
     """Programs 0 .. n-2 place a chunk of assignments each; the last one writes the padding rows
@@ -258,7 +262,7 @@ def _place(flat_ids: torch.Tensor, counts: torch.Tensor, rank: torch.Tensor,
     return sorted_ids, block_expert
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_assignments"])
 def _moe_product_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, scale_ptr, N, K, num_assignments,
                         stride_x, stride_we, stride_wn, stride_o, NUM_EXPERTS: tl.constexpr,
                         ROWS_PER_X: tl.constexpr, SCALED: tl.constexpr, SILU_MUL: tl.constexpr,
