@@ -340,6 +340,23 @@ def test_logit_edit_kernels_compile_at_start_up(gpu_model_dir):
     assert variants() == [1, 1]
 
 
+def test_sampling_kernels_compile_at_start_up(gpu_model_dir):
+    """The sampler's warm-up gives its two passes their variants for a plain batch (logits in the
+    model's dtype) and an edited one (float32), so that neither kind of first request compiles
+    anything on an empty Triton cache (perf_notes row 84)."""
+    from nanovllm.kernels.triton_sampler import _draw_kernel, _group_stats_kernel
+    kernels = (_group_stats_kernel, _draw_kernel)
+    for kernel in kernels:   # forgotten by this process (loaded again from Triton's disk cache)
+        kernel.device_caches.clear()
+    variants = lambda: [sum(len(cache[0]) for cache in kernel.device_caches.values()) for kernel in kernels]
+    llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024)
+    at_start_up = variants()
+    llm.generate(PROMPTS[:2], SamplingParams(temperature=0.7, max_tokens=8), use_tqdm=False)
+    llm.generate(PROMPTS[:2], [SamplingParams(temperature=0.7, max_tokens=8, presence_penalty=0.5),
+                               SamplingParams(temperature=0.7, max_tokens=8)], use_tqdm=False)
+    assert variants() == at_start_up
+
+
 @pytest.fixture(scope="module")
 def gpu_llama_dir(tmp_path_factory, tokenizer):
     return build_model_dir(tmp_path_factory.mktemp("llama_gpu"), "llama", tokenizer, seed=1, **SIZES)

@@ -232,9 +232,11 @@ class Sampler:
         """Sample random logits with these top_k (0: none) and top_p at 1 and max_rows rows (with
         a top_k: radix select alone, then the candidate path), so that their kernels are compiled
         now, not inside the first request that uses them (top-k's took ~12 s on a fresh H200
-        machine, ~0.05 s once Triton's cache holds them). The first row is also penalised and
-        held to an all-allowing grammar bitmask, for the logit-edit kernels. The noise generator
-        is left as it was. -> False if there is nothing to compile (the CPU path)."""
+        machine, ~0.05 s once Triton's cache holds them). Each batch is sampled twice: as it
+        comes, in the model's dtype, and with its first row penalised and held to an all-allowing
+        grammar bitmask, for the logit-edit kernels (after which the batch is float32; perf_notes
+        row 84). The noise generator is left as it was. -> False if there is nothing to compile
+        (the CPU path)."""
         if not self.fused:
             return False
         device, state = self.generator.device, self.generator.get_state()
@@ -247,12 +249,13 @@ class Sampler:
                      grammar_bitmask=torch.full((1, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device))
         for rows in sorted({1, max_rows}):
             full = lambda value, kind=None: torch.full((rows,), value, dtype=kind, device=device)
-            md = SamplingMetadata(temperatures=full(0.6), is_greedy=full(False), all_greedy=False, any_greedy=False,
-                                  top_k=full(top_k, torch.int64) if top_k > 0 else None,
-                                  max_top_k=top_k if top_k > 0 else None,
-                                  top_p=full(top_p) if top_p < 1.0 else None, min_p=None,
-                                  row_seeds=[], banned_rows=None, banned_tokens=None, **edits)
-            self(torch.randn(rows, vocab_size, generator=values, device=device, dtype=dtype), md)
+            for row_edits in ({}, edits):
+                md = SamplingMetadata(temperatures=full(0.6), is_greedy=full(False), all_greedy=False,
+                                      any_greedy=False, top_k=full(top_k, torch.int64) if top_k > 0 else None,
+                                      max_top_k=top_k if top_k > 0 else None,
+                                      top_p=full(top_p) if top_p < 1.0 else None, min_p=None,
+                                      row_seeds=[], banned_rows=None, banned_tokens=None, **row_edits)
+                self(torch.randn(rows, vocab_size, generator=values, device=device, dtype=dtype), md)
         self.generator.set_state(state)
         return True
 
