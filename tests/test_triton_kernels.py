@@ -243,7 +243,7 @@ def test_row_parallel_product_as_split_k_partials_into_the_norm(rows, splits):
     norm's results equal those from the whole product."""
     import torch.nn.functional as F
     from nanovllm.layers.layernorm import RMSNorm
-    from nanovllm.layers.linear import RowParallelLinear, Partials
+    from nanovllm.layers.linear import Partials, RowParallelLinear
     gen = torch.Generator().manual_seed(rows)
     layer = RowParallelLinear(2048, 1024, to_norm=True).to(DEVICE, DTYPE)
     layer.weight.data = (torch.randn(1024, 2048, generator=gen) * 0.02).to(DEVICE, DTYPE)
