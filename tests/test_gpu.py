@@ -413,6 +413,25 @@ def test_moe_logprobs_close_to_hf(gpu_moe_dir, enforce_eager):
         assert full >= len(PROMPTS) // 2
 
 
+def test_moe_kernels_compile_at_start_up(gpu_moe_dir):
+    """Without decode graphs, start-up's dry passes alone give every step size its MoE variants:
+    4 experts, 2 a token, take 16-row blocks up to 32 tokens (a few assignments' tiles up to 8, one
+    routing program up to 16), 32-row blocks for 33-64 tokens, 128-row ones above (perf_notes 8a)."""
+    from nanovllm.kernels import triton_moe
+    kernels = (triton_moe._route_and_place_kernel, triton_moe._route_kernel, triton_moe._place_kernel,
+               triton_moe._moe_product_kernel)
+    for kernel in kernels:   # forgotten by this process (loaded again from Triton's disk cache)
+        kernel.device_caches.clear()
+    variants = lambda: [sum(len(cache[0]) for cache in kernel.device_caches.values()) for kernel in kernels]
+    llm = LLM(gpu_moe_dir[1], dtype="bfloat16", max_model_len=1024, enforce_eager=True)
+    at_start_up = variants()
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for num_prompts, length in [(1, 5), (6, 5), (12, 5), (20, 1), (1, 40), (1, 100)]:
+        prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 for j in range(length)]} for i in range(num_prompts)]
+        llm.generate(prompts, sp, use_tqdm=False)
+    assert variants() == at_start_up
+
+
 def test_top_k_top_p_select_path_equals_the_sort_on_gpu():
     """The sampler's top-k/top-p from each row's best logits (torch.topk on CUDA) drops what the
     sort of the whole vocabulary drops, on a decode batch's shape."""

@@ -221,15 +221,20 @@ class ModelRunner:
 
         def host_batch(lens: list[int]) -> HostBatch:
             positions = np.concatenate([np.arange(n) for n in lens])
-            return HostBatch(input_ids=np.zeros(num_tokens, np.int64), positions=positions,
+            return HostBatch(input_ids=np.zeros(sum(lens), np.int64), positions=positions,
                              slot_mapping=positions.copy(),
                              block_tables=np.tile(np.arange(num_pages, dtype=np.int32), (len(lens), 1)),
                              query_start_loc=np.concatenate([[0], np.cumsum(lens)]).tolist(), seq_lens=lens)
         batch = host_batch(lens)
         inputs = self._device_inputs(batch)
-        # Its kernels compiled first, and those of a step of short prompts (kernels chosen by length).
-        short = self._device_inputs(host_batch(kv_cache.even_split(num_tokens, num_seqs)))
-        self._add_compile_ahead(compile_ahead.dry_run(lambda: (self.model(*inputs), self.model(*short))))
+        # Its kernels compiled first, those of a step of short prompts (kernels chosen by length), and
+        # those of a step of each power of two below it (kernels chosen by the step's tokens: the
+        # small-batch products' rows, the MoE blocks' rows), so that no prompt step meets a new variant.
+        short = host_batch(kv_cache.even_split(num_tokens, num_seqs))
+        powers_of_two = [1 << i for i in range((num_tokens - 1).bit_length())]
+        smaller = [host_batch(kv_cache.even_split(n, -(-n // max(lens)))) for n in powers_of_two]
+        steps = [inputs] + [self._device_inputs(b) for b in [short, *smaller]]
+        self._add_compile_ahead(compile_ahead.dry_run(lambda: [self.model(*step) for step in steps]))
         hidden = self.model(*inputs)
         logits = self.model.compute_logits(hidden[torch.tensor(batch.query_start_loc[1:]) - 1])
         # top_k without max_top_k or max_set_top_k sorts every row: the sampler's largest path
