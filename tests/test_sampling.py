@@ -1,12 +1,14 @@
 """Sampling: seeds, top-k/top-p/min-p, penalties, logprobs against HF, min_tokens, stops, n > 1."""
 import math
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import check_within_top_k_top_p, hf_model, make_prompts, watch_overlap
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.penalty_counts import PenaltyCounts
 from nanovllm.layers.sampler import Sampler, SamplingMetadata
 
 PROMPTS = make_prompts()
@@ -214,7 +216,7 @@ def test_all_three_penalties_match_a_reference_on_hf_logits(llm, qwen3_dir):
 def test_penalised_requests_keep_async_scheduling_and_reuse_their_rows(qwen3_dir):
     """Penalties no longer make the engine read each step before launching the next: a step stays
     in flight. A finished sequence's row of token counts goes to the next one (12 + 12 requests,
-    four at a time, fit the table's first 16 rows)."""
+    four at a time, fit the table's max_num_seqs rows, the size the KV cache's sizing leaves room for)."""
     llm = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=256, async_scheduling=True,
               max_num_seqs=4)
     sp = SamplingParams(temperature=0.8, seed=3, presence_penalty=1.0, repetition_penalty=1.2, max_tokens=6,
@@ -229,7 +231,22 @@ def test_penalised_requests_keep_async_scheduling_and_reuse_their_rows(qwen3_dir
         outs = llm.generate([ids(p) for p in PROMPTS[:12]], sp, use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
     counts = engine.model_runner.penalty_counts
-    assert counts.table.shape[0] == 16 and len(counts.row_of) <= 4
+    assert counts.table.shape[0] == 4 and len(counts.row_of) <= 4
+    assert counts.reserved_bytes == counts.table.numel() * 4
+
+
+def test_penalty_table_is_max_num_seqs_rows_and_grows_only_past_them():
+    """The table the KV cache's sizing leaves room for (max_num_seqs rows), made at the first need;
+    a sequence beyond them (preempted ones keep their rows) doubles it, its rows kept."""
+    counts = PenaltyCounts(vocab_size=10, device=torch.device("cpu"), max_num_seqs=2)
+    seqs = [SimpleNamespace(seq_id=i, num_pending_tokens=0, is_finished=False) for i in range(3)]
+    assert counts.table.shape[0] == 0 and counts.reserved_bytes == 2 * 11 * 4
+    rows, new = counts.rows(seqs[:2])
+    assert rows.tolist() == [0, 1] and [r for r, _ in new] == [0, 1] and counts.table.shape == (2, 11)
+    counts.table[1, 3] = 5
+    rows, new = counts.rows(seqs)
+    assert rows.tolist() == [0, 1, 2] and [r for r, _ in new] == [2] and counts.table.shape == (4, 11)
+    assert counts.table[1, 3] == 5 and counts.table.sum() == 5
 
 
 @torch.no_grad()

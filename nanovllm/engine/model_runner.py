@@ -90,7 +90,7 @@ class ModelRunner:
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 1)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed)) if tp.rank == 0 else None
-        self.penalty_counts = PenaltyCounts(self.vocab_size, self.device) if tp.rank == 0 else None
+        self.penalty_counts = PenaltyCounts(self.vocab_size, self.device, config.max_num_seqs) if tp.rank == 0 else None
         self.bitmask_filler = BitmaskFiller() if tp.rank == 0 else None
         self.last_sampled: torch.Tensor | None = None   # the latest step's sampled token ids, on the device
 
@@ -251,6 +251,8 @@ class ModelRunner:
         kv_cache.release(self.attention_layers)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device)
+        if self.penalty_counts is not None:   # made by the first penalised request, after this
+            peak += self.penalty_counts.reserved_bytes
         return kv_cache.cuda_budget(self.device, cfg.gpu_memory_utilization, peak)
 
     # ---- one step ---------------------------------------------------------------------------

@@ -10,7 +10,9 @@ marked then, once, and after every step the sampler adds the tokens it drew
 (1 if it is in the prompt); the last column takes the padding ids of the prompt upload.
 
 A row stays with its sequence until the sequence finishes (through preemption too, so nothing
-is ever recounted); then the next sequence that needs one takes it over. All of this is queued
+is ever recounted); then the next sequence that needs one takes it over. The first penalised
+request makes the table max_num_seqs rows tall, which the KV cache's sizing leaves room for
+(`reserved_bytes`); only preempted sequences holding rows beside a full batch make it grow. All of this is queued
 on one device stream, so a token drawn for a sequence after it stopped is added before the new
 owner's row is cleared.
 """
@@ -21,11 +23,17 @@ from nanovllm.engine.sequence import Sequence
 
 
 class PenaltyCounts:
-    def __init__(self, vocab_size: int, device: torch.device):
+    def __init__(self, vocab_size: int, device: torch.device, max_num_seqs: int):
         self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
         self.table = torch.zeros(0, vocab_size + 1, dtype=torch.int32, device=device)
         self.owners: list[Sequence | None] = []      # table row -> the sequence it counts for
         self.row_of: dict[int, int] = {}             # seq_id -> table row
+
+    @property
+    def reserved_bytes(self) -> int:
+        """The table's bytes once a penalised request has made it (max_num_seqs rows)."""
+        return self.max_num_seqs * self.table.shape[1] * self.table.element_size()
 
     def rows(self, seqs: list[Sequence]) -> tuple[np.ndarray, list[tuple[int, Sequence]]]:
         """The table rows of seqs (every one penalised), giving a row to each that has none.
@@ -49,7 +57,7 @@ class PenaltyCounts:
                 if owner is not None:
                     del self.row_of[owner.seq_id]
                 return row
-        grown = torch.zeros(max(16, 2 * len(self.owners)), self.table.shape[1], dtype=self.table.dtype,
+        grown = torch.zeros(max(self.max_num_seqs, 2 * len(self.owners)), self.table.shape[1], dtype=self.table.dtype,
                             device=self.table.device)
         grown[:len(self.owners)] = self.table
         self.table = grown
