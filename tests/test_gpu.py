@@ -427,7 +427,7 @@ def test_moe_kernels_compile_at_start_up(gpu_moe_dir):
     at_start_up = variants()
     sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     for num_prompts, length in [(1, 5), (6, 5), (12, 5), (20, 1), (1, 40), (1, 100)]:
-        prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 for j in range(length)]} for i in range(num_prompts)]
+        prompts = [{"prompt_token_ids": list(range(7 * i, 7 * i + length))} for i in range(num_prompts)]
         llm.generate(prompts, sp, use_tqdm=False)
     assert variants() == at_start_up
 

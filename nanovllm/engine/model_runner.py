@@ -229,7 +229,7 @@ class ModelRunner:
         inputs = self._device_inputs(batch)
         # Its kernels compiled first, those of a step of short prompts (kernels chosen by length), and
         # those of a step of each power of two below it (kernels chosen by the step's tokens: the
-        # small-batch products' rows, the MoE blocks' rows), so that no prompt step meets a new variant.
+        # small-batch products' rows, the MoE blocks' rows), so that prompt steps of other sizes find them.
         short = host_batch(kv_cache.even_split(num_tokens, num_seqs))
         powers_of_two = [1 << i for i in range((num_tokens - 1).bit_length())]
         smaller = [host_batch(kv_cache.even_split(n, -(-n // max(lens)))) for n in powers_of_two]
