@@ -111,6 +111,9 @@ def main():
     ptx = compiled.asm["ptx"]
     print(report("(1, 32, 128, 6, 4) PDL", compiled, 4) + f"  prefetch.global.L2 {ptx.count('prefetch.global.L2')}, "
           f"griddepcontrol.wait {ptx.count('griddepcontrol.wait')}")
+    ptx = compile_kernel(ts._skinny_linear_kernel, types, constants | dict(PREFETCH_LINES=0), 4, 4, None).asm["ptx"]
+    print(f"(1, 32, 128, 6, 4) PDL, no prefetch: prefetch.global.L2 {ptx.count('prefetch.global.L2')}, "
+          f"griddepcontrol.wait {ptx.count('griddepcontrol.wait')}")
     constants = dict(HAS_BIAS=False, SILU_MUL=True, EVEN_K=True, SPLIT_K=1, BLOCK_M=ts.MAX_ROWS, BLOCK_N=64,
                      BLOCK_K=256, LINE=64, PREFETCH_LINES=16, PDL=True)   # gate_up_proj, writing SiLU x up
     print(report("(1, 64, 256, 4, 4) PDL, SiLU x up", compile_kernel(ts._skinny_linear_kernel, types, constants,

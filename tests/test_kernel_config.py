@@ -3,7 +3,7 @@ import pytest
 
 from nanovllm.kernels import pdl
 from nanovllm.kernels.triton_attention import decode_split_config, tile_size
-from nanovllm.kernels.triton_skinny import split_k_for
+from nanovllm.kernels.triton_skinny import prefetch_lines, split_k_for
 
 
 def test_decode_splits_follow_the_batch_and_the_longest_context():
@@ -32,6 +32,19 @@ def test_skinny_splits_only_projections_with_few_output_blocks():
     assert split_k_for(1024, 512, 132) == 2         # every split at least one 256-wide step
     assert split_k_for(1024, 256, 132) == 1
     assert split_k_for(64, 100_000, 132) == 128     # one block: as many splits as SMs allow
+
+
+def test_skinny_prefetch_stays_within_half_of_l2():
+    # (programs, weight rows a program, lines of its slice a row, num_sms, L2 bytes) -> lines asked for before
+    # the PDL wait; an H200: 132 SMs, 50 MiB. A wave may ask for 25 MiB in all.
+    h200 = (132, 50 << 20)
+    assert prefetch_lines(96, 64, 16, *h200) == 16       # 0.6B gate_up (12.6 MB): all of it, as before
+    assert prefetch_lines(80, 64, 32, *h200) == 32       # Qwen3-30B-A3B qkv (21 MB): all of it
+    assert prefetch_lines(2374, 64, 16, *h200) == 16     # 0.6B LM head: a wave of 132 programs, 17 MB
+    assert prefetch_lines(2374, 64, 32, *h200) == 16     # Qwen3-30B-A3B LM head: 35 MB a wave -> 17
+    assert prefetch_lines(384, 64, 64, *h200) == 16      # Qwen3-8B gate_up: 69 MB a wave -> 17
+    assert prefetch_lines(64, 64, 256, *h200) == 32      # Qwen3-8B down: 134 MB -> 17
+    assert prefetch_lines(132, 64, 16, 132, 1 << 20) == 0   # not one line a row fits: none
 
 
 def test_pdl_only_for_launches_over_few_rows(monkeypatch):

@@ -27,7 +27,7 @@ from nanovllm.kernels.triton_fused import silu_mul
 MAX_ROWS = 16           # x's rows padded to this: the MMA's smallest width
 BLOCK_N, BLOCK_K, NUM_STAGES = 64, 256, 4   # the best at 1 row for every shape tried (tests/bench_skinny.py)
 LINE_BYTES = 128        # prefetch granularity (an L2 cache line)
-INTERPRETER_SMS = 132   # (TRITON_INTERPRET=1 on the CPU: split as on an H200)
+INTERPRETER_SMS, INTERPRETER_L2 = 132, 50 << 20   # (TRITON_INTERPRET=1 on the CPU: as on an H200)
 
 
 @functools.cache
@@ -52,9 +52,10 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, 
     n_ok = offs_n < N
     m_ok = offs_m < M
     k_start = split * k_per_split                                     # k_per_split: a multiple of BLOCK_K
-    if PDL:
+    if PDL and PREFETCH_LINES > 0:
         # The weight does not depend on the kernel before this one (x does): start pulling this
-        # program's slice into L2 while that kernel finishes, then wait for it.
+        # program's slice (its first PREFETCH_LINES lines a row) into L2 while that kernel finishes,
+        # then wait for it.
         r = tl.arange(0, BLOCK_N)   # the program's weight rows: its features' (gate rows, then up rows)
         rows = tl.minimum(block * OUT_N + r % OUT_N + (r // OUT_N) * N, (2 * N if SILU_MUL else N) - 1)
         cols = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * LINE, K - 1)
@@ -120,9 +121,24 @@ def split_k_for(n: int, k: int, num_sms: int, block_n: int = BLOCK_N, block_k: i
     return split
 
 
+def prefetch_lines(programs: int, rows: int, lines: int, num_sms: int, l2_bytes: int) -> int:
+    """The cache lines of each of its weight rows a program asks L2 for before it waits (PDL): all
+    `lines` of its slice, unless one wave of programs would ask for more than half of L2 in all,
+    which evicts lines before their use, so that they are read twice (Qwen3-8B's projections asked
+    for 34-100 MB each: batch 1 took 5.48 ms/token, 4.70 without PDL; perf_notes row 86); then the
+    most lines, a power of two, that fit, or none."""
+    fit = l2_bytes // 2 // (min(programs, num_sms) * rows * LINE_BYTES)
+    return lines if lines <= fit else 1 << (fit.bit_length() - 1) if fit else 0
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _l2_bytes(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).L2_cache_size
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -140,8 +156,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if silu_mul:
         assert bias is None and n % 2 == 0 and split_k in (None, 1)
         n, split_k = n // 2, 1
+    num_sms, l2_bytes = (_num_sms(x.device), _l2_bytes(x.device)) if x.is_cuda else (INTERPRETER_SMS, INTERPRETER_L2)
     if split_k is None:
-        split_k = split_k_for(n, k, _num_sms(x.device) if x.is_cuda else INTERPRETER_SMS, block_n, block_k)
+        split_k = split_k_for(n, k, num_sms, block_n, block_k)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)          # (no empty split)
     if out is None:
@@ -158,6 +175,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         EVEN_K=k % block_k == 0, SPLIT_K=split_k, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
         LINE=LINE_BYTES // x.element_size(),
-        PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k_per_split * x.element_size(), LINE_BYTES)),
+        PREFETCH_LINES=prefetch_lines(blocks * split_k, block_n, triton.next_power_of_2(
+            triton.cdiv(k_per_split * x.element_size(), LINE_BYTES)), num_sms, l2_bytes),
         num_stages=num_stages, num_warps=num_warps, **pdl.launch_options(m))
     return out
