@@ -40,9 +40,9 @@ def test_skinny_prefetch_stays_within_half_of_l2():
     h200 = (132, 50 << 20)
     assert prefetch_lines(96, 64, 16, *h200) == 16       # 0.6B gate_up (12.6 MB): all of it, as before
     assert prefetch_lines(80, 64, 32, *h200) == 32       # Qwen3-30B-A3B qkv (21 MB): all of it
-    assert prefetch_lines(2374, 64, 16, *h200) == 16     # 0.6B LM head: a wave of 132 programs, 17 MB
-    assert prefetch_lines(2374, 64, 32, *h200) == 16     # Qwen3-30B-A3B LM head: 35 MB a wave -> 17
-    assert prefetch_lines(384, 64, 64, *h200) == 16      # Qwen3-8B gate_up: 69 MB a wave -> 17
+    assert prefetch_lines(128, 64, 16, *h200) == 16      # Qwen3-30B-A3B o_proj, split 4 ways (17 MB)
+    assert prefetch_lines(96, 64, 64, *h200) == 32       # Qwen3-8B qkv: 50 MB -> 25
+    assert prefetch_lines(384, 64, 64, *h200) == 16      # Qwen3-8B gate_up: 69 MB a wave of 132 -> 17
     assert prefetch_lines(64, 64, 256, *h200) == 32      # Qwen3-8B down: 134 MB -> 17
     assert prefetch_lines(132, 64, 16, 132, 1 << 20) == 0   # not one line a row fits: none
 
