@@ -322,14 +322,19 @@ def test_structured_outputs_on_gpu(gpu_model_dir):
     assert set(value) == {"ok", "n"} and value["n"] in (1, 2, 3)
 
 
+def forget_variants(*kernels):
+    """The kernels' compiled variants forgotten by this process (loaded again from Triton's disk
+    cache when next launched) -> a function giving how many variants each kernel holds now."""
+    for kernel in kernels:
+        kernel.device_caches.clear()
+    return lambda: [sum(len(cache[0]) for cache in kernel.device_caches.values()) for kernel in kernels]
+
+
 def test_logit_edit_kernels_compile_at_start_up(gpu_model_dir):
     """The penalty and bitmask kernels get their variants from the sampler's warm-up, so that the
     first request with penalties or a grammar compiles nothing on an empty Triton cache."""
     from nanovllm.kernels.triton_logit_edits import _bitmask_kernel, _penalties_kernel
-    kernels = (_penalties_kernel, _bitmask_kernel)
-    for kernel in kernels:   # forgotten by this process (loaded again from Triton's disk cache)
-        kernel.device_caches.clear()
-    variants = lambda: [sum(len(cache[0]) for cache in kernel.device_caches.values()) for kernel in kernels]
+    variants = forget_variants(_penalties_kernel, _bitmask_kernel)
     llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024)
     assert variants() == [1, 1]
     sps = [SamplingParams(temperature=0.7, max_tokens=8, presence_penalty=0.5, repetition_penalty=1.2),
@@ -345,10 +350,7 @@ def test_sampling_kernels_compile_at_start_up(gpu_model_dir):
     model's dtype) and an edited one (float32), so that neither kind of first request compiles
     anything on an empty Triton cache (perf_notes row 84)."""
     from nanovllm.kernels.triton_sampler import _draw_kernel, _group_stats_kernel
-    kernels = (_group_stats_kernel, _draw_kernel)
-    for kernel in kernels:   # forgotten by this process (loaded again from Triton's disk cache)
-        kernel.device_caches.clear()
-    variants = lambda: [sum(len(cache[0]) for cache in kernel.device_caches.values()) for kernel in kernels]
+    variants = forget_variants(_group_stats_kernel, _draw_kernel)
     llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024)
     at_start_up = variants()
     llm.generate(PROMPTS[:2], SamplingParams(temperature=0.7, max_tokens=8), use_tqdm=False)
@@ -418,11 +420,8 @@ def test_moe_kernels_compile_at_start_up(gpu_moe_dir):
     4 experts, 2 a token, take 16-row blocks up to 32 tokens (a few assignments' tiles up to 8, one
     routing program up to 16), 32-row blocks for 33-64 tokens, 128-row ones above (perf_notes 8a)."""
     from nanovllm.kernels import triton_moe
-    kernels = (triton_moe._route_and_place_kernel, triton_moe._route_kernel, triton_moe._place_kernel,
-               triton_moe._moe_product_kernel)
-    for kernel in kernels:   # forgotten by this process (loaded again from Triton's disk cache)
-        kernel.device_caches.clear()
-    variants = lambda: [sum(len(cache[0]) for cache in kernel.device_caches.values()) for kernel in kernels]
+    variants = forget_variants(triton_moe._route_and_place_kernel, triton_moe._route_kernel,
+                               triton_moe._place_kernel, triton_moe._moe_product_kernel)
     llm = LLM(gpu_moe_dir[1], dtype="bfloat16", max_model_len=1024, enforce_eager=True)
     at_start_up = variants()
     sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
