@@ -9,7 +9,8 @@
 3. With --tp > 1: the spread of rank 0's all-reduce times.
 
     PYTHONPATH=. python3 tests/profile_run.py [--model qwen3-0.6b] [--workload default] [--tp 2] [--profile-steps 200]
-        [--top-k 20 --top-p 0.95] [--runs 2] [--no-profile] [--pause 5] [--cprofile | --cprofile-steps 3 8]
+        [--top-k 20 --top-p 0.95] [--presence-penalty 0.5 ...] [--runs 2] [--no-profile] [--pause 5]
+        [--cprofile | --cprofile-steps 3 8]
         [--num-seqs 128 --min-input-len 6000 --max-input-len 8000 --min-output-len 16 --max-output-len 64
          --max-model-len 8192]     (the long-prompt workload; the default workload's lengths otherwise)
 """
@@ -26,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import make_workload, preset_dir, warm_up
+from bench import make_workload, penalties, preset_dir, warm_up
 from nanovllm import LLM, SamplingParams
 
 DECODE_BUCKETS = (1, 8, 32, 64, 128, 192, 256, 512)
@@ -57,7 +58,7 @@ def run_steps(llm, prompts, settings, on_step=None, host_profile_steps=(),
     """Run the workload step by step -> (kind, seconds, seconds of host work) per step: the host's
     work is the step's time less its wait for the GPU. on_step() after each; the steps numbered in
     host_profile_steps under cProfile, their top functions printed. params: more SamplingParams
-    fields of every request (top_k, top_p)."""
+    fields of every request (top_k, top_p, the penalties)."""
     engine = llm.llm_engine
     for ids, (max_tokens, temperature) in zip(prompts, settings):
         engine.add_tokens(None, ids, SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
@@ -113,8 +114,10 @@ def main():
     for flag, default in (("num-seqs", 256), ("min-input-len", 100), ("max-input-len", 1024),
                           ("min-output-len", 100), ("max-output-len", 1024), ("max-model-len", 4096)):
         p.add_argument(f"--{flag}", type=int, default=default, help="as bench.py's")
+    for flag, default in (("presence-penalty", 0.0), ("frequency-penalty", 0.0), ("repetition-penalty", 1.0)):
+        p.add_argument(f"--{flag}", type=float, default=default, help="as bench.py's")
     args = p.parse_args()
-    params = dict(top_k=args.top_k, top_p=args.top_p)
+    params = dict(top_k=args.top_k, top_p=args.top_p, **penalties(args))
     args.seed = 0
     llm = LLM(preset_dir(args.model), load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len,
               tensor_parallel_size=args.tp)

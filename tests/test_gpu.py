@@ -431,6 +431,22 @@ def test_moe_kernels_compile_at_start_up(gpu_moe_dir):
     assert variants() == at_start_up
 
 
+def test_decode_kernels_compile_at_start_up(gpu_model_dir):
+    """Without decode graphs, start-up's dry passes alone give every decode step size its decode-kernel
+    variants: with 2 KV heads on an H200 (132 SMs), 1-16 sequences (PDL, the splits merged by a kernel
+    of their own), 17-65 (the merge fused), 66-80 (splits of at least 512 tokens) (perf_notes 8a)."""
+    from nanovllm.kernels import triton_attention
+    variants = forget_variants(triton_attention._decode_split_kernel, triton_attention._decode_merge_kernel)
+    llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, max_num_seqs=80, enforce_eager=True)
+    at_start_up = variants()
+    assert at_start_up[0] >= 3
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    for num_prompts in (80, 20, 1):
+        prompts = [{"prompt_token_ids": list(range(3 * i, 3 * i + 5))} for i in range(num_prompts)]
+        llm.generate(prompts, sp, use_tqdm=False)
+    assert variants() == at_start_up
+
+
 def test_top_k_top_p_select_path_equals_the_sort_on_gpu():
     """The sampler's top-k/top-p from each row's best logits (torch.topk on CUDA) drops what the
     sort of the whole vocabulary drops, on a decode batch's shape."""

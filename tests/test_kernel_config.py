@@ -2,7 +2,7 @@
 import pytest
 
 from nanovllm.kernels import pdl
-from nanovllm.kernels.triton_attention import decode_split_config, tile_size
+from nanovllm.kernels.triton_attention import decode_split_config, decode_variant_sizes, tile_size
 from nanovllm.kernels.triton_skinny import prefetch_lines, split_k_for
 
 
@@ -17,6 +17,16 @@ def test_decode_splits_follow_the_batch_and_the_longest_context():
     assert decode_split_config(256, 8, 132, 40960) == (16, 1024)   # capped at 16
     assert decode_split_config(256, 8, 132, 512) == (1, 1024)      # never more than one needed
     assert decode_split_config(1, 8, 132, 16) == (1, 64)
+
+
+def test_start_up_meets_every_decode_kernel_variant_once():
+    # A step's size chooses the split configuration, the fused merge (above 16 sequences) and PDL (up to 16).
+    def h200_split(n):
+        return decode_split_config(n, 8, 132, 4096)
+    assert decode_variant_sizes(256, h200_split) == [1, 17, 198]
+    assert decode_variant_sizes(197, h200_split) == [1, 17]
+    assert decode_variant_sizes(16, h200_split) == [1]
+    assert decode_variant_sizes(80, lambda n: decode_split_config(n, 2, 132, 1024)) == [1, 17, 66]
 
 
 def test_tiles_divide_the_page():

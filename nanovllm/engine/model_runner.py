@@ -227,13 +227,17 @@ class ModelRunner:
                              query_start_loc=np.concatenate([[0], np.cumsum(lens)]).tolist(), seq_lens=lens)
         batch = host_batch(lens)
         inputs = self._device_inputs(batch)
-        # Its kernels compiled first, those of a step of short prompts (kernels chosen by length), and
+        # Its kernels compiled first, those of a step of short prompts (kernels chosen by length),
         # those of a step of each power of two below it (kernels chosen by the step's tokens: the
-        # small-batch products' rows, the MoE blocks' rows), so that prompt steps of other sizes find them.
+        # small-batch products' rows, the MoE blocks' rows), so that prompt steps of other sizes find
+        # them, and those of a decode step of each decode-kernel variant (chosen by the batch size; the
+        # decode graphs' dry pass meets them again, an eager engine's steps would not).
+        from nanovllm.kernels.triton_attention import decode_variant_sizes
         short = host_batch(kv_cache.even_split(num_tokens, num_seqs))
         powers_of_two = [1 << i for i in range((num_tokens - 1).bit_length())]
         smaller = [host_batch(kv_cache.even_split(n, -(-n // max(lens)))) for n in powers_of_two]
-        steps = [inputs] + [self._device_inputs(b) for b in [short, *smaller]]
+        decodes = [host_batch([1] * n) for n in decode_variant_sizes(cfg.max_num_seqs, self.decode_split)]
+        steps = [inputs] + [self._device_inputs(b) for b in [short, *smaller, *decodes]]
         self._add_compile_ahead(compile_ahead.dry_run(lambda: [self.model(*step) for step in steps]))
         hidden = self.model(*inputs)
         logits = self.model.compute_logits(hidden[torch.tensor(batch.query_start_loc[1:]) - 1])

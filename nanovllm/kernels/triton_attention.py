@@ -261,6 +261,16 @@ def fused_merge_for(num_seqs: int) -> bool:
     return num_seqs > FUSED_MERGE_ABOVE
 
 
+def decode_variant_sizes(max_num_seqs: int, split_for) -> list[int]:
+    """The fewest sequences of each decode-kernel variant that steps of 1 to max_num_seqs sequences
+    launch (a step's size chooses its split configuration, split_for(num_seqs), the fused merge and
+    PDL), so that start-up compiles them all: an eager engine's decode steps meet them nowhere else."""
+    first = {}
+    for n in range(1, max_num_seqs + 1):
+        first.setdefault((split_for(n), fused_merge_for(n), n <= pdl.MAX_ROWS), n)
+    return list(first.values())
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      num_splits: int = 16, min_split: int = 64, block_n: int = 64, num_stages: int | None = None,
