@@ -47,15 +47,14 @@ def host_batch(out: SchedulerOutput, block_size: int) -> HostBatch:
     query_start_loc, seq_lens = [0], []
     for seq, n in zip(out.seqs, out.num_scheduled_tokens):
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-        table = np.asarray(seq.block_table, dtype=np.int64)
         input_ids.extend(seq.token_ids[start:end])
         if n == 1:
             positions.append(start)
-            slots.append(table[start // bs] * bs + start % bs)
-        else:
+            slots.append(seq.block_table[start // bs] * bs + start % bs)
+        else:   # (Python ints in the lists: numpy scalars would make np.asarray below slow)
             pos = np.arange(start, end)
-            positions.extend(pos)
-            slots.extend(table[pos // bs] * bs + pos % bs)
+            positions.extend(range(start, end))
+            slots.extend((np.asarray(seq.block_table, np.int64)[pos // bs] * bs + pos % bs).tolist())
         query_start_loc.append(query_start_loc[-1] + n)
         seq_lens.append(end)
     return HostBatch(np.asarray(input_ids, np.int64), np.asarray(positions, np.int64),
