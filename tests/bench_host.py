@@ -1,10 +1,10 @@
 """The engine loop's own host work per step, on the CPU (a developer tool, not a test): bench.py's
-default workload (256 requests, its lengths divided by --scale) through LLMEngine.run_step with the
+default workload (256 requests, or --num-seqs, its lengths divided by --scale) through LLMEngine.run_step with the
 model's forward and the sampler left out (zero logits, token 0 sampled), so what is timed is the
 bookkeeping a GPU run does between its launches: scheduling, the block tables, the step's host
 arrays, the sampling settings, reading the sampled tokens (docs/perf_notes.md Next 6d).
 
-    PYTHONPATH=. python3 tests/bench_host.py [--scale 4] [--runs 3] [--cprofile 30]
+    PYTHONPATH=. python3 tests/bench_host.py [--num-seqs 256] [--scale 4] [--runs 3] [--cprofile 30]
 """
 import argparse
 import cProfile
@@ -26,6 +26,7 @@ from nanovllm.layers.sampler import SamplerOutput
 
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--scale", type=int, default=4, help="bench.py's prompt and output lengths divided by this")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--cprofile", type=int, default=0, help="the last run under cProfile: its top N functions")
@@ -38,7 +39,7 @@ def main():
     runner.sampler = lambda logits, metadata: SamplerOutput(token_ids=torch.zeros(len(logits), dtype=torch.int64))
     random.seed(0)   # bench.py's draws, in its order
     requests = [([random.randint(0, 300) for _ in range(random.randint(100, 1024) // args.scale)],
-                 random.randint(100, 1024) // args.scale) for _ in range(256)]
+                 random.randint(100, 1024) // args.scale) for _ in range(args.num_seqs)]
     for run in range(args.runs):
         for ids, max_tokens in requests:
             engine.add_tokens(None, ids, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens))
