@@ -267,7 +267,7 @@ def decode_variant_sizes(max_num_seqs: int, split_for) -> list[int]:
     PDL), so that start-up compiles them all: an eager engine's decode steps meet them nowhere else."""
     first = {}
     for n in range(1, max_num_seqs + 1):
-        first.setdefault((split_for(n), fused_merge_for(n), n <= pdl.MAX_ROWS), n)
+        first.setdefault((split_for(n), fused_merge_for(n), pdl.launch_options(n)["PDL"]), n)
     return list(first.values())
 
 
