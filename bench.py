@@ -82,6 +82,7 @@ def main():
     p.add_argument("--max-output-len", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="max_num_seqs (default: the engine's own)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--custom-all-reduce", choices=["default", "on", "off"], default="default",
                    help="TP > 1: the engine's own all-reduce kernels (on) or NCCL alone (off); default: "
@@ -119,6 +120,8 @@ def main():
                   tensor_parallel_size=args.tp, kv_cache_dtype=args.kv_cache_dtype)
     if args.attention_backend != "auto":
         kwargs["attention_backend"] = args.attention_backend
+    if args.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = args.max_num_seqs
     if args.custom_all_reduce != "default":
         kwargs["disable_custom_all_reduce"] = args.custom_all_reduce == "off"
     if args.model in PRESETS:

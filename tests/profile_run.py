@@ -53,11 +53,12 @@ class EventWaits:
         torch.cuda.Event.synchronize = self.original
 
 
-def run_steps(llm, prompts, settings, on_step=None, host_profile_steps=(),
+def run_steps(llm, prompts, settings, on_step=None, host_profile_steps=(), dump_dir=None,
               **params) -> list[tuple[str, float, float]]:
     """Run the workload step by step -> (kind, seconds, seconds of host work) per step: the host's
     work is the step's time less its wait for the GPU. on_step() after each; the steps numbered in
-    host_profile_steps under cProfile, their top functions printed. params: more SamplingParams
+    host_profile_steps under cProfile, their top functions printed (and their stats saved as
+    dump_dir/step<N>.prof, for pstats, when dump_dir is given). params: more SamplingParams
     fields of every request (top_k, top_p, the penalties)."""
     engine = llm.llm_engine
     for ids, (max_tokens, temperature) in zip(prompts, settings):
@@ -78,6 +79,8 @@ def run_steps(llm, prompts, settings, on_step=None, host_profile_steps=(),
         if host_profile:
             print(f"step #{len(steps)} under cProfile ({elapsed * 1000:.1f} ms):")
             pstats.Stats(host_profile).sort_stats("tottime").print_stats(14)
+            if dump_dir:
+                host_profile.dump_stats(os.path.join(dump_dir, f"step{len(steps)}.prof"))
         if stats.num_prefill_tokens:
             kind = "with prompt tokens"
         else:
@@ -96,8 +99,9 @@ def main():
     p.add_argument("--workload", default="default")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--profile-steps", type=int, default=0,
-                   help="profile only this many engine steps, from the 10th on (0: the whole run). Gathering "
-                        "the events of a whole Qwen3-8B TP=2 run took longer than 4 minutes")
+                   help="profile only this many engine steps, from --profile-start on (0: the whole run). "
+                        "Gathering the events of a whole Qwen3-8B TP=2 run took longer than 4 minutes")
+    p.add_argument("--profile-start", type=int, default=10, help="the first profiled step with --profile-steps")
     p.add_argument("--top-k", type=int, default=0, help="as bench.py's")
     p.add_argument("--top-p", type=float, default=1.0, help="as bench.py's")
     p.add_argument("--runs", type=int, default=1, help="host-view runs before the profiled one, each with its "
@@ -109,6 +113,7 @@ def main():
     host_profile_choice.add_argument("--cprofile", action="store_true",
                                      help="each host-view run under cProfile: its top functions by own time "
                                           "(where a first run's host time goes)")
+    p.add_argument("--cprofile-dump", metavar="DIR", help="save the --cprofile-steps' stats here (step<N>.prof)")
     p.add_argument("--pause", type=float, default=0.0, help="seconds the GPU sits idle before each host-view run "
                                                             "after the first (as before a process's first run)")
     for flag, default in (("num-seqs", 256), ("min-input-len", 100), ("max-input-len", 1024),
@@ -133,7 +138,8 @@ def main():
         start = time.perf_counter()
         if host_profile:
             host_profile.enable()
-        steps = run_steps(llm, prompts, settings, host_profile_steps=args.cprofile_steps, **params)
+        steps = run_steps(llm, prompts, settings, host_profile_steps=args.cprofile_steps,
+                          dump_dir=args.cprofile_dump, **params)
         if host_profile:
             host_profile.disable()
         wall = time.perf_counter() - start
@@ -158,17 +164,18 @@ def main():
         llm.reset_prefix_cache()      # the same prompts again: without this they would all be cache hits
     if args.no_profile:
         return llm.close()
-    window = (torch.profiler.schedule(wait=9, warmup=1, active=args.profile_steps, repeat=1)
+    window = (torch.profiler.schedule(wait=args.profile_start - 1, warmup=1, active=args.profile_steps,
+                                         repeat=1)
               if args.profile_steps else None)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], schedule=window) as prof:
         start = time.perf_counter()
         steps = run_steps(llm, prompts, settings, prof.step if window else None, **params)
         wall = time.perf_counter() - start
     if window:   # wall time of the profiled steps only
-        wall = sum(seconds for _, seconds, _ in steps[10:10 + args.profile_steps])
+        wall = sum(seconds for _, seconds, _ in steps[args.profile_start:args.profile_start + args.profile_steps])
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
     busy = sum(e.self_device_time_total for e in kernels) / 1e6
-    scope = f"steps 10-{9 + args.profile_steps}" if window else "run"
+    scope = f"steps {args.profile_start}-{args.profile_start + args.profile_steps - 1}" if window else "run"
     print(f"profiled {scope}: {wall:.2f} s wall, GPU busy {busy:.2f} s, idle {wall - busy:.2f} s")
     kernels.sort(key=lambda e: -e.self_device_time_total)
     for e in kernels[:25]:
