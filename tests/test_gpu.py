@@ -93,6 +93,8 @@ def test_logprobs_close_to_hf(gpu_model_dir, variant):
     runner = llm.llm_engine.model_runner
     if variant in ("graphs", "eager", "flash_attn_graphs", "flash_attn_eager"):
         assert (runner.graphs is None) == variant.endswith("eager")
+        # prompt steps in the piecewise graphs
+        assert (runner.pieces is None) if variant.endswith("eager") else runner.pieces.replays > 0
     if variant.startswith("flash_attn"):
         assert type(runner.backend).__name__ == "FlashAttnBackend"
     # Warm call: prefix-cache hits, still close.
@@ -103,6 +105,28 @@ def test_logprobs_close_to_hf(gpu_model_dir, variant):
         assert [o.num_cached_tokens for o in outs2] == [(len(p) - 1) // bs * bs for p in PROMPTS]
     bm = llm.llm_engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_steps_that_admit_requests_mid_decode_run_in_pieces_close_to_hf(gpu_model_dir):
+    """More requests than max_num_seqs, finishing at different steps: each admission shares a step
+    with the others' decodes, which the piecewise graphs run."""
+    llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, max_num_seqs=3)
+    pieces = llm.llm_engine.model_runner.pieces
+    mixed, run_pieces = [], pieces.run
+
+    def spy(input_ids, positions, meta):
+        mixed.append(meta.decodes is not None)
+        return run_pieces(input_ids, positions, meta)
+    pieces.run = spy
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * (i % 4), logprobs=NUM_LOGPROBS, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    ours = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in e.items()} for e in o.outputs[0].logprobs])
+            for o in outs]
+    assert [len(tokens) for tokens, _ in ours] == [p.max_tokens for p in params]
+    full = check_logprobs_close(ours, hf_reference(gpu_model_dir))
+    assert full >= len(PROMPTS) // 2, f"only {full} of {len(PROMPTS)} sequences matched HF fully"
+    assert sum(mixed) >= 3, mixed
 
 
 def test_seeded_sampling_is_batch_independent_on_gpu(gpu_model_dir):

@@ -26,8 +26,9 @@ def graph_buckets(max_batch_size: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: nn.Module, max_batch_size: int, max_blocks_per_seq: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device, decode_split_for):
-        """decode_split_for(batch_size) -> the decode kernel's split configuration for that bucket."""
+                 dtype: torch.dtype, device: torch.device, decode_split_for, pool=None):
+        """decode_split_for(batch_size) -> the decode kernel's split configuration for that bucket.
+        pool: a graph memory pool to share (the piecewise graphs')."""
         self.buckets = graph_buckets(max_batch_size)
         self.device = device
         n = max_batch_size
@@ -46,7 +47,6 @@ class DecodeGraphs:
             for bs in self.buckets:
                 model(*self._bucket_inputs(bs))
         self.compile_s = compile_ahead.dry_run(forwards)   # its seconds (None: no dry pass)
-        pool = None
         for bs in reversed(self.buckets):
             input_ids, positions, meta = self._bucket_inputs(bs)
             self.inputs[bs] = [input_ids, positions, meta.slot_mapping, meta.seq_lens]

@@ -1,5 +1,5 @@
-"""ModelRunner: owns the model, its KV cache, the attention backend, the decode CUDA graphs and
-the sampler; turns a SchedulerOutput into sampled tokens."""
+"""ModelRunner: owns the model, its KV cache, the attention backend, the CUDA graphs (decode steps
+whole, other steps in pieces) and the sampler; turns a SchedulerOutput into sampled tokens."""
 import bisect
 import time
 from collections.abc import Callable
@@ -14,6 +14,7 @@ from nanovllm.engine import kv_cache
 from nanovllm.engine.block_table_sync import BlockTableReceiver, BlockTableSender
 from nanovllm.engine.cuda_graph import DecodeGraphs, graph_buckets
 from nanovllm.engine.penalty_counts import PenaltyCounts
+from nanovllm.engine import piecewise_graphs
 from nanovllm.engine.prompt_logprobs import PromptLogprobsChunk, score_prompts
 from nanovllm.engine.sampling_inputs import build_sampling_metadata
 from nanovllm.engine.scheduler import SchedulerOutput
@@ -98,8 +99,13 @@ class ModelRunner:
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.timings["kv_cache_s"] = time.perf_counter() - start
         self.graphs = None
+        self.pieces: piecewise_graphs.PiecewiseGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
             start = time.perf_counter()
+            if tp.size == 1:   # (not yet run with tensor parallelism)
+                self.pieces = piecewise_graphs.PiecewiseGraphs(
+                    self.model, min(config.max_num_batched_tokens, piecewise_graphs.MAX_TOKENS),
+                    hf.hidden_size, config.torch_dtype, self.device)
             self.graphs = self._capture_graphs()
             self.timings["cuda_graphs_s"] = time.perf_counter() - start
             self._add_compile_ahead(self.graphs.compile_s)
@@ -128,7 +134,8 @@ class ModelRunner:
     def _capture_graphs(self) -> DecodeGraphs:
         cfg = self.config
         return DecodeGraphs(self.model, min(cfg.max_num_seqs, MAX_GRAPH_BATCH_SIZE), self.max_blocks_per_seq,
-                            cfg.hf_config.hidden_size, cfg.torch_dtype, self.device, self.decode_split)
+                            cfg.hf_config.hidden_size, cfg.torch_dtype, self.device, self.decode_split,
+                            pool=None if self.pieces is None else self.pieces.pool)
 
     def _add_compile_ahead(self, seconds: float | None):
         """Counts a dry pass's seconds (None: none ran) into the start-up's compile_ahead_s."""
@@ -142,7 +149,8 @@ class ModelRunner:
                    f"{self.block_size} tokens ({kv_gib:.2f} GiB, {self.config.kv_cache_dtype}) sized in "
                    f"{t['kv_cache_s']:.1f}s; attention backend: {type(self.backend).__name__}")
         if self.graphs is not None:
-            message += (f"; CUDA graphs for {len(self.graphs.buckets)} batch sizes captured in "
+            pieces = "" if self.pieces is None else f" and in pieces for {len(self.pieces.buckets)} token counts"
+            message += (f"; CUDA graphs for {len(self.graphs.buckets)} batch sizes{pieces} captured in "
                         f"{t['cuda_graphs_s']:.1f}s")
         if self.logits_buckets:
             message += f"; LM head warmed up for {len(self.logits_buckets)} row counts in {t['logits_warm_up_s']:.1f}s"
@@ -355,6 +363,8 @@ class ModelRunner:
         if from_graph:
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
                                      batch.block_tables, pending, self.last_sampled)
+        elif self.pieces is not None and len(batch.input_ids) <= self.pieces.max_tokens:
+            hidden = self.pieces.run(*self._device_inputs(batch, pending))
         else:
             hidden = self.model(*self._device_inputs(batch, pending))
 

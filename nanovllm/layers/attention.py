@@ -1,7 +1,9 @@
 """Attention over the paged KV cache, the per-step metadata every attention layer reads, and
 the backends that compute it: plain torch (CPU, reference), our Triton kernels, flash-attn."""
+import contextlib
 import functools
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -149,6 +151,24 @@ def select_backend(name: str, device: torch.device, block_size: int, fp8_cache: 
     return TritonBackend() if name == "triton" else TorchBackend()
 
 
+# Set while engine/piecewise_graphs.py captures a forward in pieces: cut(layer, q) stands in for
+# every attention layer's computation (see split_at_attention).
+_cut: "Callable[[Attention, torch.Tensor], torch.Tensor] | None" = None
+
+
+@contextlib.contextmanager
+def split_at_attention(cut: "Callable[[Attention, torch.Tensor], torch.Tensor]"):
+    """Inside: each attention layer's forward computes nothing and returns cut(layer, q), q being
+    [num_tokens, num_heads, head_dim] with its k and v already in the cache (CUDA's fused RoPE
+    kernel stores them)."""
+    global _cut
+    _cut = cut
+    try:
+        yield
+    finally:
+        _cut = None
+
+
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
         super().__init__()
@@ -164,4 +184,7 @@ class Attention(nn.Module):
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim], stored into
         the cache at meta.slot_mapping first; None when the caller already stored them (CUDA's
         fused RoPE kernel does). Every backend reads K/V from the cache only."""
+        if _cut is not None:
+            assert k is None, "a forward is cut at attention only where its k and v are already stored"
+            return _cut(self, q)
         return self.backend(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
