@@ -119,10 +119,3 @@ class PiecewiseGraphs:
             piece.replay()
         self.replays += 1
         return self.hidden[:tokens]
-
-    def reset(self):
-        """Destroy the graphs (a graph still running is freed when it ends)."""
-        for graphs in self.pieces.values():
-            for graph in graphs:
-                graph.reset()
-        self.pieces.clear()
