@@ -22,8 +22,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # SamplingParams names.
 GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-# What block_size=None and max_num_batched_tokens=None (vLLM's "the engine's default") mean here.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 16384
+# What block_size=None (vLLM's "the engine's default") means here.
 DEFAULT_BLOCK_SIZE = 256
 # vLLM's kv_cache_dtype values ("auto": the model's dtype). fp8 values are stored unscaled
 # (vLLM's k_scale = v_scale = 1.0 for checkpoints without scales), clamped to the format's range.
@@ -49,6 +48,16 @@ IDLE_ARGUMENTS = {
     "spec_method": (None, "no speculative decoding"), "spec_model": (None, "no speculative decoding"),
     "spec_tokens": (None, "no speculative decoding"),
 }
+
+
+def batch_defaults(device: str) -> tuple[int, int]:
+    """vLLM's (max_num_batched_tokens, max_num_seqs) for an offline LLM on device ('cuda' or 'cpu'):
+    (16384, 1024) on a GPU of at least 70 GiB that is not an A100 (H100, H200, ...), else (8192, 256)."""
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        if props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower():
+            return 16384, 1024
+    return 8192, 256
 
 
 @dataclass
@@ -88,8 +97,10 @@ class Config:
     device: str = "auto"
     seed: int | None = 0                    # None: a random seed (vLLM's meaning)
     max_model_len: int | None = None
-    max_num_seqs: int = 512
-    max_num_batched_tokens: int | None = None   # None: 16384
+    # None: vLLM's defaults for an offline LLM (batch_defaults): 1,024 sequences and 16,384 tokens a step
+    # on a GPU of at least 70 GiB that is not an A100, else 256 and 8,192
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True     # False: a prompt is computed in one step or waits
     scheduling_policy: str = "fcfs"         # "fcfs" | "priority": generate(..., priority=[...]), lower first
     block_size: int | None = None               # None: 256 tokens a KV-cache block
@@ -154,8 +165,6 @@ class Config:
             self.num_kvcache_blocks = self.num_gpu_blocks_override
         if self.seed is None:
             self.seed = random.randrange(2**31)
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
         if self.block_size is None:
             self.block_size = DEFAULT_BLOCK_SIZE
         self._validate_scalars()
@@ -215,10 +224,25 @@ class Config:
             self.tokenizer = self.model_path
         elif not self.skip_tokenizer_init:
             check_directory_or_hub_id(self.tokenizer, "tokenizer")
+        self._resolve_batch_limits()
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
                              f"max_model_len ({self.max_model_len}): with enable_chunked_prefill=False a "
                              f"prompt must fit one step. Raise max_num_batched_tokens or lower max_model_len.")
+
+    def _resolve_batch_limits(self):
+        """max_num_seqs and max_num_batched_tokens left at None, as vLLM's EngineArgs resolves them: the
+        device's defaults, a step's tokens at least max_model_len without chunked prefill and at most
+        what max_num_seqs full-length sequences hold, and no more sequences than tokens."""
+        default_tokens, default_seqs = batch_defaults(self.device)
+        seqs_unset = self.max_num_seqs is None
+        if seqs_unset:
+            self.max_num_seqs = default_seqs
+        if self.max_num_batched_tokens is None:
+            tokens = default_tokens if self.enable_chunked_prefill else max(default_tokens, self.max_model_len)
+            self.max_num_batched_tokens = min(tokens, self.max_num_seqs * self.max_model_len)
+        if seqs_unset:
+            self.max_num_seqs = min(self.max_num_seqs, self.max_num_batched_tokens)
 
     def _validate_scalars(self):
         def check(ok: bool, message: str):
@@ -239,8 +263,9 @@ class Config:
               f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}.")
         check(self.max_model_len is None or self.max_model_len >= 1,
               f"max_model_len must be at least 1, got {self.max_model_len}.")
-        check(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
-        check(self.max_num_batched_tokens >= 1,
+        check(self.max_num_seqs is None or self.max_num_seqs >= 1,
+              f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
               f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
         check(self.block_size >= 1 and self.block_size % 16 == 0,
               f"block_size must be a positive multiple of 16, got {self.block_size}.")

@@ -9,7 +9,7 @@
 3. With --tp > 1: the spread of rank 0's all-reduce times.
 
     PYTHONPATH=. python3 tests/profile_run.py [--model qwen3-0.6b] [--workload default] [--tp 2] [--profile-steps 200]
-        [--top-k 20 --top-p 0.95] [--presence-penalty 0.5 ...] [--runs 2] [--no-profile] [--pause 5]
+        [--max-num-seqs 512] [--top-k 20 --top-p 0.95] [--presence-penalty 0.5 ...] [--runs 2] [--no-profile] [--pause 5]
         [--cprofile | --cprofile-steps 3 8]
         [--num-seqs 128 --min-input-len 6000 --max-input-len 8000 --min-output-len 16 --max-output-len 64
          --max-model-len 8192]     (the long-prompt workload; the default workload's lengths otherwise)
@@ -98,6 +98,7 @@ def main():
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--workload", default="default")
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="as bench.py's")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="profile only this many engine steps, from --profile-start on (0: the whole run). "
                         "Gathering the events of a whole Qwen3-8B TP=2 run took longer than 4 minutes")
@@ -125,7 +126,7 @@ def main():
     params = dict(top_k=args.top_k, top_p=args.top_p, **penalties(args))
     args.seed = 0
     llm = LLM(preset_dir(args.model), load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len,
-              tensor_parallel_size=args.tp)
+              tensor_parallel_size=args.tp, max_num_seqs=args.max_num_seqs)
     prompts, settings = make_workload(args, on_cpu=False)
     warm_up(llm, SamplingParams, args)
 

@@ -10,7 +10,7 @@ import torch
 
 from conftest import make_prompts
 from nanovllm import LLM, BeamSearchParams, RequestOutput, SamplingParams
-from nanovllm.config import IDLE_ARGUMENTS
+from nanovllm.config import IDLE_ARGUMENTS, Config, batch_defaults
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import RequestOutputKind
@@ -829,7 +829,7 @@ def test_interrupted_generate_aborts_its_requests(llm, monkeypatch):
                                                "processes), got 'ray'."),
     (dict(tokenizer_mode="mistral"), "tokenizer_mode must be 'auto' or 'slow', got 'mistral'."),
     (dict(scheduling_policy="lifo"), "scheduling_policy must be 'fcfs' or 'priority', got 'lifo'."),
-    (dict(max_num_seqs="8"), "max_num_seqs must be int, got '8'."),
+    (dict(max_num_seqs="8"), "max_num_seqs must be int or None, got '8'."),
     (dict(enable_lora=True), "enable_lora=True is not supported: nanovllm runs the base model only."),
     (dict(speculative_config={"method": "ngram"}), "speculative_config is not supported (no speculative decoding)"),
     (dict(runner="pooling"), "runner must be 'auto' or 'generate' (nanovllm runs generative models), got 'pooling'."),
@@ -845,7 +845,7 @@ def test_interrupted_generate_aborts_its_requests(llm, monkeypatch):
     (dict(enforce_eager="yes"), "enforce_eager must be bool, got 'yes'."),
     (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization must be float, got '0.5'."),
     (dict(kv_cache_memory_bytes=1.5), "kv_cache_memory_bytes must be int or None, got 1.5."),
-    (dict(max_num_seqs=True), "max_num_seqs must be int, got True."),
+    (dict(max_num_seqs=True), "max_num_seqs must be int or None, got True."),
     (dict(cpu_offload_gb=2), "cpu_offload_gb must be 0 (no CPU offloading), got 2."),
     (dict(swap_space=-1), "swap_space must be non-negative, got -1."),
     (dict(max_logprobs=-2), "max_logprobs must be non-negative or -1 (no cap), got -2."),
@@ -996,10 +996,37 @@ def test_vllm_engine_arguments_that_mean_our_behaviour_are_accepted(qwen3_dir):
               enable_expert_parallel=False, enable_sleep_mode=False, logprobs_mode="raw_logprobs", hf_token=None,
               block_size=16, num_gpu_blocks_override=16, **{name: idle for name, (idle, _) in IDLE_ARGUMENTS.items()})
     assert llm.llm_engine.block_manager.num_blocks == 16
-    defaults = LLM(qwen3_dir, block_size=None, max_num_batched_tokens=None, num_kvcache_blocks=4).llm_engine.config
-    assert (defaults.block_size, defaults.max_num_batched_tokens) == (256, 16384)   # vLLM's None: our defaults
+    defaults = LLM(qwen3_dir, block_size=None, max_num_batched_tokens=None, max_num_seqs=None,
+                   num_kvcache_blocks=4).llm_engine.config
+    # vLLM's None: its defaults off a large GPU (batch_defaults), our block size
+    assert (defaults.block_size, defaults.max_num_batched_tokens, defaults.max_num_seqs) == (256, 8192, 256)
     out = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [3, 3]
+
+
+@pytest.mark.parametrize("name, gib, expected", [("NVIDIA H200", 139.8, (16384, 1024)),
+                                                  ("NVIDIA H100 80GB HBM3", 79.1, (16384, 1024)),
+                                                  ("NVIDIA A100-SXM4-80GB", 79.1, (8192, 256)),
+                                                  ("NVIDIA L40S", 44.4, (8192, 256))])
+def test_batch_defaults_follow_vllms_by_gpu(monkeypatch, name, gib, expected):
+    props = types.SimpleNamespace(name=name, total_memory=int(gib * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    assert batch_defaults("cuda") == expected
+    assert batch_defaults("cpu") == (8192, 256)
+
+
+def test_unset_batch_limits_resolve_as_vllms(qwen3_dir):
+    """Without chunked prefill a step holds a whole prompt; a step never holds more tokens than
+    max_num_seqs full sequences, nor more sequences than tokens; set values stay as given."""
+    def limits(**kwargs):
+        config = Config(qwen3_dir, **kwargs)
+        return config.max_num_batched_tokens, config.max_num_seqs
+    assert limits() == (8192, 256)
+    assert limits(max_num_seqs=16, enable_chunked_prefill=False, hf_overrides={"max_position_embeddings": 10000},
+                  max_model_len=10000) == (10000, 16)
+    assert limits(max_model_len=16, max_num_seqs=4) == (64, 4)
+    assert limits(max_num_batched_tokens=100) == (100, 100)
+    assert limits(max_num_batched_tokens=100, max_num_seqs=300) == (100, 300)
 
 
 def test_chat_template_from_llm_argument(qwen3_dir, tmp_path):

@@ -43,7 +43,7 @@ def test_the_vllm_engine_example_runs(qwen3_dir, tokenizer):
                               "--num-kvcache-blocks=64", "--no-enable-prefix-caching", "--max-model-len", "256",
                               "--hf-overrides", '{"rms_norm_eps": 1e-06}'])
     engine_args = EngineArgs.from_cli_args(args)
-    assert (engine_args.block_size, engine_args.enable_prefix_caching, engine_args.max_num_seqs) == (16, False, 512)
+    assert (engine_args.block_size, engine_args.enable_prefix_caching, engine_args.max_num_seqs) == (16, False, None)
     engine = LLMEngine.from_engine_args(engine_args)
     assert engine.config.hf_config.rms_norm_eps == 1e-6 and not engine.config.enable_prefix_caching
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
