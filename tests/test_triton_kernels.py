@@ -205,6 +205,34 @@ def test_mixed_step_sends_decodes_to_the_decode_kernel(num_kv_heads, group, head
     assert rel_err(out[~others], ref[~others]) < TOL
 
 
+@pytest.mark.parametrize("num_kv_heads, group, head_dim, page", PREFILL_SHAPES)
+def test_mixed_step_with_decodes_first_writes_into_the_given_buffer(num_kv_heads, group, head_dim, page):
+    """Decodes as a step's first rows (MixedDecodes.rows a slice: q and out sliced, not gathered), the
+    whole output written into the caller's buffer (the piecewise graphs' static one), as the
+    reference computes it; decode steps write there too."""
+    from nanovllm.layers.attention import AttentionMetadata, MixedDecodes, TritonBackend
+    new = (1, 1, 1, 77, 130)
+    args, ref = prefill_case(num_kv_heads, group, head_dim, page, ctx=(300, 5, 1500, 0, 48), new=new)
+    q, k_cache, v_cache, tables, qsl, seq_lens, max_query_len, scale = args
+    front = slice(0, 3)
+    meta = AttentionMetadata(slot_mapping=None, block_tables=tables, query_start_loc=qsl, seq_lens=seq_lens,
+                             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
+                             max_query_len=max_query_len, max_seq_len=max(seq_lens.tolist()),
+                             decodes=MixedDecodes(rows=front, block_tables=tables[front], seq_lens=seq_lens[front],
+                                                  split=(4, 64), max_prefill_seq_len=178))
+    buffer = torch.full_like(q, float("nan"))
+    out = TritonBackend()(q, None, None, k_cache, v_cache, meta, scale, out=buffer)
+    assert out is buffer and rel_err(buffer.cpu(), ref) < TOL
+
+    decodes_only = AttentionMetadata(slot_mapping=None, block_tables=tables[front], query_start_loc=qsl[:4],
+                                     seq_lens=seq_lens[front], query_start_loc_cpu=[0, 1, 2, 3],
+                                     seq_lens_cpu=seq_lens[front].tolist(), max_query_len=1,
+                                     max_seq_len=max(seq_lens[front].tolist()), decode_split=(4, 64))
+    buffer = torch.full_like(q[front], float("nan"))
+    out = TritonBackend()(q[front], None, None, k_cache, v_cache, decodes_only, scale, out=buffer)
+    assert out is buffer and rel_err(buffer.cpu(), ref[front]) < TOL
+
+
 # ---- fused element-wise kernels vs the torch modules ------------------------------------------
 @pytest.mark.parametrize("rows, hidden", [(1, 64), (37, 1024), (5, 1000)])
 def test_rms_norm(rows, hidden):

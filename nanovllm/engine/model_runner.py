@@ -282,10 +282,13 @@ class ModelRunner:
         decode_seqs = []       # one-token sequences in a step with prompt tokens
         if max_query_len > 1 and self.backend.splits_mixed_steps:
             decode_seqs, max_prefill_seq_len = mixed_step_decodes(qsl, batch.seq_lens)
+        # The decodes as the batch's first rows (sequences and tokens alike): sliced, not gathered.
+        front = slice(0, len(decode_seqs)) if decode_seqs and decode_seqs[-1] == len(decode_seqs) - 1 else None
+        gathered = decode_seqs if front is None else []
         arrays = [batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
                   np.asarray(qsl, np.int32), np.asarray(batch.seq_lens, np.int32),
                   np.asarray(rows, np.int64), np.asarray(sources, np.int64),
-                  np.asarray(decode_seqs, np.int64), np.asarray([qsl[i] for i in decode_seqs], np.int64)]
+                  np.asarray(gathered, np.int64), np.asarray([qsl[i] for i in gathered], np.int64)]
         if self.backend.needs_cu_seqlens_k:
             arrays.append(np.concatenate([[0], np.cumsum(batch.seq_lens)]).astype(np.int32))
         (input_ids, positions, slot_mapping, block_tables, query_start_loc, seq_lens, rows, sources, decode_seqs_t,
@@ -300,9 +303,9 @@ class ModelRunner:
         if max_query_len == 1 and self.device.type == "cuda":
             meta.decode_split = self.decode_split(len(batch.seq_lens))
         if decode_seqs:
-            meta.decodes = MixedDecodes(rows=decode_rows, block_tables=block_tables.index_select(0, decode_seqs_t),
-                                        seq_lens=seq_lens.index_select(0, decode_seqs_t),
-                                        split=self.decode_split(len(decode_seqs)),
+            pick = decode_seqs_t if front is None else front    # (a slice picks views)
+            meta.decodes = MixedDecodes(rows=decode_rows if front is None else front, block_tables=block_tables[pick],
+                                        seq_lens=seq_lens[pick], split=self.decode_split(len(decode_seqs)),
                                         max_prefill_seq_len=max_prefill_seq_len)
         return input_ids, positions, meta
 

@@ -115,7 +115,7 @@ class PiecewiseGraphs:
         first, *rest = self.pieces[bucket]
         first.replay()
         for layer, piece in zip(self.layers, rest):
-            o.copy_(layer.backend(q, None, None, layer.k_cache, layer.v_cache, meta, layer.scale))
+            layer.backend(q, None, None, layer.k_cache, layer.v_cache, meta, layer.scale, out=o)
             piece.replay()
         self.replays += 1
         return self.hidden[:tokens]

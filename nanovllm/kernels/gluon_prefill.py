@@ -346,7 +346,8 @@ def _prefill_ws_kernel(q_desc, k_desc, v_desc, block_tables_ptr, query_start_loc
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                       max_query_len: int, scale: float, block_n: int = 64, num_warps: int = 4,
-                      stages: int = 3, warp_specialize: bool = False, skip_decodes: bool = False) -> torch.Tensor:
+                      stages: int = 3, warp_specialize: bool = False, skip_decodes: bool = False,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """triton_attention.prefill_attention's contract, for inputs `supports` accepts. Each warpgroup
     (four warps) takes 64 query rows of a tile; stages: the K/V tiles a program keeps in flight.
     warp_specialize: 128-row tiles, two consumer warpgroups and a loader warp (num_warps unused)."""
@@ -362,7 +363,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     tile_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], dtype)
     k_desc = TensorDescriptor(k_cache, rows, row, [block_n, head_dim], tile_layout)
     v_desc = TensorDescriptor(v_cache, rows, row, [block_n, head_dim], tile_layout)
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     grid = (triton.cdiv(max_query_len, block_m), num_heads, seq_lens.shape[0])
     args = (q_desc, k_desc, v_desc, block_tables, query_start_loc, seq_lens, out, scale * 1.4426950408889634,
             out.stride(0), out.stride(1), block_tables.stride(0), 2 if skip_decodes else 1)

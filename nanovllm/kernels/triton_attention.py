@@ -275,12 +275,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      num_splits: int = 16, min_split: int = 64, block_n: int = 64, num_stages: int | None = None,
                      num_warps: int = 4, max_registers: int | None = None,
-                     fuse_merge: bool | None = None) -> torch.Tensor:
+                     fuse_merge: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim], one query per sequence at position seq_lens - 1.
     A context is split into ceil(seq_len / split_len) parts, split_len = max(seq_len / num_splits,
     min_split) rounded up to block_n. A sequence with seq_len 0 (padding) gets zeros.
     fuse_merge: the last split of each (sequence, KV head) merges them (kernels/counters.py), instead
-    of a second kernel; None: fused_merge_for's choice."""
+    of a second kernel; None: fused_merge_for's choice. out: where to write (q's shape, rows and heads at
+    any stride); a new tensor when None."""
     num_seqs, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -290,7 +291,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         # per program and five programs per SM; an fp8 cache (converted tiles, more registers)
         # with two tiles in flight and registers capped so that four programs fit on an SM.
         num_stages, max_registers = (3, 128) if k_cache.element_size() == 1 else (2, max_registers)
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     o_part = lse_part = count = out    # (not touched by the kernel unless there are splits / a fused merge)
     if num_splits > 1:
         o_part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -374,15 +376,18 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                       max_query_len: int, scale: float, block_m: int = 64, block_n: int = 64,
-                      num_warps: int = 4, num_stages: int = 3, skip_decodes: bool = False) -> torch.Tensor:
+                      num_warps: int = 4, num_stages: int = 3, skip_decodes: bool = False,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim], sequences back to back; the new tokens' K/V are
     already in the cache, after the sequence's seq_len - q_len cached ones. skip_decodes: the rows
-    of one-token sequences are left unwritten (a mixed step's decodes, which decode_attention takes)."""
+    of one-token sequences are left unwritten (a mixed step's decodes, which decode_attention takes).
+    out: where to write (as decode_attention's)."""
     num_tokens, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     block_n = tile_size(block_n, page)
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
     launch(_prefill_kernel, grid,
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale,

@@ -41,7 +41,9 @@ class MixedDecodes:
     """The one-token sequences of a step that also computes prompt tokens. A prefill kernel would
     give each of them a whole query tile (64-128 rows of products for one) and read its context
     once per query head; the decode kernel reads it once per KV head, at the memory's pace."""
-    rows: torch.Tensor              # [n] int64, their token rows in the batch
+    # Their token rows in the batch: [n] int64, or slice(0, n) where they are its first n rows (the
+    # usual case: running sequences are scheduled before new ones), which q and out are sliced by.
+    rows: torch.Tensor | slice
     block_tables: torch.Tensor      # [n, max_num_blocks] int32
     seq_lens: torch.Tensor          # [n] int32
     split: tuple[int, int]          # the decode kernel's split configuration for n sequences
@@ -54,11 +56,11 @@ class TorchBackend:
     needs_cu_seqlens_k = False
     splits_mixed_steps = False
 
-    def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out=None):
         if k is not None:
             torch_attention.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
-        return torch_attention.paged_attention(q, k_cache, v_cache, meta.block_tables,
-                                               meta.query_start_loc_cpu, meta.seq_lens_cpu, scale)
+        return _into(out, torch_attention.paged_attention(q, k_cache, v_cache, meta.block_tables,
+                                                          meta.query_start_loc_cpu, meta.seq_lens_cpu, scale))
 
 
 class TritonBackend:
@@ -78,23 +80,25 @@ class TritonBackend:
             gluon_prefill = None
         self.gluon_prefill = gluon_prefill
 
-    def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out=None):
         if k is not None:
             self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.decode_split is not None:
             return self.kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                                 scale, *meta.decode_split)
+                                                 scale, *meta.decode_split, out=out)
         prefill = self.kernels.prefill_attention
         d = meta.decodes
         if self.gluon_prefill is not None and self.gluon_prefill.supports(q, k_cache):
             longest = meta.max_seq_len if d is None else d.max_prefill_seq_len
             prefill = functools.partial(self.gluon_prefill.prefill_attention, **self.gluon_prefill.config_for(longest))
         out = prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                      meta.max_query_len, scale, skip_decodes=d is not None)
+                      meta.max_query_len, scale, skip_decodes=d is not None, out=out)
         if d is not None:
-            decoded = self.kernels.decode_attention(q.index_select(0, d.rows), k_cache, v_cache, d.block_tables,
-                                                    d.seq_lens, scale, *d.split)
-            out.index_copy_(0, d.rows, decoded)
+            front = isinstance(d.rows, slice)   # views of q and out: no gather, no scatter
+            decoded = self.kernels.decode_attention(q[d.rows], k_cache, v_cache, d.block_tables, d.seq_lens,
+                                                    scale, *d.split, out=out[d.rows] if front else None)
+            if not front:
+                out.index_copy_(0, d.rows, decoded)
         return out
 
 
@@ -110,17 +114,22 @@ class FlashAttnBackend:
         self.varlen, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
         self.store = triton_attention.store_kvcache
 
-    def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out=None):
         if k is not None:
             self.store(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.decode_split is not None:
-            return self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
-                                     block_table=meta.block_tables, softmax_scale=scale,
-                                     causal=True).squeeze(1)
-        return self.varlen(q, k_cache, v_cache, cu_seqlens_q=meta.query_start_loc,
-                           cu_seqlens_k=meta.cu_seqlens_k, max_seqlen_q=meta.max_query_len,
-                           max_seqlen_k=meta.max_seq_len, softmax_scale=scale, causal=True,
-                           block_table=meta.block_tables)
+            return _into(out, self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
+                                                block_table=meta.block_tables, softmax_scale=scale,
+                                                causal=True).squeeze(1))
+        return _into(out, self.varlen(q, k_cache, v_cache, cu_seqlens_q=meta.query_start_loc,
+                                      cu_seqlens_k=meta.cu_seqlens_k, max_seqlen_q=meta.max_query_len,
+                                      max_seqlen_k=meta.max_seq_len, softmax_scale=scale, causal=True,
+                                      block_table=meta.block_tables))
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """A backend's result where the caller asked for it: `out` (the caller's buffer), or where it is."""
+    return result if out is None else out.copy_(result)
 
 
 def has_flash_attn() -> bool:
