@@ -303,9 +303,9 @@ class ModelRunner:
         if max_query_len == 1 and self.device.type == "cuda":
             meta.decode_split = self.decode_split(len(batch.seq_lens))
         if decode_seqs:
-            pick = decode_seqs_t if front is None else front    # (a slice picks views)
-            meta.decodes = MixedDecodes(rows=decode_rows if front is None else front, block_tables=block_tables[pick],
-                                        seq_lens=seq_lens[pick], split=self.decode_split(len(decode_seqs)),
+            at, pick = (decode_rows, decode_seqs_t) if front is None else (front, front)   # (a slice: views)
+            meta.decodes = MixedDecodes(rows=at, block_tables=block_tables[pick], seq_lens=seq_lens[pick],
+                                        split=self.decode_split(len(decode_seqs)),
                                         max_prefill_seq_len=max_prefill_seq_len)
         return input_ids, positions, meta
 
