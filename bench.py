@@ -6,6 +6,7 @@
     python bench.py --engine vllm              # the same through vLLM
     python bench.py --kv-cache-dtype fp8       # K/V cached in fp8 (half the bytes), either engine
     python bench.py --top-k 20 --top-p 0.95    # sampled requests also filtered (Qwen3's own defaults)
+    python bench.py --logprobs 5               # every token also with its logprob and the 5 best
     python bench.py --workload default,latency # several workloads, one engine start-up
     python bench.py --repeat 3                 # three timed runs of each workload, one start-up
 
@@ -98,6 +99,8 @@ def main():
                    help="SamplingParams.frequency_penalty of every request")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="SamplingParams.repetition_penalty of every request")
+    p.add_argument("--logprobs", type=int, default=None,
+                   help="SamplingParams.logprobs of every request (default: none; 0: the sampled token's only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="also print one JSON line with the results")
     args = p.parse_args()
@@ -147,7 +150,7 @@ def main():
 def warm_up(llm, SamplingParams, args):
     """Untimed, sampling as the workloads do, at one sequence and at a batch (the top-k/top-p
     kernels differ by batch size), so that no kernel compiles inside a timed run."""
-    params = SamplingParams(max_tokens=4, **sampling_filters(args), **penalties(args))
+    params = SamplingParams(max_tokens=4, **sampling_filters(args), **request_options(args))
     for num_prompts in (1, 32):
         llm.generate([{"prompt_token_ids": [1, 2, 3]}] * num_prompts, params, use_tqdm=False)
 
@@ -157,11 +160,12 @@ def sampling_filters(args) -> dict:
     return dict(top_k=args.top_k, top_p=args.top_p) if args.top_k or args.top_p < 1 else {}
 
 
-def penalties(args) -> dict:
-    """The penalty fields of every request's SamplingParams (none when all are off)."""
+def request_options(args) -> dict:
+    """The penalty and logprobs fields of every request's SamplingParams (none when all are off)."""
     values = dict(presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                   repetition_penalty=args.repetition_penalty)
-    return {} if values == dict(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0) else values
+    off = values == dict(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
+    return ({} if off else values) | ({} if args.logprobs is None else dict(logprobs=args.logprobs))
 
 
 def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float, run: int = 1):
@@ -169,7 +173,7 @@ def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float, run: i
     prompts, settings = make_workload(args, on_cpu)
     filters = sampling_filters(args) if any(t > 0 for _, t in settings) else {}
     params = [SamplingParams(temperature=t, ignore_eos=True, max_tokens=m, **(filters if t > 0 else {}),
-                             **penalties(args)) for m, t in settings]
+                             **request_options(args)) for m, t in settings]
     inputs = [{"prompt_token_ids": ids} for ids in prompts]
 
     start = time.perf_counter()
@@ -178,7 +182,8 @@ def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float, run: i
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_in = sum(len(ids) for ids in prompts)
     num_cached = sum(o.num_cached_tokens or 0 for o in outputs)
-    workload = args.workload + "".join(f" {k}={v}" for k, v in (filters | penalties(args)).items())
+    options = filters | request_options(args)
+    workload = args.workload + "".join(f" {k}={v}" for k, v in options.items())
     result = dict(engine=args.engine, model=args.model, workload=workload, tp=args.tp,
                   custom_all_reduce=args.custom_all_reduce, kv_cache_dtype=args.kv_cache_dtype, num_requests=len(prompts),
                   prompt_tokens=num_in, output_tokens=num_out, cached_prompt_tokens=num_cached,

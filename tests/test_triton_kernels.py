@@ -569,6 +569,43 @@ def test_top_p_cut_equals_the_sort_reference(dtype, vocab):
     assert ours[1] == 1.5 and ours[4] == 40.0 and ours[5] == logits[5].float().max() and ours[7] == float("-inf")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab, num_top", [(1_000, 0), (2_049, 1), (20_011, 5), (8_193, 20)] +
+                         ([] if INTERPRET else [(151_936, 5), (151_936, 64)]))
+def test_logprobs_in_one_pass_equal_the_log_softmax_reference(dtype, vocab, num_top):
+    """kernels/triton_logprobs.py against layers/sampler.py's token_logprobs (log_softmax, gather,
+    a comparison and topk) on fresh random logits: ties (a row of one value; 16-bit rows are full
+    of them), -inf entries (grammar-masked tokens; a row with fewer finite logits than num_top),
+    a last chunk of one logit, a sampled token that ties others. Against a float64 log_softmax
+    (float32's, summed in another order, is itself ~1e-5 off at 151,936 logits): the logprobs agree
+    to float32 rounding, the ranks exactly; the best num_top agree in value and, where values tie,
+    may name other ids of that value."""
+    from nanovllm.kernels.triton_logprobs import token_logprobs
+    from nanovllm.layers.sampler import token_logprobs as reference
+    gen = torch.Generator().manual_seed(vocab + num_top)
+    batch = 6
+    logits = (torch.randn(batch, vocab, generator=gen) * 3).to(dtype)
+    logits[1] = 1.5
+    logits[2, ::3] = float("-inf")
+    logits[3, max(num_top // 2, 1):] = float("-inf")
+    logits[4, :vocab // 2] = logits[4, vocab // 2]
+    token_ids = torch.randint(0, vocab, (batch,), generator=gen)
+    token_ids[2], token_ids[3], token_ids[4] = 1, 0, 3
+    log_softmax = logits.double().log_softmax(-1)
+    expected = reference(log_softmax, token_ids, num_top)
+    logprobs, ranks, top_logprobs, top_ids = (t if t is None else t.cpu() for t in token_logprobs(
+        logits.to(DEVICE), token_ids.to(DEVICE), num_top))
+    assert torch.allclose(logprobs.double(), expected.logprobs, rtol=0, atol=1e-5)
+    assert ranks.tolist() == expected.ranks.tolist()
+    if num_top == 0:
+        assert top_logprobs is None and top_ids is None
+        return
+    assert torch.allclose(top_logprobs.double(), expected.top_logprobs, rtol=0, atol=1e-5)
+    assert ((top_ids >= 0) & (top_ids < vocab)).all()
+    assert all(len(set(row)) == num_top for row in top_ids.tolist())
+    assert torch.allclose(log_softmax.gather(1, top_ids), top_logprobs.double(), rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("vocab", [1_000, 20_011] + ([] if INTERPRET else [151_936]))
 def test_penalties_kernel_equals_the_torch_penalties(vocab):
     """One pass over the penalised rows against layers/sampler.py's torch path, on fresh random

@@ -249,14 +249,17 @@ class ModelRunner:
         self._add_compile_ahead(compile_ahead.dry_run(lambda: [self.model(*step) for step in steps]))
         hidden = self.model(*inputs)
         logits = self.model.compute_logits(hidden[torch.tensor(batch.query_start_loc[1:]) - 1])
-        # top_k without max_top_k or max_set_top_k sorts every row: the sampler's largest path
+        # top_k without max_top_k or max_set_top_k sorts every row: the sampler's largest path; and
+        # logprob_token_ids keep the whole log_softmax (the logprobs' largest path)
         md = SamplingMetadata(
             temperatures=torch.ones(num_seqs, device=self.device),
             is_greedy=torch.zeros(num_seqs, dtype=torch.bool, device=self.device), all_greedy=False,
             any_greedy=False, top_k=torch.full((num_seqs,), self.vocab_size, device=self.device), max_top_k=None,
             top_p=torch.full((num_seqs,), 0.9, device=self.device),
             min_p=torch.full((num_seqs,), 0.1, device=self.device),
-            row_seeds=[], banned_rows=None, banned_tokens=None, max_num_logprobs=cfg.logprobs_cap)
+            row_seeds=[], banned_rows=None, banned_tokens=None, max_num_logprobs=cfg.logprobs_cap,
+            logprob_rows=torch.zeros(1, dtype=torch.int64, device=self.device),
+            logprob_token_ids=torch.zeros(1, 1, dtype=torch.int64, device=self.device))
         if self.sampler is not None:
             self.sampler(logits, md)
         del hidden, logits

@@ -235,8 +235,8 @@ class Sampler:
         machine, ~0.05 s once Triton's cache holds them). Each batch is sampled twice: as it
         comes, in the model's dtype, and with its first row penalised and held to an all-allowing
         grammar bitmask, for the logit-edit kernels (after which the batch is float32; perf_notes
-        row 84). The noise generator is left as it was. -> False if there is nothing to compile
-        (the CPU path)."""
+        row 84); each with one logprob a row (the one-pass logprobs kernel, on the raw logits). The
+        noise generator is left as it was. -> False if there is nothing to compile (the CPU path)."""
         if not self.fused:
             return False
         device, state = self.generator.device, self.generator.get_state()
@@ -254,10 +254,19 @@ class Sampler:
                                       any_greedy=False, top_k=full(top_k, torch.int64) if top_k > 0 else None,
                                       max_top_k=top_k if top_k > 0 else None,
                                       top_p=full(top_p) if top_p < 1.0 else None, min_p=None,
-                                      row_seeds=[], banned_rows=None, banned_tokens=None, **row_edits)
+                                      row_seeds=[], banned_rows=None, banned_tokens=None, max_num_logprobs=1,
+                                      **row_edits)
                 self(torch.randn(rows, vocab_size, generator=values, device=device, dtype=dtype), md)
         self.generator.set_state(state)
         return True
+
+    def _logprobs_in_one_pass(self, logits: torch.Tensor, md: SamplingMetadata) -> bool:
+        """Whether kernels/triton_logprobs.py serves this batch's logprobs: on CUDA, for up to
+        MAX_TOP of a row's best, without logprob_token_ids (which want the whole log_softmax), and
+        with the raw logits kept (the edits work in place on float32 logits, on a copy of others)."""
+        from nanovllm.kernels.triton_logprobs import MAX_TOP
+        return (self.fused and md.max_num_logprobs <= MAX_TOP and md.logprob_rows is None
+                and not (md.edits_logits and logits.dtype == torch.float32))
 
     def _exponential_noise(self, probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         q = torch.empty_like(probs).exponential_(generator=self.generator)
@@ -320,7 +329,10 @@ class Sampler:
         # logits: [B, V]
         if md.grammar_rows is not None:   # before the logprobs, as vLLM applies its grammar bitmask
             apply_token_bitmask(logits, md.grammar_rows, md.grammar_bitmask)
-        raw_logprobs = logits.float().log_softmax(-1) if md.max_num_logprobs is not None else None
+        raw_logits, raw_logprobs = logits, None
+        one_pass = md.max_num_logprobs is not None and self._logprobs_in_one_pass(logits, md)
+        if md.max_num_logprobs is not None and not one_pass:
+            raw_logprobs = logits.float().log_softmax(-1)
         if md.edits_logits:
             logits = restrict_and_bias(logits.float(), md)
             if md.penalty_rows is not None:
@@ -331,6 +343,12 @@ class Sampler:
         token_ids = self._sample_fused(logits, md) if self.fused else self._sample_torch(logits.float(), md)
         if md.penalty_rows is not None:
             count_sampled(md, token_ids)
+        if one_pass:
+            from nanovllm.kernels import triton_logprobs
+            out = SamplerOutput(token_ids)
+            out.logprobs, out.ranks, out.top_logprobs, out.top_ids = triton_logprobs.token_logprobs(
+                raw_logits, token_ids, md.max_num_logprobs)
+            return out
         if raw_logprobs is None:
             return SamplerOutput(token_ids)
         out = token_logprobs(raw_logprobs, token_ids, md.max_num_logprobs)
