@@ -11,6 +11,7 @@ from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.inputs import Tokenization, parse_prompts
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import BeamSearchParams, SamplingParams
+from nanovllm.utils.heap import fewer_collections
 
 
 class LLM:
@@ -187,7 +188,7 @@ class LLM:
         speed = "est. speed input: {:.2f} toks/s, output: {:.2f} toks/s"
         try:
             with progress_bar(total=len(engine.requests), desc="Processed prompts", dynamic_ncols=True,
-                              postfix=speed.format(0, 0), disable=not use_tqdm) as pbar:
+                              postfix=speed.format(0, 0), disable=not use_tqdm) as pbar, fewer_collections():
                 prompt_tokens = output_tokens = 0
                 while engine.has_unfinished_requests():
                     finished, _ = engine.run_step()

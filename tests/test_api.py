@@ -811,6 +811,30 @@ def test_interrupted_generate_aborts_its_requests(llm, monkeypatch):
     assert len(llm.generate(PROMPTS[:2], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)) == 2
 
 
+def test_generate_collects_garbage_less_often_and_restores_the_thresholds(llm, monkeypatch):
+    """The engine loop runs with the collector's thresholds raised (utils/heap.py); afterwards,
+    and after an interrupted loop, they are what they were."""
+    import gc
+    engine, before = llm.llm_engine, gc.get_threshold()
+    real_step, seen = engine.run_step, []
+
+    def step(fail=False):
+        seen.append(gc.get_threshold())
+        if fail:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(engine, "run_step", step)
+    llm.generate(PROMPTS[:2], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert gc.get_threshold() == before and seen[0] == (max(before[0], 50_000), before[1], 10 * before[2])
+    monkeypatch.setattr(engine, "run_step", lambda: step(fail=True))
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=3), use_tqdm=False)
+    monkeypatch.undo()
+    assert gc.get_threshold() == before
+    assert_idle(llm)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(max_num_seqs=0), "max_num_seqs must be at least 1, got 0."),
     (dict(block_size=10), "block_size must be a positive multiple of 16, got 10."),
