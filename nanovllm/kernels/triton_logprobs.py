@@ -1,15 +1,18 @@
-"""The sampled tokens' logprobs (vLLM's raw_logprobs) in one pass over the logits, without a
+"""The sampled tokens' logprobs (vLLM's raw_logprobs) from two passes over the logits, without a
 [B, V] float32 log_softmax: each sampled token's logprob and rank, and each row's num_top best.
 
-Each program reads one chunk of a row, in the logits' own dtype, and writes
-- its largest logit and its mass relative to it, sum(exp(x - max)), as softmax does online;
-- how many of its logits are above the row's sampled token's logit;
-- its num_top largest logits and their ids, found by num_top rounds of a max (each round takes
-  the one it found out; ties go to the lower id).
-torch then combines a row's chunks: the log-sum-exp from the maxima and masses, the rank from
-the counts (1 + the logits above the token's), the num_top best of the chunks' candidates. The
-plain-torch reference is layers/sampler.py's `token_logprobs`: log_softmax in float32, a gather,
-a comparison over the row and torch.topk, which was the CUDA path before (perf_notes row 93).
+1. Stats: each program reads one chunk of a row, in the logits' own dtype, and writes its largest
+   logit, its mass relative to it (sum(exp(x - max)), as softmax does online) and how many of its
+   logits are above the row's sampled token's.
+2. Best: a row's num_top best logits are all at or above its floor, the num_top-th largest of its
+   chunks' maxima (num_top chunks hold a logit at least that large). Only chunks whose maximum
+   reaches the floor read their logits again; each finds its best at or above the floor, up to
+   num_top, by rounds of a max (each takes the one it found out; ties go to the lower id). On
+   random logits a row's best lie in about num_top of its ~75 chunks, so most programs end early.
+torch combines the chunks: the log-sum-exp from the maxima and masses, the rank from the counts
+(1 + the logits above the token's), the num_top best of the chunks' candidates. The plain-torch
+reference is layers/sampler.py's `token_logprobs`: log_softmax in float32, a gather, a
+comparison over the row and torch.topk, the CUDA path before perf_notes row 93.
 """
 import torch
 import triton
@@ -17,18 +20,16 @@ import triton.language as tl
 
 BLOCK = 2048
 MAX_TOP = 64   # more of a row's best (logprobs up to -1: the whole vocabulary) go through torch.topk
+GONE = tl.constexpr(-(2**63))   # the key of a logit taken, below the floor or past the vocabulary
 
 
-@triton.jit(do_not_specialize=["num_top"])
-def _chunk_kernel(logits_ptr, row_stride, token_ids_ptr, vocab_size, num_top,
-                  stats_ptr, above_ptr, top_values_ptr, top_ids_ptr, BLOCK: tl.constexpr):
-    """stats[row, chunk] = (largest logit, mass relative to it); above[row, chunk]: logits above
-    the sampled token's; top_values / top_ids[row, chunk, :num_top]: the chunk's best, best first
-    (-inf and id -1 past its last logit)."""
+@triton.jit
+def _stats_kernel(logits_ptr, row_stride, token_ids_ptr, vocab_size, stats_ptr, above_ptr, BLOCK: tl.constexpr):
+    """stats[row, chunk] = (largest logit, mass relative to it); above[row, chunk]: its logits
+    above the sampled token's."""
     row, chunk, num_chunks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     row_ptr = logits_ptr + row.to(tl.int64) * row_stride
-    offsets = tl.arange(0, BLOCK)
-    ids = chunk * BLOCK + offsets
+    ids = chunk * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(row_ptr + ids, mask=ids < vocab_size, other=float("-inf")).to(tl.float32)
     chosen = tl.load(row_ptr + tl.load(token_ids_ptr + row)).to(tl.float32)
     largest = tl.max(x, 0)
@@ -37,23 +38,34 @@ def _chunk_kernel(logits_ptr, row_stride, token_ids_ptr, vocab_size, num_top,
     tl.store(stats_ptr + out * 2, largest)
     tl.store(stats_ptr + out * 2 + 1, mass)
     tl.store(above_ptr + out, tl.sum((x > chosen).to(tl.int32), 0))
-    # A round is one max over 64-bit keys: the logit's bits ordered as signed integers (negative
-    # floats' magnitude bits flipped) above the offset reversed (ties to the lower id); taken
-    # ones, and those past the vocabulary, the smallest key.
-    bits = x.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    keys = (ordered.to(tl.int64) << 32) | (BLOCK - 1 - offsets).to(tl.int64)
-    gone = tl.full((BLOCK,), -(2**63), tl.int64)
-    keys = tl.where(ids < vocab_size, keys, gone)
-    for i in range(num_top):
-        best = tl.max(keys, 0)
-        found = best != -(2**63)
-        best_bits = (best >> 32).to(tl.int32)
-        value = (best_bits ^ ((best_bits >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-        at = BLOCK - 1 - (best & (BLOCK - 1)).to(tl.int32)
-        tl.store(top_values_ptr + out * num_top + i, tl.where(found, value, float("-inf")))
-        tl.store(top_ids_ptr + out * num_top + i, tl.where(found, chunk * BLOCK + at, -1))
-        keys = tl.where(keys == best, gone, keys)
+
+
+@triton.jit(do_not_specialize=["num_top"])
+def _best_kernel(logits_ptr, row_stride, vocab_size, num_top, stats_ptr, floors_ptr, top_values_ptr, top_ids_ptr,
+                 BLOCK: tl.constexpr):
+    """top_values / top_ids[row, chunk, :]: the chunk's best logits at or above the row's floor,
+    best first, as many as there are up to num_top (the rest left as they were: -inf and -1)."""
+    row, chunk, num_chunks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    out = row * num_chunks + chunk
+    floor = tl.load(floors_ptr + row)
+    if tl.load(stats_ptr + out * 2) >= floor:
+        offsets = tl.arange(0, BLOCK)
+        ids = chunk * BLOCK + offsets
+        x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + ids, mask=ids < vocab_size,
+                    other=float("-inf")).to(tl.float32)
+        wanted = (ids < vocab_size) & (x >= floor)
+        # A round is one max over 64-bit keys: the logit's bits ordered as signed integers
+        # (negative floats' magnitude bits flipped) above the offset reversed (ties to the lower id)
+        bits = x.to(tl.int32, bitcast=True)
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        keys = tl.where(wanted, (ordered.to(tl.int64) << 32) | (BLOCK - 1 - offsets).to(tl.int64), GONE)
+        for i in range(tl.minimum(tl.sum(wanted.to(tl.int32), 0), num_top)):
+            best = tl.max(keys, 0)
+            best_bits = (best >> 32).to(tl.int32)
+            tl.store(top_values_ptr + out * num_top + i,
+                     (best_bits ^ ((best_bits >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True))
+            tl.store(top_ids_ptr + out * num_top + i, chunk * BLOCK + BLOCK - 1 - (best & (BLOCK - 1)).to(tl.int32))
+            keys = tl.where(keys == best, GONE, keys)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
@@ -65,10 +77,8 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
     num_chunks = triton.cdiv(vocab_size, BLOCK)
     stats = torch.empty(rows, num_chunks, 2, dtype=torch.float32, device=logits.device)
     above = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
-    top_values = torch.empty(rows, num_chunks, num_top, dtype=torch.float32, device=logits.device)
-    top_ids = torch.empty(rows, num_chunks, num_top, dtype=torch.int64, device=logits.device)
-    _chunk_kernel[(rows, num_chunks)](logits, logits.stride(0), token_ids, vocab_size, num_top,
-                                      stats, above, top_values, top_ids, BLOCK=BLOCK, num_warps=4)
+    _stats_kernel[(rows, num_chunks)](logits, logits.stride(0), token_ids, vocab_size, stats, above, BLOCK=BLOCK,
+                                      num_warps=4)
     largest, mass = stats.unbind(-1)
     row_max = largest.max(1, keepdim=True).values
     log_mass = (mass * (largest - row_max).exp()).sum(1, keepdim=True).log()
@@ -76,7 +86,13 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
     ranks = above.sum(1) + 1
     if num_top == 0:
         return logprobs, ranks, None, None
-    # Past a chunk's last logit the candidates are id -1: ranked below every logit, -inf ones included
+    floors = (largest.topk(num_top, dim=1).values[:, -1].contiguous() if num_top <= num_chunks else
+              torch.full((rows,), float("-inf"), device=logits.device))
+    top_values = torch.full((rows, num_chunks, num_top), float("-inf"), device=logits.device)
+    top_ids = torch.full((rows, num_chunks, num_top), -1, dtype=torch.int64, device=logits.device)
+    _best_kernel[(rows, num_chunks)](logits, logits.stride(0), vocab_size, num_top, stats, floors, top_values,
+                                     top_ids, BLOCK=BLOCK, num_warps=4)
+    # The slots left empty are id -1: ranked below every logit, -inf ones included
     top_values, top_ids = top_values.view(rows, -1), top_ids.view(rows, -1)
     keys = torch.where(top_ids < 0, float("-inf"), top_values.clamp_min(torch.finfo(torch.float32).min))
     best = keys.topk(num_top, dim=1).indices
