@@ -371,15 +371,15 @@ def test_logit_edit_kernels_compile_at_start_up(gpu_model_dir):
 
 def test_sampling_kernels_compile_at_start_up(gpu_model_dir):
     """The sampler's warm-up gives its two passes their variants for a plain batch (logits in the
-    model's dtype) and an edited one (float32), and the one-pass logprobs kernel its variant, so
+    model's dtype) and an edited one (float32), and the logprobs kernels theirs, so
     that no kind of first request compiles anything on an empty Triton cache (perf_notes rows 84
     and 93)."""
-    from nanovllm.kernels.triton_logprobs import _chunk_kernel
+    from nanovllm.kernels.triton_logprobs import _best_kernel, _stats_kernel
     from nanovllm.kernels.triton_sampler import _draw_kernel, _group_stats_kernel
-    variants = forget_variants(_group_stats_kernel, _draw_kernel, _chunk_kernel)
+    variants = forget_variants(_group_stats_kernel, _draw_kernel, _stats_kernel, _best_kernel)
     llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024)
     at_start_up = variants()
-    assert at_start_up[2] == 1
+    assert at_start_up[2:] == [1, 1]
     llm.generate(PROMPTS[:2], SamplingParams(temperature=0.7, max_tokens=8), use_tqdm=False)
     llm.generate(PROMPTS[:2], [SamplingParams(temperature=0.7, max_tokens=8, presence_penalty=0.5, logprobs=0),
                                SamplingParams(temperature=0.7, max_tokens=8, logprobs=5)], use_tqdm=False)

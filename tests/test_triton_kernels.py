@@ -572,7 +572,7 @@ def test_top_p_cut_equals_the_sort_reference(dtype, vocab):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("vocab, num_top", [(1_000, 0), (2_049, 1), (20_011, 5), (8_193, 20)] +
                          ([] if INTERPRET else [(151_936, 5), (151_936, 64)]))
-def test_logprobs_in_one_pass_equal_the_log_softmax_reference(dtype, vocab, num_top):
+def test_logprobs_kernels_equal_the_log_softmax_reference(dtype, vocab, num_top):
     """kernels/triton_logprobs.py against layers/sampler.py's token_logprobs (log_softmax, gather,
     a comparison and topk) on fresh random logits: ties (a row of one value; 16-bit rows are full
     of them), -inf entries (grammar-masked tokens; a row with fewer finite logits than num_top),

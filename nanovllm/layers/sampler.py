@@ -235,7 +235,7 @@ class Sampler:
         machine, ~0.05 s once Triton's cache holds them). Each batch is sampled twice: as it
         comes, in the model's dtype, and with its first row penalised and held to an all-allowing
         grammar bitmask, for the logit-edit kernels (after which the batch is float32; perf_notes
-        row 84); each with one logprob a row (the one-pass logprobs kernel, on the raw logits). The
+        row 84); each with one logprob a row (the logprobs kernels, on the raw logits). The
         noise generator is left as it was. -> False if there is nothing to compile (the CPU path)."""
         if not self.fused:
             return False
@@ -260,7 +260,7 @@ class Sampler:
         self.generator.set_state(state)
         return True
 
-    def _logprobs_in_one_pass(self, logits: torch.Tensor, md: SamplingMetadata) -> bool:
+    def _logprobs_in_kernels(self, logits: torch.Tensor, md: SamplingMetadata) -> bool:
         """Whether kernels/triton_logprobs.py serves this batch's logprobs: on CUDA, for up to
         MAX_TOP of a row's best, without logprob_token_ids (which want the whole log_softmax), and
         with the raw logits kept (the edits work in place on float32 logits, on a copy of others)."""
@@ -330,8 +330,8 @@ class Sampler:
         if md.grammar_rows is not None:   # before the logprobs, as vLLM applies its grammar bitmask
             apply_token_bitmask(logits, md.grammar_rows, md.grammar_bitmask)
         raw_logits, raw_logprobs = logits, None
-        one_pass = md.max_num_logprobs is not None and self._logprobs_in_one_pass(logits, md)
-        if md.max_num_logprobs is not None and not one_pass:
+        in_kernels = md.max_num_logprobs is not None and self._logprobs_in_kernels(logits, md)
+        if md.max_num_logprobs is not None and not in_kernels:
             raw_logprobs = logits.float().log_softmax(-1)
         if md.edits_logits:
             logits = restrict_and_bias(logits.float(), md)
@@ -343,7 +343,7 @@ class Sampler:
         token_ids = self._sample_fused(logits, md) if self.fused else self._sample_torch(logits.float(), md)
         if md.penalty_rows is not None:
             count_sampled(md, token_ids)
-        if one_pass:
+        if in_kernels:
             from nanovllm.kernels import triton_logprobs
             out = SamplerOutput(token_ids)
             out.logprobs, out.ranks, out.top_logprobs, out.top_ids = triton_logprobs.token_logprobs(
