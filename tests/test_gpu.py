@@ -371,9 +371,8 @@ def test_logit_edit_kernels_compile_at_start_up(gpu_model_dir):
 
 def test_sampling_kernels_compile_at_start_up(gpu_model_dir):
     """The sampler's warm-up gives its two passes their variants for a plain batch (logits in the
-    model's dtype) and an edited one (float32), and the logprobs kernels theirs, so
-    that no kind of first request compiles anything on an empty Triton cache (perf_notes rows 84
-    and 93)."""
+    model's dtype) and an edited one (float32), and the two logprobs kernels theirs, so that no
+    kind of first request compiles anything on an empty Triton cache (perf_notes rows 84, 93)."""
     from nanovllm.kernels.triton_logprobs import _best_kernel, _stats_kernel
     from nanovllm.kernels.triton_sampler import _draw_kernel, _group_stats_kernel
     variants = forget_variants(_group_stats_kernel, _draw_kernel, _stats_kernel, _best_kernel)

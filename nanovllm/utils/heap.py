@@ -20,11 +20,12 @@ def unfreeze_heap():
 @contextlib.contextmanager
 def fewer_collections():
     """While the engine runs: a young collection every 50,000 net allocations instead of 700 and
-    a full one 10x more rarely, as before afterwards. A run's outputs grow the heap by millions
-    of tracked objects (with logprobs, a dict and Logprobs for every token), and every full
-    collection scans them all: on the CPU machine, keeping 256 sequences' top-5 logprobs for 520
-    steps took 0.73-0.90 s of Python at CPython's thresholds, 0.42-0.49 s at these, 0.37-0.42 s
-    with the collector off (perf_notes row 94). Cycles are still collected, later."""
+    a full one 10x more rarely; the thresholds restored afterwards. A run's outputs grow the heap
+    by millions of tracked objects (with logprobs, a dict and Logprobs for every token), and every
+    full collection scans them all: on the CPU machine, keeping 256 sequences' top-5 logprobs for
+    520 steps took 0.73-0.90 s of Python at CPython's thresholds, 0.42-0.49 s at these, 0.37-0.42
+    s with the collector off; on the H200 `bench.py --logprobs 5` went from 6.3-7.2 to 5.7-6.1 s
+    (perf_notes row 94). Cycles are still collected, later."""
     before = gc.get_threshold()
     gc.set_threshold(max(before[0], 50_000), before[1], max(before[2], 10 * before[2]))
     try:
