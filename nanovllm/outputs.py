@@ -2,9 +2,10 @@
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class Logprob:
-    """The log-probability of one token under the raw model distribution, and its rank (1 = best)."""
+    """The log-probability of one token under the raw model distribution, and its rank (1 = best).
+    Slotted: a run with logprobs makes millions (56 bytes each instead of 152)."""
     logprob: float
     rank: int
     decoded_token: str | None = None

@@ -343,7 +343,7 @@ class LLMEngine:
             self.output_processor.append(
                 seq, token_id,
                 logprob=logprobs[i] if logprobs else None, rank=ranks[i] if ranks else None,
-                top=list(zip(*top[i])) if top else None)
+                top=top[i] if top else None)
             if seq.finish_reason is None:
                 for _ in range(num_pending - 1):
                     seq.append_pending()

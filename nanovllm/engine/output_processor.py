@@ -16,8 +16,8 @@ class OutputProcessor:
     def append(self, seq: Sequence, token_id: int, logprob=None, rank=None, top=None):
         """Append one sampled token; sets seq.finish_reason when seq is done.
 
-        logprob, rank: of the sampled token; top: [(token_id, logprob)] best first, or
-        [(token_id, logprob, rank)] (the request's logprob_token_ids), or None."""
+        logprob, rank: of the sampled token; top: (token ids, logprobs) best first, or (token ids,
+        logprobs, ranks) (the request's logprob_token_ids), lists, or None."""
         seq.append_token(token_id)
         sp = seq.sampling_params
         if seq.logprobs is not None:
@@ -51,14 +51,16 @@ class OutputProcessor:
 
     def _logprob_entry(self, token_id: int, logprob: float, rank: int, top, num_top: int,
                        detokenize: bool) -> dict[int, Logprob]:
-        """{token_id: Logprob} for the token itself and the first num_top of top ([(id, logprob)],
-        ranked by position, or [(id, logprob, rank)])."""
-        def decode(t: int) -> str | None:
-            return self._decode([t]) if detokenize and self.tokenizer is not None else None
-
-        entry = {token_id: Logprob(logprob, rank, decode(token_id))}
-        for position, (tid, lp, *ranked) in enumerate((top or [])[:num_top], 1):
-            entry.setdefault(tid, Logprob(lp, ranked[0] if ranked else position, decode(tid)))
+        """{token_id: Logprob} for the token itself and the first num_top of top ((ids, logprobs),
+        ranked by position, or (ids, logprobs, ranks)). One step's entries are thousands of
+        objects (256 rows x 21 with logprobs=20), so the loop is kept plain."""
+        decode = detokenize and self.tokenizer is not None
+        entry = {token_id: Logprob(logprob, rank, self._decode([token_id]) if decode else None)}
+        if top:
+            ids, logprobs, *ranked = top
+            for tid, lp, r in zip(ids[:num_top], logprobs[:num_top], ranked[0] if ranked else range(1, num_top + 1)):
+                if tid not in entry:
+                    entry[tid] = Logprob(lp, r, self._decode([tid]) if decode else None)
         return entry
 
     def _detokenize(self, seq: Sequence) -> str:

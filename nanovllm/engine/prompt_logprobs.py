@@ -16,7 +16,7 @@ class PromptLogprobsChunk:
     first: int
     logprobs: list[float]
     ranks: list[int]
-    top: list[list[tuple[int, float]]] | None   # per token: (token id, logprob), best first
+    top: list[tuple[list[int], list[float]]] | None   # per token: (token ids, logprobs), best first
 
 
 def score_prompts(spans: list[tuple[Sequence, int, list[int]]], prompt_logits: list[torch.Tensor],
@@ -35,8 +35,8 @@ def score_prompts(spans: list[tuple[Sequence, int, list[int]]], prompt_logits: l
     ranks = torch.cat([p.ranks for p in parts]).tolist()
     top = None
     if num_top:
-        top = [list(zip(ids, lps)) for ids, lps in zip(torch.cat([p.top_ids for p in parts]).tolist(),
-                                                      torch.cat([p.top_logprobs for p in parts]).tolist())]
+        top = list(zip(torch.cat([p.top_ids for p in parts]).tolist(),
+                       torch.cat([p.top_logprobs for p in parts]).tolist()))
     chunks, start = [], 0
     for seq, first, rows in spans:
         end = start + len(rows)
