@@ -7,7 +7,7 @@ class Logprob:
     """The log-probability of one token under the raw model distribution, and its rank (1 = best).
     Slotted: a run with logprobs makes millions (56 bytes each instead of 152)."""
     logprob: float
-    rank: int
+    rank: int | None = None
     decoded_token: str | None = None
 
 

@@ -811,6 +811,16 @@ def test_interrupted_generate_aborts_its_requests(llm, monkeypatch):
     assert len(llm.generate(PROMPTS[:2], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)) == 2
 
 
+def test_logprob_has_vllms_fields_and_defaults():
+    """vllm.logprobs.Logprob's fields, rank and decoded_token optional; slotted (perf_notes row 96)."""
+    import dataclasses
+    from nanovllm.outputs import Logprob
+    assert [f.name for f in dataclasses.fields(Logprob)] == ["logprob", "rank", "decoded_token"]
+    assert Logprob(-0.5) == Logprob(logprob=-0.5, rank=None, decoded_token=None)
+    assert dataclasses.asdict(Logprob(-0.5, 2, "a")) == {"logprob": -0.5, "rank": 2, "decoded_token": "a"}
+    assert not hasattr(Logprob(-0.5), "__dict__")
+
+
 def test_generate_collects_garbage_less_often_and_restores_the_thresholds(llm, monkeypatch):
     """The engine loop runs with the collector's thresholds raised (utils/heap.py); afterwards,
     and after an interrupted loop, they are what they were."""
