@@ -101,6 +101,8 @@ def main():
                    help="SamplingParams.repetition_penalty of every request")
     p.add_argument("--logprobs", type=int, default=None,
                    help="SamplingParams.logprobs of every request (default: none; 0: the sampled token's only)")
+    p.add_argument("--flat-logprobs", action="store_true",
+                   help="SamplingParams.flat_logprobs: the logprobs as FlatLogprobs (flat lists) instead of dicts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="also print one JSON line with the results")
     args = p.parse_args()
@@ -165,7 +167,8 @@ def request_options(args) -> dict:
     values = dict(presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                   repetition_penalty=args.repetition_penalty)
     off = values == dict(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
-    return ({} if off else values) | ({} if args.logprobs is None else dict(logprobs=args.logprobs))
+    return (({} if off else values) | ({} if args.logprobs is None else dict(logprobs=args.logprobs))
+            | (dict(flat_logprobs=True) if args.flat_logprobs else {}))
 
 
 def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float, run: int = 1):

@@ -4,7 +4,8 @@ from nanovllm.engine.arg_utils import EngineArgs
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.inputs import PromptType, TextPrompt, TokensPrompt
 from nanovllm.llm import LLM
-from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
+from nanovllm.logprobs import Logprob
+from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",

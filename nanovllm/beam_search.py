@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
-from nanovllm.outputs import Logprob
+from nanovllm.logprobs import Logprob
 from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 
 

@@ -1,20 +1,7 @@
 """What `LLM.generate` returns: vLLM's RequestOutput / CompletionOutput shapes."""
 from dataclasses import dataclass, field
 
-
-@dataclass(slots=True)
-class Logprob:
-    """The log-probability of one token under the raw model distribution, and its rank (1 = best).
-    Slotted: a run with logprobs makes millions (56 bytes each instead of 152)."""
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-# One entry per output token: {token_id: Logprob} holding the sampled token and the top-N.
-SampleLogprobs = list[dict[int, Logprob]]
-# One entry per prompt token, the same way; the first is None (nothing comes before it).
-PromptLogprobs = list[dict[int, Logprob] | None]
+from nanovllm.logprobs import PromptLogprobs, SampleLogprobs
 
 
 @dataclass

@@ -699,12 +699,36 @@ def test_sampling_params_clone_is_deep():
 
 
 def test_flat_logprobs_gives_the_same_per_token_dicts(llm):
-    """vLLM's flat_logprobs=True returns a sequence of the same per-token dicts; so do we."""
-    params = dict(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=1)
-    plain, flat = (llm.generate([PROMPTS[0][:6]], SamplingParams(**params, flat_logprobs=f), use_tqdm=False)[0]
-                   for f in (False, True))
-    assert flat.outputs[0].logprobs == plain.outputs[0].logprobs and len(flat.outputs[0].logprobs) == 3
-    assert flat.prompt_logprobs == plain.prompt_logprobs and flat.prompt_logprobs[0] is None
+    """vLLM's flat_logprobs=True returns FlatLogprobs: a sequence of the same per-token dicts, kept
+    as flat lists (the first prompt position reads {} there, None in a list), with top-N logprobs,
+    the sampled token among them or not, and logprob_token_ids' own ranks."""
+    from nanovllm.logprobs import FlatLogprobs
+    for extra in (dict(logprobs=2), dict(logprobs=0), dict(logprob_token_ids=[5, 9, 5])):
+        params = dict(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1, **extra)
+        plain, flat = (llm.generate([{"prompt_token_ids": list(range(3, 9))}], SamplingParams(**params, flat_logprobs=f),
+                                    use_tqdm=False)[0] for f in (False, True))
+        assert type(flat.outputs[0].logprobs) is FlatLogprobs and type(plain.outputs[0].logprobs) is list
+        assert list(flat.outputs[0].logprobs) == plain.outputs[0].logprobs and len(flat.outputs[0].logprobs) == 3
+        assert flat.prompt_logprobs[0] == {} and plain.prompt_logprobs[0] is None
+        assert list(flat.prompt_logprobs)[1:] == plain.prompt_logprobs[1:] and len(flat.prompt_logprobs) == 6
+
+
+def test_flat_logprobs_reads_as_a_list_of_dicts():
+    """FlatLogprobs by itself: positions appended as columns or as dicts (None: {}), read by index
+    (negative too), slice (a FlatLogprobs of those positions), iteration and len; no writes."""
+    from nanovllm.logprobs import FlatLogprobs, Logprob
+    flat = FlatLogprobs()
+    flat.append_position([7, 3], [-0.1, -2.5], [1, 2], ["a", None])
+    flat.append(None)
+    flat.extend([{4: Logprob(-1.0, 3, "b")}, {}])
+    positions = [{7: Logprob(-0.1, 1, "a"), 3: Logprob(-2.5, 2, None)}, {}, {4: Logprob(-1.0, 3, "b")}, {}]
+    assert len(flat) == 4 and list(flat) == positions and flat[-2] == positions[2]
+    assert list(flat[1:3]) == positions[1:3] and list(flat[::2]) == positions[::2] and len(flat[4:]) == 0
+    assert "FlatLogprobs([{7: Logprob(logprob=-0.1" in repr(flat)
+    with pytest.raises(IndexError):
+        flat[4]
+    with pytest.raises(TypeError):
+        flat[0] = {}
 
 
 def test_logprob_token_ids_give_those_ids_logprobs(qwen3_dir):
@@ -814,7 +838,7 @@ def test_interrupted_generate_aborts_its_requests(llm, monkeypatch):
 def test_logprob_has_vllms_fields_and_defaults():
     """vllm.logprobs.Logprob's fields, rank and decoded_token optional; slotted (perf_notes row 96)."""
     import dataclasses
-    from nanovllm.outputs import Logprob
+    from nanovllm.logprobs import Logprob
     assert [f.name for f in dataclasses.fields(Logprob)] == ["logprob", "rank", "decoded_token"]
     assert Logprob(-0.5) == Logprob(logprob=-0.5, rank=None, decoded_token=None)
     assert dataclasses.asdict(Logprob(-0.5, 2, "a")) == {"logprob": -0.5, "rank": 2, "decoded_token": "a"}

@@ -64,14 +64,17 @@ def test_the_vllm_engine_example_runs(qwen3_dir, tokenizer):
     assert engine.get_tokenizer() is engine.tokenizer
 
 
-def test_output_kinds_stream_as_in_vllm(engine):
+@pytest.mark.parametrize("flat_logprobs", [False, True])
+def test_output_kinds_stream_as_in_vllm(engine, flat_logprobs):
     """CUMULATIVE: an output per new token, each the completion so far; DELTA: only the new
-    token and text each time, adding up to the completion; FINAL_ONLY: one output at the end."""
+    token and text each time, adding up to the completion; FINAL_ONLY: one output at the end.
+    The logprobs come as lists or, with flat_logprobs, as FlatLogprobs of the same positions."""
     kinds = {"cumulative": RequestOutputKind.CUMULATIVE, "delta": RequestOutputKind.DELTA,
              "final": RequestOutputKind.FINAL_ONLY}
     for name, kind in kinds.items():
         engine.add_request(name, {"prompt_token_ids": PROMPTS[3]},
-                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1, output_kind=kind))
+                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1, output_kind=kind,
+                                          flat_logprobs=flat_logprobs))
     by_request = {name: [] for name in kinds}
     for output in run_to_end(engine):
         by_request[output.request_id].append(output)
@@ -91,6 +94,9 @@ def test_output_kinds_stream_as_in_vllm(engine):
     assert [o.outputs[0].token_ids for o in delta] == [[t] for t in tokens]
     assert "".join(o.outputs[0].text for o in delta) == text
     assert all(len(o.outputs[0].logprobs) == 1 for o in delta) and delta[-1].finished
+    assert [p for o in delta for p in o.outputs[0].logprobs] == list(final[0].outputs[0].logprobs)
+    assert all(type(o.outputs[0].logprobs).__name__ == ("FlatLogprobs" if flat_logprobs else "list")
+               for o in cumulative + delta + final)
     assert_idle(engine)
 
 

@@ -1,7 +1,9 @@
 """OutputProcessor: appends sampled tokens to sequences, detokenizes incrementally and decides
 when each sequence stops (EOS, stop token, stop string, max_tokens, max_model_len, a repetition)."""
+from itertools import count
+
 from nanovllm.engine.sequence import Sequence
-from nanovllm.outputs import Logprob
+from nanovllm.logprobs import FlatLogprobs, Logprob
 
 # Prompt tokens kept as left context when detokenizing the first output tokens.
 DETOKENIZE_CONTEXT = 5
@@ -21,7 +23,7 @@ class OutputProcessor:
         seq.append_token(token_id)
         sp = seq.sampling_params
         if seq.logprobs is not None:
-            seq.logprobs.append(self._logprob_entry(token_id, logprob, rank, top, sp.num_logprobs, sp.detokenize))
+            self._record(seq.logprobs, token_id, logprob, rank, top, sp.num_logprobs, sp.detokenize)
             seq.cumulative_logprob += logprob
 
         may_stop = seq.num_output_tokens >= sp.min_tokens
@@ -46,22 +48,34 @@ class OutputProcessor:
         assert chunk.first == len(seq.prompt_logprobs)
         for i, (logprob, rank) in enumerate(zip(chunk.logprobs, chunk.ranks)):
             top = chunk.top[i] if chunk.top else None
-            seq.prompt_logprobs.append(self._logprob_entry(seq.token_ids[chunk.first + i], logprob, rank, top,
-                                                           sp.prompt_logprobs, sp.detokenize))
+            self._record(seq.prompt_logprobs, seq.token_ids[chunk.first + i], logprob, rank, top, sp.prompt_logprobs,
+                         sp.detokenize)
 
-    def _logprob_entry(self, token_id: int, logprob: float, rank: int, top, num_top: int,
-                       detokenize: bool) -> dict[int, Logprob]:
-        """{token_id: Logprob} for the token itself and the first num_top of top ((ids, logprobs),
-        ranked by position, or (ids, logprobs, ranks)). One step's entries are thousands of
-        objects (256 rows x 21 with logprobs=20), so the loop is kept plain."""
+    def _record(self, logprobs, token_id: int, logprob: float, rank: int, top, num_top: int, detokenize: bool):
+        """Append to logprobs (a list of dicts or FlatLogprobs) one position: the token itself and
+        the first num_top of top ((ids, logprobs), ranked by position, or (ids, logprobs, ranks)).
+        A step's positions are thousands of entries (256 rows x 21 with logprobs=20), so the
+        loops are kept plain."""
         decode = detokenize and self.tokenizer is not None
+        if type(logprobs) is FlatLogprobs:
+            ids, values, ranks = [token_id], [logprob], [rank]
+            if top:
+                top_ids, top_values, *ranked = top
+                for tid, lp, r in zip(top_ids[:num_top], top_values[:num_top], ranked[0] if ranked else count(1)):
+                    if tid != token_id:
+                        ids.append(tid)
+                        values.append(lp)
+                        ranks.append(r)
+            decoded = [self._decode([t]) for t in ids] if decode else [None] * len(ids)
+            logprobs.append_position(ids, values, ranks, decoded)
+            return
         entry = {token_id: Logprob(logprob, rank, self._decode([token_id]) if decode else None)}
         if top:
-            ids, logprobs, *ranked = top
-            for tid, lp, r in zip(ids[:num_top], logprobs[:num_top], ranked[0] if ranked else range(1, num_top + 1)):
+            top_ids, top_values, *ranked = top
+            for tid, lp, r in zip(top_ids[:num_top], top_values[:num_top], ranked[0] if ranked else count(1)):
                 if tid not in entry:
                     entry[tid] = Logprob(lp, r, self._decode([tid]) if decode else None)
-        return entry
+        logprobs.append(entry)
 
     def _detokenize(self, seq: Sequence) -> str:
         """Add the text of the newest token(s) to seq.output_text and return it.

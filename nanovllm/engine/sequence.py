@@ -2,6 +2,7 @@
 from enum import Enum, auto
 from itertools import count
 
+from nanovllm.logprobs import FlatLogprobs, PromptLogprobs, SampleLogprobs
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -54,11 +55,14 @@ class Sequence:
         self.prefix_offset = 0                   # incremental detokenization window
         self.read_offset = 0
         wants_logprobs = sampling_params.num_logprobs is not None
-        self.logprobs: list[dict] | None = [] if wants_logprobs else None
+        container = FlatLogprobs if sampling_params.flat_logprobs else list
+        self.logprobs: SampleLogprobs | None = container() if wants_logprobs else None
         self.cumulative_logprob: float | None = 0.0 if wants_logprobs else None
         # Entry j: {token_id: Logprob} for prompt token j given the ones before it; None for token 0.
-        self.prompt_logprobs: list[dict | None] | None = (
-            [None] if sampling_params.prompt_logprobs is not None else None)
+        self.prompt_logprobs: PromptLogprobs | None = None
+        if sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = container()
+            self.prompt_logprobs.append(None)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.bad_words_token_ids: list[list[int]] = []   # set by the engine from sampling_params.bad_words
