@@ -58,7 +58,7 @@ class Sequence:
         container = FlatLogprobs if sampling_params.flat_logprobs else list
         self.logprobs: SampleLogprobs | None = container() if wants_logprobs else None
         self.cumulative_logprob: float | None = 0.0 if wants_logprobs else None
-        # Entry j: {token_id: Logprob} for prompt token j given the ones before it; None for token 0.
+        # Entry j: {token_id: Logprob} for prompt token j given the ones before it; None for token 0 ({} if flat).
         self.prompt_logprobs: PromptLogprobs | None = None
         if sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs = container()
