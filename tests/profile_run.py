@@ -10,6 +10,7 @@
 
     PYTHONPATH=. python3 tests/profile_run.py [--model qwen3-0.6b] [--workload default] [--tp 2] [--profile-steps 200]
         [--max-num-seqs 512] [--top-k 20 --top-p 0.95] [--presence-penalty 0.5 ...] [--runs 2] [--no-profile] [--pause 5]
+        [--logprobs 20 [--flat-logprobs]]
         [--cprofile | --cprofile-steps 3 8]
         [--num-seqs 128 --min-input-len 6000 --max-input-len 8000 --min-output-len 16 --max-output-len 64
          --max-model-len 8192]     (the long-prompt workload; the default workload's lengths otherwise)
@@ -27,8 +28,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import make_workload, penalties, preset_dir, warm_up
+from bench import make_workload, preset_dir, request_options, warm_up
 from nanovllm import LLM, SamplingParams
+from nanovllm.utils.heap import fewer_collections
 
 DECODE_BUCKETS = (1, 8, 32, 64, 128, 192, 256, 512)
 
@@ -54,43 +56,51 @@ class EventWaits:
 
 
 def run_steps(llm, prompts, settings, on_step=None, host_profile_steps=(), dump_dir=None,
-              **params) -> list[tuple[str, float, float]]:
-    """Run the workload step by step -> (kind, seconds, seconds of host work) per step: the host's
-    work is the step's time less its wait for the GPU. on_step() after each; the steps numbered in
+              **params) -> tuple[list[tuple[str, float, float]], list]:
+    """Run the workload step by step -> (kind, seconds, seconds of host work) per step, and the
+    finished outputs (kept to the end, as generate() keeps them): the host's work is the step's
+    time less its wait for the GPU. on_step() after each; the steps numbered in
     host_profile_steps under cProfile, their top functions printed (and their stats saved as
     dump_dir/step<N>.prof, for pstats, when dump_dir is given). params: more SamplingParams
-    fields of every request (top_k, top_p, the penalties)."""
+    fields of every request (top_k, top_p, the penalties, logprobs)."""
     engine = llm.llm_engine
     for ids, (max_tokens, temperature) in zip(prompts, settings):
         engine.add_tokens(None, ids, SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
                                                      **params))
-    steps = []
+    steps, finished = [], []   # under generate()'s collector thresholds
     waits = EventWaits()
-    while engine.has_unfinished_requests():
-        host_profile = cProfile.Profile() if len(steps) in host_profile_steps else None
-        start, waited = time.perf_counter(), waits.seconds
-        with waits:
-            if host_profile:
-                host_profile.enable()
-            _, stats = engine.run_step()
-            if host_profile:
-                host_profile.disable()
-        elapsed = time.perf_counter() - start
-        if host_profile:
-            print(f"step #{len(steps)} under cProfile ({elapsed * 1000:.1f} ms):")
-            pstats.Stats(host_profile).sort_stats("tottime").print_stats(14)
-            if dump_dir:
-                host_profile.dump_stats(os.path.join(dump_dir, f"step{len(steps)}.prof"))
-        if stats.num_prefill_tokens:
-            kind = "with prompt tokens"
-        else:
-            bucket = next(b for b in DECODE_BUCKETS if stats.num_decode_tokens <= b)
-            kind = f"decode, batch <= {bucket:3}"
-        steps.append((kind, elapsed, elapsed - (waits.seconds - waited)))
-        if on_step is not None:
-            on_step()
+    with fewer_collections():
+        while engine.has_unfinished_requests():
+            steps.append(timed_step(engine, waits, finished, len(steps) in host_profile_steps, len(steps), dump_dir))
+            if on_step is not None:
+                on_step()
     torch.cuda.synchronize()
-    return steps
+    return steps, finished
+
+
+def timed_step(engine, waits, finished, under_cprofile, index, dump_dir) -> tuple[str, float, float]:
+    """One engine step -> (kind, seconds, seconds of host work); its finished outputs added to finished."""
+    host_profile = cProfile.Profile() if under_cprofile else None
+    start, waited = time.perf_counter(), waits.seconds
+    with waits:
+        if host_profile:
+            host_profile.enable()
+        outputs, stats = engine.run_step()
+        if host_profile:
+            host_profile.disable()
+    elapsed = time.perf_counter() - start
+    finished += outputs
+    if host_profile:
+        print(f"step #{index} under cProfile ({elapsed * 1000:.1f} ms):")
+        pstats.Stats(host_profile).sort_stats("tottime").print_stats(14)
+        if dump_dir:
+            host_profile.dump_stats(os.path.join(dump_dir, f"step{index}.prof"))
+    if stats.num_prefill_tokens:
+        kind = "with prompt tokens"
+    else:
+        bucket = next(b for b in DECODE_BUCKETS if stats.num_decode_tokens <= b)
+        kind = f"decode, batch <= {bucket:3}"
+    return kind, elapsed, elapsed - (waits.seconds - waited)
 
 
 def main():
@@ -122,8 +132,10 @@ def main():
         p.add_argument(f"--{flag}", type=int, default=default, help="as bench.py's")
     for flag, default in (("presence-penalty", 0.0), ("frequency-penalty", 0.0), ("repetition-penalty", 1.0)):
         p.add_argument(f"--{flag}", type=float, default=default, help="as bench.py's")
+    p.add_argument("--logprobs", type=int, default=None, help="as bench.py's")
+    p.add_argument("--flat-logprobs", action="store_true", help="as bench.py's")
     args = p.parse_args()
-    params = dict(top_k=args.top_k, top_p=args.top_p, **penalties(args))
+    params = dict(top_k=args.top_k, top_p=args.top_p, **request_options(args))
     args.seed = 0
     llm = LLM(preset_dir(args.model), load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len,
               tensor_parallel_size=args.tp, max_num_seqs=args.max_num_seqs)
@@ -139,11 +151,14 @@ def main():
         start = time.perf_counter()
         if host_profile:
             host_profile.enable()
-        steps = run_steps(llm, prompts, settings, host_profile_steps=args.cprofile_steps,
-                          dump_dir=args.cprofile_dump, **params)
+        steps, finished = run_steps(llm, prompts, settings, host_profile_steps=args.cprofile_steps,
+                                    dump_dir=args.cprofile_dump, **params)
         if host_profile:
             host_profile.disable()
         wall = time.perf_counter() - start
+        start = time.perf_counter()
+        del finished
+        freed = time.perf_counter() - start
         mallocs = torch.cuda.memory_stats().get("num_device_alloc", 0) - mallocs
         by_kind = collections.defaultdict(lambda: [0, 0.0, 0.0])
         for kind, seconds, host in steps:
@@ -152,7 +167,7 @@ def main():
             by_kind[kind][2] += host
         gcs = [g["collections"] - n for g, n in zip(gc.get_stats(), collections_before)]
         print(f"host view: {len(steps)} steps in {wall:.2f} s, {mallocs} cudaMalloc calls by torch's allocator, "
-              f"garbage collections by generation {gcs}")
+              f"garbage collections by generation {gcs}, outputs freed in {freed:.2f} s")
         for kind, (n, seconds, host) in sorted(by_kind.items()):
             print(f"  {kind:22} {n:5} steps {seconds:7.3f} s  {seconds / n * 1000:7.3f} ms/step, "
                   f"host work {host / n * 1000:7.3f} ms/step")
@@ -170,7 +185,7 @@ def main():
               if args.profile_steps else None)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], schedule=window) as prof:
         start = time.perf_counter()
-        steps = run_steps(llm, prompts, settings, prof.step if window else None, **params)
+        steps, _ = run_steps(llm, prompts, settings, prof.step if window else None, **params)
         wall = time.perf_counter() - start
     if window:   # wall time of the profiled steps only
         wall = sum(seconds for _, seconds, _ in steps[args.profile_start:args.profile_start + args.profile_steps])

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.triton_top_k import _from_sort_key, _sort_key
+
 BLOCK = 2048
 MAX_TOP = 64   # more of a row's best (logprobs up to -1: the whole vocabulary) go through torch.topk
 GONE = tl.constexpr(-(2**63))   # the key of a logit taken, below the floor or past the vocabulary
@@ -54,16 +56,13 @@ def _best_kernel(logits_ptr, row_stride, vocab_size, num_top, stats_ptr, floors_
         x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + ids, mask=ids < vocab_size,
                     other=float("-inf")).to(tl.float32)
         wanted = (ids < vocab_size) & (x >= floor)
-        # A round is one max over 64-bit keys: the logit's bits ordered as signed integers
-        # (negative floats' magnitude bits flipped) above the offset reversed (ties to the lower id)
-        bits = x.to(tl.int32, bitcast=True)
-        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        # A round is one max over 64-bit keys: the logit's sort key, made to order as a signed
+        # integer (top bit flipped), above the offset reversed (ties to the lower id)
+        ordered = _sort_key(x) ^ -2147483648
         keys = tl.where(wanted, (ordered.to(tl.int64) << 32) | (BLOCK - 1 - offsets).to(tl.int64), GONE)
         for i in range(tl.minimum(tl.sum(wanted.to(tl.int32), 0), num_top)):
             best = tl.max(keys, 0)
-            best_bits = (best >> 32).to(tl.int32)
-            tl.store(top_values_ptr + out * num_top + i,
-                     (best_bits ^ ((best_bits >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True))
+            tl.store(top_values_ptr + out * num_top + i, _from_sort_key((best >> 32).to(tl.int32) ^ -2147483648))
             tl.store(top_ids_ptr + out * num_top + i, chunk * BLOCK + BLOCK - 1 - (best & (BLOCK - 1)).to(tl.int32))
             keys = tl.where(keys == best, GONE, keys)
 
