@@ -11,7 +11,7 @@ import torch
 from conftest import make_prompts
 from nanovllm import LLM, BeamSearchParams, RequestOutput, SamplingParams
 from nanovllm.config import IDLE_ARGUMENTS, Config, batch_defaults
-from nanovllm.engine.output_processor import OutputProcessor
+from nanovllm.engine.output_processor import OutputProcessor, TokenTexts
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import RequestOutputKind
 
@@ -843,6 +843,40 @@ def test_logprob_has_vllms_fields_and_defaults():
     assert Logprob(-0.5) == Logprob(logprob=-0.5, rank=None, decoded_token=None)
     assert dataclasses.asdict(Logprob(-0.5, 2, "a")) == {"logprob": -0.5, "rank": 2, "decoded_token": "a"}
     assert not hasattr(Logprob(-0.5), "__dict__")
+
+
+def test_logprob_texts_are_each_tokens_own_text(llm):
+    """decoded_token is tokenizer.decode([id]) in every entry, as lists of dicts and as FlatLogprobs;
+    after set_tokenizer the new tokenizer's texts, not the ones kept from the old (perf_notes row 98)."""
+    original = llm.get_tokenizer()
+    sp = dict(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
+    for flat in (False, True):
+        out = llm.generate(PROMPTS[:2], SamplingParams(**sp, flat_logprobs=flat), use_tqdm=False)
+        entries = [(t, lp) for o in out for position in o.outputs[0].logprobs for t, lp in position.items()]
+        assert len(entries) >= 2 * 4 * 3
+        assert all(lp.decoded_token == original.decode([t]) for t, lp in entries)
+
+    class Marking:
+        def encode(self, text, **kwargs):
+            return original.encode(text, **kwargs)
+
+        def decode(self, ids, **kwargs):
+            return original.decode(ids, **kwargs) + "|"
+
+    llm.set_tokenizer(Marking())
+    try:
+        out = llm.generate(PROMPTS[:2], SamplingParams(**sp), use_tqdm=False)
+    finally:
+        llm.set_tokenizer(original)
+    assert all(lp.decoded_token == original.decode([t]) + "|"
+               for o in out for position in o.outputs[0].logprobs for t, lp in position.items())
+
+
+def test_token_texts_decode_each_id_once():
+    calls = []
+    texts = TokenTexts(lambda ids: calls.append(ids) or f"<{ids[0]}>")
+    assert [texts[7], texts[8], texts[7], texts[7]] == ["<7>", "<8>", "<7>", "<7>"]
+    assert calls == [[7], [8]]
 
 
 def test_generate_collects_garbage_less_often_and_restores_the_thresholds(llm, monkeypatch):

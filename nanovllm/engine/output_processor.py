@@ -9,11 +9,35 @@ from nanovllm.logprobs import FlatLogprobs, Logprob
 DETOKENIZE_CONTEXT = 5
 
 
+class TokenTexts(dict):
+    """token id -> its text alone (a logprob entry's decoded_token), decoded on first use: a step with
+    logprobs=20 has thousands of entries, and a hit is one dict lookup instead of a tokenizer call
+    (docs/perf_notes.md row 98). At most one short string per vocabulary id."""
+
+    def __init__(self, decode):
+        super().__init__()
+        self.decode = decode
+
+    def __missing__(self, token_id: int) -> str:
+        text = self[token_id] = self.decode([token_id])
+        return text
+
+
 class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer):
+        """Also forgets the texts the previous tokenizer gave."""
+        self._tokenizer = tokenizer
+        self.token_texts = TokenTexts(self._decode)
 
     def append(self, seq: Sequence, token_id: int, logprob=None, rank=None, top=None):
         """Append one sampled token; sets seq.finish_reason when seq is done.
@@ -31,7 +55,7 @@ class OutputProcessor:
             seq.finish_reason = "stop"
         elif may_stop and token_id in sp.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token_id
-        if (self.tokenizer is not None and sp.detokenize
+        if (self._tokenizer is not None and sp.detokenize
                 and (seq.finish_reason is None or sp.include_stop_str_in_output)):
             delta = self._detokenize(seq)
             if may_stop and seq.finish_reason is None and delta:
@@ -56,7 +80,7 @@ class OutputProcessor:
         the first num_top of top ((ids, logprobs), ranked by position, or (ids, logprobs, ranks)).
         A step's positions are thousands of entries (256 rows x 21 with logprobs=20), so the
         loops are kept plain."""
-        decode = detokenize and self.tokenizer is not None
+        decode, texts = detokenize and self._tokenizer is not None, self.token_texts
         if type(logprobs) is FlatLogprobs:
             ids, values, ranks = [token_id], [logprob], [rank]
             if top:
@@ -66,15 +90,14 @@ class OutputProcessor:
                         ids.append(tid)
                         values.append(lp)
                         ranks.append(r)
-            decoded = [self._decode([t]) for t in ids] if decode else [None] * len(ids)
-            logprobs.append_position(ids, values, ranks, decoded)
+            logprobs.append_position(ids, values, ranks, [texts[t] for t in ids] if decode else [None] * len(ids))
             return
-        entry = {token_id: Logprob(logprob, rank, self._decode([token_id]) if decode else None)}
+        entry = {token_id: Logprob(logprob, rank, texts[token_id] if decode else None)}
         if top:
             top_ids, top_values, *ranked = top
             for tid, lp, r in zip(top_ids[:num_top], top_values[:num_top], ranked[0] if ranked else count(1)):
                 if tid not in entry:
-                    entry[tid] = Logprob(lp, r, self._decode([tid]) if decode else None)
+                    entry[tid] = Logprob(lp, r, texts[tid] if decode else None)
         logprobs.append(entry)
 
     def _detokenize(self, seq: Sequence) -> str:
