@@ -7,6 +7,7 @@
     python bench.py --kv-cache-dtype fp8       # K/V cached in fp8 (half the bytes), either engine
     python bench.py --top-k 20 --top-p 0.95    # sampled requests also filtered (Qwen3's own defaults)
     python bench.py --logprobs 5               # every token also with its logprob and the 5 best
+    python bench.py --tokenizer synthetic      # outputs detokenized as a real model's are (no download)
     python bench.py --workload default,latency # several workloads, one engine start-up
     python bench.py --repeat 3                 # three timed runs of each workload, one start-up
 
@@ -43,6 +44,35 @@ def preset_dir(name: str) -> str:
         architectures=["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"], **PRESETS[name])
     path = os.path.join(tempfile.gettempdir(), f"nanovllm-preset-{name}")
     config.save_pretrained(path)
+    return path
+
+
+def synthetic_tokenizer(path: str, vocab_size: int = 151936) -> str:
+    """A byte-level BPE tokenizer of vocab_size ids (Qwen3's), written into path, for runs that detokenize
+    as a user's real model does, with nothing downloaded: the 256 byte tokens, then tokens made by
+    adding a byte to an earlier one (seeded, up to 8 bytes), the last id the end-of-text token
+    (tokenizer.json, tokenizer_config.json; kept for the next run). -> path"""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    if os.path.exists(os.path.join(path, "tokenizer.json")):
+        return path
+    rng = random.Random(0)
+    pieces = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab, merges = {piece: i for i, piece in enumerate(pieces)}, []
+    extendable = list(pieces)    # tokens shorter than 8 bytes
+    while len(vocab) < vocab_size - 1:
+        a, b = rng.choice(extendable), rng.choice(pieces)
+        if a + b not in vocab:
+            vocab[a + b] = len(vocab)
+            merges.append((a, b))
+            if len(a) < 7:
+                extendable.append(a + b)
+    vocab["<|endoftext|>"] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
+                            clean_up_tokenization_spaces=False).save_pretrained(path)
     return path
 
 
@@ -103,6 +133,9 @@ def main():
                    help="SamplingParams.logprobs of every request (default: none; 0: the sampled token's only)")
     p.add_argument("--flat-logprobs", action="store_true",
                    help="SamplingParams.flat_logprobs: the logprobs as FlatLogprobs (flat lists) instead of dicts")
+    p.add_argument("--tokenizer", default=None,
+                   help="detokenize with this tokenizer (a path or hub id), or 'synthetic': a byte-level BPE of "
+                        "Qwen3's 151,936 ids built here (default: a preset runs without a tokenizer, ids only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="also print one JSON line with the results")
     args = p.parse_args()
@@ -130,7 +163,12 @@ def main():
     if args.custom_all_reduce != "default":
         kwargs["disable_custom_all_reduce"] = args.custom_all_reduce == "off"
     if args.model in PRESETS:
-        kwargs |= dict(load_format="dummy", skip_tokenizer_init=True)
+        kwargs |= dict(load_format="dummy")
+        if args.tokenizer is None:
+            kwargs["skip_tokenizer_init"] = True
+    if args.tokenizer is not None:
+        kwargs["tokenizer"] = (synthetic_tokenizer(os.path.join(tempfile.gettempdir(), "nanovllm-synthetic-tokenizer"))
+                               if args.tokenizer == "synthetic" else args.tokenizer)
     if args.engine == "vllm":
         # CUDA is already initialised here (the device check above): vLLM's engine process must be spawned.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -185,11 +223,13 @@ def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float, run: i
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_in = sum(len(ids) for ids in prompts)
     num_cached = sum(o.num_cached_tokens or 0 for o in outputs)
+    num_chars = sum(len(o.outputs[0].text or "") for o in outputs)
     options = filters | request_options(args)
     workload = args.workload + "".join(f" {k}={v}" for k, v in options.items())
     result = dict(engine=args.engine, model=args.model, workload=workload, tp=args.tp,
                   custom_all_reduce=args.custom_all_reduce, kv_cache_dtype=args.kv_cache_dtype, num_requests=len(prompts),
-                  prompt_tokens=num_in, output_tokens=num_out, cached_prompt_tokens=num_cached,
+                  tokenizer=args.tokenizer, prompt_tokens=num_in, output_tokens=num_out, output_chars=num_chars,
+                  cached_prompt_tokens=num_cached,
                   time_s=round(elapsed, 3), output_tok_s=round(num_out / elapsed, 2),
                   total_tok_s=round((num_in + num_out) / elapsed, 2), req_s=round(len(prompts) / elapsed, 3),
                   startup_s=round(startup, 1), run=run, device="cpu" if on_cpu else torch.cuda.get_device_name())

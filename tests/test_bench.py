@@ -16,6 +16,7 @@ def test_bench_runs_on_the_cpu():
     assert any(line.startswith("Total: 48tok, Time: ") for line in lines)
     result = json.loads(lines[-1])
     assert (result["engine"], result["device"], result["output_tokens"]) == ("nanovllm", "cpu", 48)
+    assert (result["tokenizer"], result["output_chars"]) == (None, 0)    # a preset: ids only
     assert set(result["startup_breakdown_s"]) == {"load_s", "kv_cache_s"}
     assert result["attention_backend"] == "TorchBackend"
 
@@ -55,3 +56,21 @@ def test_bench_repeats_each_workload_in_one_engine():
     bad = subprocess.run([sys.executable, "bench.py", "--repeat", "0"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "--repeat: must be at least 1, got 0" in bad.stderr
+
+
+def test_bench_detokenizes_with_a_synthetic_tokenizer(tmp_path):
+    """--tokenizer synthetic: a byte-level BPE of Qwen3's 151,936 ids, built locally, so that a preset's
+    outputs are detokenized as a real model's are."""
+    sys.path.insert(0, ROOT)
+    from bench import synthetic_tokenizer
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(synthetic_tokenizer(str(tmp_path)))
+    assert len(tokenizer) == 151936 and tokenizer.eos_token_id == 151935
+    text = "Hello, world! 0123 \u00e9"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert all(tokenizer.decode([i]) for i in (0, 255, 256, 151934))
+    proc = subprocess.run([sys.executable, "bench.py", "--tokenizer", "synthetic", "--logprobs", "2", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["tokenizer"] == "synthetic" and result["output_chars"] > 0
