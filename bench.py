@@ -50,7 +50,8 @@ def preset_dir(name: str) -> str:
 def synthetic_tokenizer(path: str, vocab_size: int = 151936) -> str:
     """A byte-level BPE tokenizer of vocab_size ids (Qwen3's), written into path, for runs that detokenize
     as a user's real model does, with nothing downloaded: the 256 byte tokens, then tokens made by
-    adding a byte to an earlier one (seeded, up to 8 bytes), the last id the end-of-text token
+    adding a printable ASCII byte or a space to an earlier such token (seeded, up to 8 bytes: like a real
+    vocabulary's words and pieces, each valid text alone), the last id the end-of-text token
     (tokenizer.json, tokenizer_config.json; kept for the next run). -> path"""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -59,9 +60,10 @@ def synthetic_tokenizer(path: str, vocab_size: int = 151936) -> str:
     rng = random.Random(0)
     pieces = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab, merges = {piece: i for i, piece in enumerate(pieces)}, []
-    extendable = list(pieces)    # tokens shorter than 8 bytes
+    ascii_pieces = [chr(c) for c in range(0x21, 0x7F)] + ["\u0120"]   # printable bytes and the space, as mapped
+    extendable = list(ascii_pieces)    # ASCII tokens shorter than 8 bytes
     while len(vocab) < vocab_size - 1:
-        a, b = rng.choice(extendable), rng.choice(pieces)
+        a, b = rng.choice(extendable), rng.choice(ascii_pieces)
         if a + b not in vocab:
             vocab[a + b] = len(vocab)
             merges.append((a, b))
@@ -74,6 +76,15 @@ def synthetic_tokenizer(path: str, vocab_size: int = 151936) -> str:
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
                             clean_up_tokenization_spaces=False).save_pretrained(path)
     return path
+
+
+def tokenizer_options(tokenizer: str | None) -> dict:
+    """The engine arguments for --tokenizer: none (ids only), 'synthetic', or a path or hub id."""
+    if tokenizer is None:
+        return dict(skip_tokenizer_init=True)
+    if tokenizer == "synthetic":
+        return dict(tokenizer=synthetic_tokenizer(os.path.join(tempfile.gettempdir(), "nanovllm-synthetic-tokenizer")))
+    return dict(tokenizer=tokenizer)
 
 
 def make_workload(args, on_cpu: bool):
@@ -163,12 +174,9 @@ def main():
     if args.custom_all_reduce != "default":
         kwargs["disable_custom_all_reduce"] = args.custom_all_reduce == "off"
     if args.model in PRESETS:
-        kwargs |= dict(load_format="dummy")
-        if args.tokenizer is None:
-            kwargs["skip_tokenizer_init"] = True
-    if args.tokenizer is not None:
-        kwargs["tokenizer"] = (synthetic_tokenizer(os.path.join(tempfile.gettempdir(), "nanovllm-synthetic-tokenizer"))
-                               if args.tokenizer == "synthetic" else args.tokenizer)
+        kwargs |= dict(load_format="dummy") | tokenizer_options(args.tokenizer)
+    elif args.tokenizer is not None:
+        kwargs |= tokenizer_options(args.tokenizer)
     if args.engine == "vllm":
         # CUDA is already initialised here (the device check above): vLLM's engine process must be spawned.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")

@@ -10,7 +10,7 @@
 
     PYTHONPATH=. python3 tests/profile_run.py [--model qwen3-0.6b] [--workload default] [--tp 2] [--profile-steps 200]
         [--max-num-seqs 512] [--top-k 20 --top-p 0.95] [--presence-penalty 0.5 ...] [--runs 2] [--no-profile] [--pause 5]
-        [--logprobs 20 [--flat-logprobs]]
+        [--logprobs 20 [--flat-logprobs]] [--tokenizer synthetic]
         [--cprofile | --cprofile-steps 3 8]
         [--num-seqs 128 --min-input-len 6000 --max-input-len 8000 --min-output-len 16 --max-output-len 64
          --max-model-len 8192]     (the long-prompt workload; the default workload's lengths otherwise)
@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import make_workload, preset_dir, request_options, warm_up
+from bench import make_workload, preset_dir, request_options, tokenizer_options, warm_up
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.heap import fewer_collections
 
@@ -134,11 +134,12 @@ def main():
         p.add_argument(f"--{flag}", type=float, default=default, help="as bench.py's")
     p.add_argument("--logprobs", type=int, default=None, help="as bench.py's")
     p.add_argument("--flat-logprobs", action="store_true", help="as bench.py's")
+    p.add_argument("--tokenizer", default=None, help="as bench.py's (a path, a hub id or 'synthetic')")
     args = p.parse_args()
     params = dict(top_k=args.top_k, top_p=args.top_p, **request_options(args))
     args.seed = 0
-    llm = LLM(preset_dir(args.model), load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len,
-              tensor_parallel_size=args.tp, max_num_seqs=args.max_num_seqs)
+    llm = LLM(preset_dir(args.model), load_format="dummy", max_model_len=args.max_model_len,
+              tensor_parallel_size=args.tp, max_num_seqs=args.max_num_seqs, **tokenizer_options(args.tokenizer))
     prompts, settings = make_workload(args, on_cpu=False)
     warm_up(llm, SamplingParams, args)
 

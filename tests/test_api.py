@@ -649,9 +649,14 @@ def test_decode_options_reach_the_tokenizer(llm, monkeypatch):
     decode = tokenizer.decode
     monkeypatch.setattr(tokenizer, "decode", lambda ids, **options: seen.append(options) or decode(ids, **options))
     monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
+    llm.set_tokenizer(tokenizer)        # the decode path is chosen when the tokenizer is set
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, skip_special_tokens=False,
                             spaces_between_special_tokens=False, extra_args={"tag": 7})
-    out = llm.generate(["Hello"], params, use_tqdm=False)[0]
+    try:
+        out = llm.generate(["Hello"], params, use_tqdm=False)[0]
+    finally:
+        monkeypatch.undo()
+        llm.set_tokenizer(tokenizer)
     assert seen and all(o == dict(skip_special_tokens=False, spaces_between_special_tokens=False) for o in seen)
     assert out.outputs[0].text and params.extra_args == {"tag": 7}
 
@@ -666,7 +671,12 @@ def test_fast_detokenizing_gives_what_tokenizer_decode_gives(llm, monkeypatch, s
     prompts = [p[:12] for p in PROMPTS[:4]]
     fast = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
     monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)    # the tokenizer.decode path
-    slow = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.set_tokenizer(tokenizer)
+    try:
+        slow = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        monkeypatch.undo()
+        llm.set_tokenizer(tokenizer)
     assert fast == slow and any(fast)
     assert skip_special_tokens or any("<|im_start|>" in text or "<|im_end|>" in text for text in fast)
 

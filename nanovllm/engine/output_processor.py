@@ -38,6 +38,11 @@ class OutputProcessor:
         """Also forgets the texts the previous tokenizer gave."""
         self._tokenizer = tokenizer
         self.token_texts = TokenTexts(self._decode)
+        # A fast tokenizer that cleans up no spaces gets the same text from its Rust tokenizer directly,
+        # without transformers' per-call work around it (most of the ~8 us a call costs)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._rust_decode = (backend.decode if backend is not None
+                             and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False else None)
 
     def append(self, seq: Sequence, token_id: int, logprob=None, rank=None, top=None):
         """Append one sampled token; sets seq.finish_reason when seq is done.
@@ -110,11 +115,10 @@ class OutputProcessor:
             seq.prefix_offset = max(seq.num_prompt_tokens - DETOKENIZE_CONTEXT, 0)
             seq.read_offset = seq.num_prompt_tokens
         params = seq.sampling_params
-        options = dict(skip_special_tokens=params.skip_special_tokens,
-                       spaces_between_special_tokens=params.spaces_between_special_tokens)
+        skip, spaces = params.skip_special_tokens, params.spaces_between_special_tokens
         ids = seq.token_ids
-        prefix_text = self._decode(ids[seq.prefix_offset:seq.read_offset], **options)
-        new_text = self._decode(ids[seq.prefix_offset:], **options)
+        prefix_text = self._decode(ids[seq.prefix_offset:seq.read_offset], skip, spaces)
+        new_text = self._decode(ids[seq.prefix_offset:], skip, spaces)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
         delta = new_text[len(prefix_text):]
@@ -124,14 +128,11 @@ class OutputProcessor:
 
     def _decode(self, ids: list[int], skip_special_tokens: bool = False,
                 spaces_between_special_tokens: bool = True) -> str:
-        """tokenizer.decode(ids, ...). A fast tokenizer that cleans up no spaces gets the same text
-        from its Rust tokenizer directly, without transformers' per-call work around it (most of
-        the ~8 us a call costs; two calls per output token)."""
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is not None and getattr(self.tokenizer, "clean_up_tokenization_spaces", True) is False:
-            return backend.decode(ids, skip_special_tokens=skip_special_tokens)
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
-                                     spaces_between_special_tokens=spaces_between_special_tokens)
+        """tokenizer.decode(ids, ...), two calls per output token."""
+        if self._rust_decode is not None:
+            return self._rust_decode(ids, skip_special_tokens)
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                      spaces_between_special_tokens=spaces_between_special_tokens)
 
     @staticmethod
     def _check_stop_strings(seq: Sequence, num_new_chars: int):
