@@ -5,6 +5,7 @@ bookkeeping a GPU run does between its launches: scheduling, the block tables, t
 arrays, the sampling settings, reading the sampled tokens (docs/perf_notes.md Next 6d).
 
     PYTHONPATH=. python3 tests/bench_host.py [--num-seqs 256] [--scale 4] [--runs 3] [--cprofile 30]
+        [--logprobs 20 [--flat-logprobs]] [--tokenizer synthetic]
 """
 import argparse
 import cProfile
@@ -18,10 +19,26 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from conftest import build_model_dir, build_tokenizer
+from bench import tokenizer_options
+from conftest import VOCAB_SIZE, build_model_dir, build_tokenizer
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.sampler import SamplerOutput
+from nanovllm.utils.heap import fewer_collections
+
+
+def sample(rows: int, vocab_size: int, num_logprobs: int | None) -> SamplerOutput:
+    """Token 0 for every row, or with logprobs random tokens, logprobs and num_logprobs best (as a
+    sampler's output, on the CPU)."""
+    if num_logprobs is None:
+        return SamplerOutput(token_ids=torch.zeros(rows, dtype=torch.int64))
+    out = SamplerOutput(token_ids=torch.randint(0, vocab_size, (rows,)), logprobs=-10 * torch.rand(rows),
+                        ranks=torch.randint(1, 100, (rows,)))
+    if num_logprobs:
+        out.top_ids = torch.randint(0, vocab_size, (rows, num_logprobs))
+        out.top_logprobs = (-10 * torch.rand(rows, num_logprobs)).sort(1, descending=True).values
+    return out
 
 
 def main():
@@ -30,26 +47,35 @@ def main():
     p.add_argument("--scale", type=int, default=4, help="bench.py's prompt and output lengths divided by this")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--cprofile", type=int, default=0, help="the last run under cProfile: its top N functions")
+    p.add_argument("--logprobs", type=int, default=None, help="SamplingParams.logprobs of every request (random "
+                                                              "tokens and logprobs sampled, Qwen3's vocabulary)")
+    p.add_argument("--flat-logprobs", action="store_true")
+    p.add_argument("--tokenizer", default=None, help="as bench.py's: 'synthetic' detokenizes the outputs")
     args = p.parse_args()
-    path = build_model_dir(tempfile.mkdtemp(), "qwen3", build_tokenizer(), max_position_embeddings=4096)
-    llm = LLM(path, max_model_len=4096, skip_tokenizer_init=True)
+    vocab_size = 151936 if args.logprobs is not None or args.tokenizer else VOCAB_SIZE
+    path = build_model_dir(tempfile.mkdtemp(), "qwen3", build_tokenizer(), max_position_embeddings=4096,
+                           vocab_size=vocab_size)
+    llm = LLM(path, max_model_len=4096, **tokenizer_options(args.tokenizer))
     engine = llm.llm_engine
     runner = engine.model_runner
     runner.run_step = lambda step: (torch.zeros(step.num_sampling, 1) if step.num_sampling else None, [])
-    runner.sampler = lambda logits, metadata: SamplerOutput(token_ids=torch.zeros(len(logits), dtype=torch.int64))
+    runner.sampler = lambda logits, metadata: sample(len(logits), vocab_size, args.logprobs)
+    options = dict(logprobs=args.logprobs, flat_logprobs=args.flat_logprobs) if args.logprobs is not None else {}
     random.seed(0)   # bench.py's draws, in its order
     requests = [([random.randint(0, 300) for _ in range(random.randint(100, 1024) // args.scale)],
                  random.randint(100, 1024) // args.scale) for _ in range(args.num_seqs)]
     for run in range(args.runs):
         for ids, max_tokens in requests:
-            engine.add_tokens(None, ids, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens))
+            engine.add_tokens(None, ids, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens,
+                                                        **options))
         profile = cProfile.Profile() if args.cprofile and run == args.runs - 1 else None
         steps, start = 0, time.perf_counter()
         if profile:
             profile.enable()
-        while engine.has_unfinished_requests():
-            engine.run_step()
-            steps += 1
+        with fewer_collections():   # as generate() runs the loop
+            while engine.has_unfinished_requests():
+                engine.run_step()
+                steps += 1
         if profile:
             profile.disable()
         seconds = time.perf_counter() - start
