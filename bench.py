@@ -83,7 +83,8 @@ def tokenizer_options(tokenizer: str | None) -> dict:
     if tokenizer is None:
         return dict(skip_tokenizer_init=True)
     if tokenizer == "synthetic":
-        return dict(tokenizer=synthetic_tokenizer(os.path.join(tempfile.gettempdir(), "nanovllm-synthetic-tokenizer")))
+        path = os.path.join(tempfile.gettempdir(), "nanovllm-synthetic-tokenizer-ascii")
+        return dict(tokenizer=synthetic_tokenizer(path))
     return dict(tokenizer=tokenizer)
 
 
