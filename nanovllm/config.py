@@ -37,6 +37,7 @@ IDLE_ARGUMENTS = {
     "offload_group_size": (0, "no CPU offloading"), "offload_num_in_group": (1, "no CPU offloading"),
     "offload_prefetch_step": (1, "no CPU offloading"), "offload_params": (None, "no CPU offloading"),
     "enable_return_routed_experts": (False, "MoE routing is not returned"),
+    "enable_prompt_embeds": (False, "a prompt is text or token ids, not embeddings"),
     "mm_processor_kwargs": (None, "text-only models"), "allowed_local_media_path": ("", "text-only models"),
     "allowed_media_domains": (None, "text-only models"), "pooler_config": (None, "no pooling models"),
     "attention_config": (None, "choose the kernels with attention_backend"),

@@ -40,7 +40,10 @@ PromptType = str | list[int] | TextPrompt | TokensPrompt
 UNSUPPORTED_KEYS = {"multi_modal_data": "multimodal inputs (nanovllm runs text-only models)",
                     "mm_processor_kwargs": "multimodal inputs (nanovllm runs text-only models)",
                     "multi_modal_uuids": "multimodal inputs (nanovllm runs text-only models)",
-                    "token_type_ids": "token_type_ids (pooling models)"}
+                    "token_type_ids": "token_type_ids (pooling models)",
+                    "prompt_embeds": "prompt embeddings (vLLM's enable_prompt_embeds; a prompt is text or token ids)",
+                    "encoder_prompt": "encoder-decoder prompts (nanovllm runs decoder-only models)",
+                    "decoder_prompt": "encoder-decoder prompts (nanovllm runs decoder-only models)"}
 KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 
 

@@ -459,7 +459,8 @@ def test_token_ids_from_numpy_and_torch(llm):
 
 def test_vllm_prompt_types(llm):
     """vLLM's TextPrompt / TokensPrompt import from nanovllm and work; keys asking for what nanovllm
-    does not do (multimodal data), unknown keys and a bad cache_salt are ValueErrors, not ignored."""
+    does not do (multimodal data, prompt embeddings, encoder-decoder prompts), unknown keys and a bad
+    cache_salt are ValueErrors, not ignored."""
     from nanovllm import TextPrompt, TokensPrompt
     sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     by_ids = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], sp, use_tqdm=False)[0]
@@ -469,6 +470,10 @@ def test_vllm_prompt_types(llm):
             ({"prompt": "Hi", "multi_modal_data": {"image": None}},
              "prompt 1: 'multi_modal_data' is not supported: multimodal inputs (nanovllm runs text-only models)."),
             ({"prompt_token_ids": [5], "cache_salt": ""}, "prompt 1: cache_salt must be a non-empty string, got ''."),
+            ({"prompt_embeds": torch.zeros(3, 64)}, "prompt 1: 'prompt_embeds' is not supported: prompt embeddings "
+                                                    "(vLLM's enable_prompt_embeds; a prompt is text or token ids)."),
+            ({"encoder_prompt": "a", "decoder_prompt": "b"}, "prompt 1: 'encoder_prompt' is not supported: "
+                                                             "encoder-decoder prompts (nanovllm runs decoder-only"),
             ({"prompt_token_ids": [5], "prompt_ids": [6]}, "prompt 1: unknown key 'prompt_ids'")):
         with pytest.raises(ValueError) as e:
             llm.generate([[1, 2], prompt], sp, use_tqdm=False)
@@ -959,6 +964,8 @@ def test_generate_collects_garbage_less_often_and_restores_the_thresholds(llm, m
      "compilation_config is not supported (the engine compiles and captures CUDA graphs its own way; "
      "enforce_eager=True turns the graphs off); leave it at None."),
     (dict(data_parallel_size=2), "data_parallel_size is not supported (tensor parallelism only); leave it at 1."),
+    (dict(enable_prompt_embeds=True), "enable_prompt_embeds is not supported (a prompt is text or token ids, not "
+                                      "embeddings); leave it at False."),
     (dict(spec_method="ngram"), "spec_method is not supported (no speculative decoding); leave it at None."),
     (dict(convert="embed"), "convert is not supported"),
     (dict(chat_template="no template here"), "chat_template must be a Jinja template or the path of a file "
