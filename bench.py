@@ -175,8 +175,8 @@ def main():
     if args.custom_all_reduce != "default":
         kwargs["disable_custom_all_reduce"] = args.custom_all_reduce == "off"
     if args.model in PRESETS:
-        kwargs |= dict(load_format="dummy") | tokenizer_options(args.tokenizer)
-    elif args.tokenizer is not None:
+        kwargs["load_format"] = "dummy"
+    if args.model in PRESETS or args.tokenizer is not None:   # a preset has no tokenizer unless given one
         kwargs |= tokenizer_options(args.tokenizer)
     if args.engine == "vllm":
         # CUDA is already initialised here (the device check above): vLLM's engine process must be spawned.

@@ -71,16 +71,16 @@ def run_steps(llm, prompts, settings, on_step=None, host_profile_steps=(), dump_
     waits = EventWaits()
     with fewer_collections():
         while engine.has_unfinished_requests():
-            steps.append(timed_step(engine, waits, finished, len(steps) in host_profile_steps, len(steps), dump_dir))
+            steps.append(timed_step(engine, waits, finished, len(steps), host_profile_steps, dump_dir))
             if on_step is not None:
                 on_step()
     torch.cuda.synchronize()
     return steps, finished
 
 
-def timed_step(engine, waits, finished, under_cprofile, index, dump_dir) -> tuple[str, float, float]:
-    """One engine step -> (kind, seconds, seconds of host work); its finished outputs added to finished."""
-    host_profile = cProfile.Profile() if under_cprofile else None
+def timed_step(engine, waits, finished, index, host_profile_steps, dump_dir) -> tuple[str, float, float]:
+    """Step number index -> (kind, seconds, seconds of host work); its finished outputs added to finished."""
+    host_profile = cProfile.Profile() if index in host_profile_steps else None
     start, waited = time.perf_counter(), waits.seconds
     with waits:
         if host_profile:
