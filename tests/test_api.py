@@ -1,6 +1,7 @@
 """The public API: vLLM's input forms and output shapes, bad input, and recovery after errors."""
 import json
 import os
+import random
 import re
 import types
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_prompts
+from conftest import VOCAB_SIZE, make_prompts
 from nanovllm import LLM, BeamSearchParams, RequestOutput, SamplingParams
 from nanovllm.config import IDLE_ARGUMENTS, Config, batch_defaults
 from nanovllm.engine.output_processor import OutputProcessor, TokenTexts
@@ -1072,6 +1073,52 @@ def test_incremental_detokenization_matches_full_decode(tokenizer):
     for t in target:
         proc.append(seq, t)
     assert seq.output_text == text
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_text_made_at_the_end_is_the_text_of_each_step(tokenizer, skip_special_tokens):
+    """A completion whose text nobody reads before it ends (LLM.generate's, without stop strings) is
+    detokenized once, at its end: the same text, token for token, as detokenizing after every token
+    (a streamed one), on random ids: byte tokens that leave characters incomplete, special tokens,
+    EOS left out or kept."""
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    proc = OutputProcessor(tokenizer, {eos}, max_model_len=1000)
+    rng = random.Random(0)
+    held_back_at_end = 0
+    for case in range(200):
+        ids = [rng.randrange(VOCAB_SIZE) for _ in range(rng.randrange(1, 40))]
+        params = SamplingParams(max_tokens=len(ids), skip_special_tokens=skip_special_tokens,
+                                include_stop_str_in_output=case % 3 == 0, ignore_eos=case % 5 == 0)
+        texts = []
+        for streamed in (True, False):
+            seq = Sequence("r", 0, tokenizer.encode("Hello there"), params)
+            seq.streamed = streamed
+            for t in ids:
+                proc.append(seq, t)
+                if seq.finish_reason is not None:
+                    break
+            texts.append((seq.output_text, seq.finish_reason, seq.num_output_tokens))
+        assert texts[0] == texts[1], (case, ids)
+        held_back_at_end += tokenizer.decode(ids[:texts[0][2]]).endswith("\ufffd")
+    assert held_back_at_end > 10        # the token-by-token path at the end ran too
+
+
+def test_text_made_at_the_end_takes_one_window(tokenizer, monkeypatch):
+    """Two decodes for a whole completion made at its end, instead of two a token."""
+    proc = OutputProcessor(tokenizer, set(), max_model_len=1000)
+    text = "Stop strings may span several tokens, so detokenization is incremental."
+    target = tokenizer.encode(text)
+    calls = []
+    decode = proc._decode
+    monkeypatch.setattr(proc, "_decode", lambda ids, *args: calls.append(len(ids)) or decode(ids, *args))
+    seq = Sequence("r", 0, tokenizer.encode("Hello"), SamplingParams(max_tokens=len(target)))
+    for t in target:
+        proc.append(seq, t)
+    assert seq.output_text == text and len(calls) == 2
+    seq = Sequence("r", 0, tokenizer.encode("Hello"), SamplingParams(max_tokens=len(target), stop=["never"]))
+    for t in target:
+        proc.append(seq, t)
+    assert seq.output_text == text and len(calls) == 2 + 2 * len(target)
 
 
 def test_attention_backend_choice(qwen3_dir):

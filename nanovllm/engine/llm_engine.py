@@ -25,7 +25,7 @@ from nanovllm.layers.sampler import SamplerOutput
 from nanovllm.logger import init_logger
 from nanovllm.metrics import EngineMetrics, Metric
 from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 from nanovllm.utils.heap import freeze_heap, unfreeze_heap
 
 logger = init_logger(__name__)
@@ -164,7 +164,7 @@ class LLMEngine:
         [prompt] = self.input_processor.parse_prompts([prompt], tokenization_kwargs)
         prompt = self.input_processor.check_request(0, prompt, params)
         return self.add_tokens(prompt.text, prompt.token_ids, params, priority, prompt.cache_salt,
-                               request_id, arrival_time)
+                               request_id, arrival_time, streamed=params.output_kind != RequestOutputKind.FINAL_ONLY)
 
     def check_priority(self, priority: int):
         """A ValueError unless priority is an int, and 0 where the scheduling policy is not "priority"."""
@@ -177,10 +177,12 @@ class LLMEngine:
 
     def add_tokens(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                    priority: int = 0, cache_salt: str | None = None, request_id: str | None = None,
-                   arrival_time: float | None = None) -> str:
+                   arrival_time: float | None = None, streamed: bool = False) -> str:
         """Add a request that InputProcessor.check_request passed -> its id (the next number when
         none is given).
         cache_salt: the request's blocks hit in the prefix cache only for requests with the same salt.
+        streamed: step() reports its text before it finishes; if not (LLM.generate's requests), a completion
+        without stop strings is detokenized once, when it ends.
         RuntimeError while the engine sleeps."""
         self.check_awake()
         if request_id is None:
@@ -198,6 +200,7 @@ class LLMEngine:
                 child_params = replace(params, seed=params.seed + index)
             seq = Sequence(request_id, index, prompt_token_ids, child_params, priority, cache_salt)
             seq.bad_words_token_ids = bad_words_token_ids
+            seq.streamed = streamed
             if params.thinking_token_budget is not None:
                 seq.thinking_budget = ThinkingBudget(self.thinking_markers, params.thinking_token_budget)
             if params.structured_outputs is not None:

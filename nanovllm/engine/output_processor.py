@@ -60,8 +60,11 @@ class OutputProcessor:
             seq.finish_reason = "stop"
         elif may_stop and token_id in sp.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token_id
-        if (self._tokenizer is not None and sp.detokenize
-                and (seq.finish_reason is None or sp.include_stop_str_in_output)):
+        has_text = self._tokenizer is not None and sp.detokenize
+        text_of_token = seq.finish_reason is None or sp.include_stop_str_in_output   # a stop token's is left out
+        # Detokenized each step only where the text is read before the end; else once, at the end
+        each_step = has_text and (seq.streamed or bool(sp.stop_strings))
+        if each_step and text_of_token:
             delta = self._detokenize(seq)
             if may_stop and seq.finish_reason is None and delta:
                 self._check_stop_strings(seq, len(delta))
@@ -70,6 +73,8 @@ class OutputProcessor:
         if (seq.finish_reason is None and may_stop and sp.repetition_detection is not None
                 and sp.repetition_detection.repeats(seq.output_token_ids)):
             seq.finish_reason, seq.stop_reason = "repetition", "repetition_detected"
+        if has_text and not each_step and seq.finish_reason is not None:
+            self._detokenize_at_end(seq, len(seq.token_ids) - (not text_of_token))
 
     def append_prompt_logprobs(self, chunk):
         """chunk: a PromptLogprobsChunk; its tokens follow the ones already scored."""
@@ -105,11 +110,12 @@ class OutputProcessor:
                     entry[tid] = Logprob(lp, r, texts[tid] if decode else None)
         logprobs.append(entry)
 
-    def _detokenize(self, seq: Sequence) -> str:
-        """Add the text of the newest token(s) to seq.output_text and return it.
+    def _detokenize(self, seq: Sequence, end: int | None = None) -> str:
+        """Add the text of the newest token(s), up to token_ids[end] (None: all), to seq.output_text and
+        return it.
 
         Decodes only a short window: token_ids[prefix_offset:read_offset] was decoded before;
-        the new text is what decoding token_ids[prefix_offset:] adds to it. Held back while it
+        the new text is what decoding token_ids[prefix_offset:end] adds to it. Held back while it
         ends in an incomplete UTF-8 character."""
         if seq.read_offset == 0:
             seq.prefix_offset = max(seq.num_prompt_tokens - DETOKENIZE_CONTEXT, 0)
@@ -117,14 +123,23 @@ class OutputProcessor:
         params = seq.sampling_params
         skip, spaces = params.skip_special_tokens, params.spaces_between_special_tokens
         ids = seq.token_ids
+        end = len(ids) if end is None else end
         prefix_text = self._decode(ids[seq.prefix_offset:seq.read_offset], skip, spaces)
-        new_text = self._decode(ids[seq.prefix_offset:], skip, spaces)
+        new_text = self._decode(ids[seq.prefix_offset:end], skip, spaces)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
         delta = new_text[len(prefix_text):]
         seq.output_text += delta
-        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+        seq.prefix_offset, seq.read_offset = seq.read_offset, end
         return delta
+
+    def _detokenize_at_end(self, seq: Sequence, end: int):
+        """A finished sequence's text, up to token_ids[end], as _detokenize after each token would have
+        made it: the whole window in one go gives that text (docs/perf_notes.md row 100), unless the window
+        ends in an incomplete character, which the steps would have held back from where it began."""
+        if not self._detokenize(seq, end):
+            for upto in range(seq.read_offset + 1, end + 1):
+                self._detokenize(seq, upto)
 
     def _decode(self, ids: list[int], skip_special_tokens: bool = False,
                 spaces_between_special_tokens: bool = True) -> str:

@@ -54,6 +54,7 @@ class Sequence:
         self.output_text = ""
         self.prefix_offset = 0                   # incremental detokenization window
         self.read_offset = 0
+        self.streamed = False                    # step() reports its text before it ends (LLMEngine.add_request)
         wants_logprobs = sampling_params.num_logprobs is not None
         container = FlatLogprobs if sampling_params.flat_logprobs else list
         self.logprobs: SampleLogprobs | None = container() if wants_logprobs else None
