@@ -7,6 +7,7 @@
     python bench.py --kv-cache-dtype fp8       # K/V cached in fp8 (half the bytes), either engine
     python bench.py --top-k 20 --top-p 0.95    # sampled requests also filtered (Qwen3's own defaults)
     python bench.py --logprobs 5               # every token also with its logprob and the 5 best
+    python bench.py --prompt-logprobs 1        # every prompt token scored too (as lm-eval's loglikelihood)
     python bench.py --tokenizer synthetic      # outputs detokenized as a real model's are (no download)
     python bench.py --workload default,latency # several workloads, one engine start-up
     python bench.py --repeat 3                 # three timed runs of each workload, one start-up
@@ -143,6 +144,9 @@ def main():
                    help="SamplingParams.repetition_penalty of every request")
     p.add_argument("--logprobs", type=int, default=None,
                    help="SamplingParams.logprobs of every request (default: none; 0: the sampled token's only)")
+    p.add_argument("--prompt-logprobs", type=int, default=None,
+                   help="SamplingParams.prompt_logprobs of every request: each prompt token's logprob and the N best "
+                        "(default: none)")
     p.add_argument("--flat-logprobs", action="store_true",
                    help="SamplingParams.flat_logprobs: the logprobs as FlatLogprobs (flat lists) instead of dicts")
     p.add_argument("--tokenizer", default=None,
@@ -215,6 +219,7 @@ def request_options(args) -> dict:
                   repetition_penalty=args.repetition_penalty)
     off = values == dict(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
     return (({} if off else values) | ({} if args.logprobs is None else dict(logprobs=args.logprobs))
+            | ({} if args.prompt_logprobs is None else dict(prompt_logprobs=args.prompt_logprobs))
             | (dict(flat_logprobs=True) if args.flat_logprobs else {}))
 
 

@@ -74,3 +74,10 @@ def test_bench_detokenizes_with_a_synthetic_tokenizer(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.splitlines()[-1])
     assert result["tokenizer"] == "synthetic" and result["output_chars"] > 0
+
+
+def test_bench_scores_prompt_tokens():
+    proc = subprocess.run([sys.executable, "bench.py", "--workload", "latency", "--prompt-logprobs", "2", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.splitlines()[-1])["workload"] == "latency prompt_logprobs=2"

@@ -268,6 +268,36 @@ def test_prompt_logprobs_close_to_hf(gpu_model_dir):
         assert (ours - theirs).abs().max() < 0.1
 
 
+def test_prompt_logprobs_from_the_kernels_equal_the_log_softmax_on_gpu(gpu_model_dir, monkeypatch):
+    """Prompt tokens scored by kernels/triton_logprobs.py get the logprobs and ranks, and each position
+    the best logprob, that a float32 log_softmax of the same logits gives (the path for more than its
+    MAX_TOP best)."""
+    from nanovllm.kernels import triton_logprobs
+    llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, block_size=16, max_num_batched_tokens=64)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[4:12]]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=3)
+
+    def scored():
+        """Per prompt position: its token's rank and logprob, and the best logprob (ties aside, the
+        best tokens' order may differ between the two)."""
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        llm.reset_prefix_cache()
+        return [(position[token].rank, position[token].logprob, max(e.logprob for e in position.values()))
+                for prompt, out in zip(prompts, outs)
+                for token, position in zip(prompt["prompt_token_ids"][1:], out.prompt_logprobs[1:])]
+    calls = []
+    kernel = triton_logprobs.token_logprobs
+    monkeypatch.setattr(triton_logprobs, "token_logprobs", lambda *args: calls.append(1) or kernel(*args))
+    kernels = scored()
+    num_calls = len(calls)
+    monkeypatch.setattr(triton_logprobs, "MAX_TOP", 0)
+    reference = scored()
+    assert num_calls > 0 and len(calls) == num_calls      # the kernels, then the log_softmax only
+    assert len(kernels) == len(reference) == sum(len(p["prompt_token_ids"]) - 1 for p in prompts)
+    assert [rank for rank, _, _ in kernels] == [rank for rank, _, _ in reference]
+    assert max(abs(a - b) for k, r in zip(kernels, reference) for a, b in zip(k[1:], r[1:])) < 1e-3
+
+
 def test_allowed_token_ids_and_logit_bias_on_gpu(gpu_model_dir):
     """The fused sampler sees the restricted and biased float32 logits."""
     llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024)

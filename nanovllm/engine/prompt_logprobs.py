@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import token_logprobs
+from nanovllm.layers.sampler import SamplerOutput, token_logprobs
 
 
 @dataclass
@@ -29,7 +29,7 @@ def score_prompts(spans: list[tuple[Sequence, int, list[int]]], prompt_logits: l
     parts, start = [], 0
     for logits in prompt_logits:
         end = start + logits.shape[0]
-        parts.append(token_logprobs(logits.float().log_softmax(-1), targets[start:end], num_top))
+        parts.append(_score(logits, targets[start:end], num_top))
         start = end
     logprobs = torch.cat([p.logprobs for p in parts]).tolist()
     ranks = torch.cat([p.ranks for p in parts]).tolist()
@@ -44,3 +44,17 @@ def score_prompts(spans: list[tuple[Sequence, int, list[int]]], prompt_logits: l
                                           top[start:end] if top else None))
         start = end
     return chunks
+
+
+def _score(logits: torch.Tensor, targets: torch.Tensor, num_top: int) -> SamplerOutput:
+    """logits: [rows, V] raw; targets: [rows] -> each target's logprob and rank, and the rows' num_top
+    best. On CUDA in two passes over the logits (kernels/triton_logprobs.py, as the sampled tokens'),
+    without a float32 log_softmax of every row, for up to its MAX_TOP best."""
+    if logits.is_cuda:
+        from nanovllm.kernels import triton_logprobs
+        if num_top <= triton_logprobs.MAX_TOP:
+            out = SamplerOutput(targets)
+            out.logprobs, out.ranks, out.top_logprobs, out.top_ids = triton_logprobs.token_logprobs(
+                logits, targets, num_top)
+            return out
+    return token_logprobs(logits.float().log_softmax(-1), targets, num_top)
