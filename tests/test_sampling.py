@@ -388,6 +388,9 @@ def check_prompt_logprobs(model, prompt, prompt_logprobs, num_top):
     dict(),
     dict(max_num_batched_tokens=32),        # prompts scored chunk by chunk
     dict(num_kvcache_blocks=14),            # preempted and recomputed: tokens are not scored twice
+    # scores read a step late, with the sampled tokens (as on the GPU)
+    dict(async_scheduling=True, max_num_batched_tokens=32),
+    dict(async_scheduling=True, num_kvcache_blocks=14),
 ])
 @torch.no_grad()
 def test_prompt_logprobs_equal_hf_log_softmax(qwen3_dir, tokenizer, variant):
@@ -418,6 +421,27 @@ def test_prompt_logprobs_zero_gives_only_the_prompt_tokens(llm, qwen3_dir):
     prompt = PROMPTS[6]
     out = llm.generate([ids(prompt)], SamplingParams(max_tokens=2, prompt_logprobs=0), use_tqdm=False)[0]
     check_prompt_logprobs(hf_model(qwen3_dir), prompt, out.prompt_logprobs, 0)
+
+
+@torch.no_grad()
+def test_prompt_scores_of_steps_that_only_score_are_read_a_step_late(qwen3_dir, monkeypatch):
+    """With async scheduling a step that only scores prompt tokens (a long prompt's chunks) is not
+    read at once: the engine launches the next step first. The scores are those of an engine that
+    reads every step at once."""
+    from nanovllm.engine.llm_engine import LLMEngine
+    read_late = []
+    resolve = LLMEngine._resolve
+    monkeypatch.setattr(LLMEngine, "_resolve", lambda engine, step: read_late.append(
+        step.host is None and engine.in_flight is not step) or resolve(engine, step))
+    prompt, params = PROMPTS[7], SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2)
+    outs = [LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=64, max_num_batched_tokens=32,
+                async_scheduling=asynchronous).generate([ids(prompt)], params, use_tqdm=False)[0]
+            for asynchronous in (True, False)]
+    assert sum(read_late) >= 3      # 150 prompt tokens in steps of 32
+    scores = [[(t, e.logprob, e.rank) for position in out.prompt_logprobs[1:] for t, e in position.items()]
+              for out in outs]
+    assert scores[0] == scores[1] and len(outs[0].prompt_logprobs) == len(prompt)
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
 
 
 # ---- allowed_token_ids, logit_bias, truncate_prompt_tokens, detokenize -----------------------

@@ -44,7 +44,7 @@ def test_prompt_spans_score_each_prompt_token_once():
     """Row of position p scores prompt token p + 1; a chunk after a preemption skips what was scored."""
     a = seq(list(range(100, 110)), [0, 1, 2], 0, prompt_logprobs=1)    # 10 prompt tokens, chunk of 4
     b = seq(list(range(200, 206)), [3, 4], 0, prompt_logprobs=1)       # a 6-token prompt recomputed
-    b.prompt_logprobs += [{}] * 4             # tokens 1..4 were scored before b was preempted
+    b.num_prompt_scored = 4                   # tokens 1..4 were scored before b was preempted
     out = SchedulerOutput([a, b], [4, 6])
     batch = build_step(out, [b], None, block_size=4).batch
     assert prompt_spans(out, batch) == [(a, 1, [0, 1, 2, 3]), (b, 5, [8])]

@@ -13,6 +13,7 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.input_processor import InputProcessor, check_no_lora
 from nanovllm.engine.model_runner import ModelRunner, runner_device
 from nanovllm.engine.output_processor import OutputProcessor
+from nanovllm.engine.prompt_logprobs import PromptScores
 from nanovllm.engine.reasoning import REASONING_PARSERS, ThinkingBudget, ThinkingMarkers
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
@@ -47,10 +48,11 @@ class Request:
 
 @dataclass
 class InFlightStep:
-    """A launched step whose sampled tokens the host has not read yet."""
-    seqs: list[Sequence]            # the sequences that sampled, in row order
-    host: SamplerOutput             # the sampler's outputs, being copied to the host
-    event: "torch.cuda.Event | None"  # recorded after the copy; None on the CPU
+    """A launched step whose sampled tokens and prompt scores the host has not read yet."""
+    seqs: list[Sequence]            # the sequences that sampled, in row order (none: it scored prompts only)
+    host: SamplerOutput | None      # the sampler's outputs, being copied to the host
+    event: "torch.cuda.Event | None"  # recorded after the last copy; None on the CPU
+    prompt_scores: PromptScores | None = None
 
 
 @dataclass
@@ -289,10 +291,8 @@ class LLMEngine:
 
         needs_previous = previous is not None and any(
             seq.needs_output_ids_on_host and seq.num_pending_tokens for seq in sampling_seqs)
-        sampled, prompt_logprobs = self.model_runner.execute(
+        sampled, prompt_scores = self.model_runner.execute(
             out, sampling_seqs, pending, before_sampling=read_previous if needs_previous else None)
-        for chunk in prompt_logprobs:
-            self.output_processor.append_prompt_logprobs(chunk)
         self.scheduler.update_computed(out)
         self.in_flight = None
         if sampled is not None:
@@ -300,13 +300,16 @@ class LLMEngine:
                 if not seq.is_finished:   # (read_previous may have stopped it: its token here is wasted)
                     seq.append_pending()
             host, event = self.model_runner.copy_to_host(sampled)
-            self.in_flight = InFlightStep(sampling_seqs, host, event)
+            self.in_flight = InFlightStep(sampling_seqs, host, event, prompt_scores)
+        elif prompt_scores is not None:
+            self.in_flight = InFlightStep([], None, prompt_scores.event, prompt_scores)
         if previous is not None:   # (not read before sampling)
             finished += self._resolve(previous)
-        if self.in_flight is not None and (not self.async_scheduling
-                                           or all(seq.is_finished for seq in self.in_flight.seqs)):
+        if self.in_flight is not None and (not self.async_scheduling or self.in_flight.seqs
+                                           and all(seq.is_finished for seq in self.in_flight.seqs)):
             # (with async scheduling, a step whose sequences all stopped while it ran: nothing to
-            # overlap it with, and the engine is idle after it)
+            # overlap it with, and the engine is idle after it; one that only scored prompts is
+            # followed by the steps that go on with them)
             finished += self._resolve(self.in_flight)
             self.in_flight = None
         if self.stat_logger is not None:
@@ -314,7 +317,7 @@ class LLMEngine:
         return finished, stats
 
     def _resolve(self, step: "InFlightStep") -> list[RequestOutput]:
-        """Read a launched step's sampled tokens: replace the placeholders, check stops."""
+        """Read a launched step's prompt scores and sampled tokens: replace the placeholders, check stops."""
         if step.event is not None:
             try:
                 if self.workers is None:
@@ -324,7 +327,12 @@ class LLMEngine:
             finally:
                 if self.workers is not None:   # a dead worker aborts the group (TPWorkers._watch):
                     self.workers.check_alive()  # name it, rather than use what the aborted step left
+        if step.prompt_scores is not None:   # (before the tokens: a completion's first output carries them)
+            for chunk in step.prompt_scores.chunks():
+                self.output_processor.append_prompt_logprobs(chunk)
         sampled = step.host
+        if sampled is None:
+            return []
         token_ids = sampled.token_ids.tolist()
         logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
         ranks = sampled.ranks.tolist() if sampled.ranks is not None else None

@@ -15,7 +15,7 @@ from nanovllm.engine.block_table_sync import BlockTableReceiver, BlockTableSende
 from nanovllm.engine.cuda_graph import DecodeGraphs, graph_buckets
 from nanovllm.engine.penalty_counts import PenaltyCounts
 from nanovllm.engine import piecewise_graphs
-from nanovllm.engine.prompt_logprobs import PromptLogprobsChunk, score_prompts
+from nanovllm.engine.prompt_logprobs import PromptScores, score_prompts
 from nanovllm.engine.sampling_inputs import build_sampling_metadata
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sleep import SLEEP_TAGS, ArenaMemory, Hibernation, Storages
@@ -319,10 +319,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, sampling_seqs: list[Sequence], pending: dict[int, int] | None = None,
                 before_sampling: Callable[[], None] | None = None
-                ) -> tuple[SamplerOutput | None, list[PromptLogprobsChunk]]:
+                ) -> tuple[SamplerOutput | None, PromptScores | None]:
         """Rank 0: run the model on the scheduled tokens and sample one token for each of
         `sampling_seqs` (the sequences whose scheduled tokens reach their end; None if none
-        sample), and score the prompt tokens of sequences that asked for prompt logprobs.
+        sample), and score the prompt tokens of sequences that asked for prompt logprobs (the scores
+        on their way to the host; None if none are scored).
 
         pending: {seq_id: row in the previous step's sampled tokens} for sequences whose last
         token the host has not read yet (PENDING_TOKEN in token_ids): its id is taken on the device.
@@ -336,14 +337,14 @@ class ModelRunner:
                                                table_updates=self.table_sender.updates(out.seqs))))
         try:
             logits, prompt_logits = self.run_step(step)
-            prompt_chunks = score_prompts(spans, prompt_logits, self.device) if spans else []
+            prompt_scores = score_prompts(spans, prompt_logits, self.device) if spans else None
             if logits is None:
-                return None, prompt_chunks
+                return None, prompt_scores
             if before_sampling is not None:
                 before_sampling()
             sampled = self.sampler(logits, self.prepare_sampling(sampling_seqs))
             self.last_sampled = self.tp.broadcast_from_first(sampled.token_ids)
-            return sampled, prompt_chunks
+            return sampled, prompt_scores
         except RuntimeError:
             if self.workers is not None:
                 self.workers.check_alive(grace_s=5.0)   # a dead worker breaks the collectives: name it

@@ -1,6 +1,9 @@
 """Prompt logprobs (SamplingParams.prompt_logprobs): each prompt token scored given the ones
-before it, from the logits of the rows before it (step_inputs.prompt_spans says which)."""
-from dataclasses import dataclass
+before it, from the logits of the rows before it (step_inputs.prompt_spans says which).
+
+A step's scores are copied to the host while the GPU goes on, and read with its sampled tokens
+(LLMEngine._resolve), so a step that scores prompt tokens does not make the host wait for it."""
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -19,10 +22,34 @@ class PromptLogprobsChunk:
     top: list[tuple[list[int], list[float]]] | None   # per token: (token ids, logprobs), best first
 
 
+@dataclass
+class PromptScores:
+    """One step's prompt scores on their way to the host: every span's tokens in order (scores'
+    rows), readable once event has passed (None: on the CPU, at once)."""
+    spans: list[tuple[Sequence, int, list[int]]]
+    scores: SamplerOutput
+    event: "torch.cuda.Event | None"
+
+    def chunks(self) -> list[PromptLogprobsChunk]:
+        """One chunk a span, from the host copy (after event)."""
+        logprobs, ranks = self.scores.logprobs.tolist(), self.scores.ranks.tolist()
+        top = None
+        if self.scores.top_ids is not None:
+            top = list(zip(self.scores.top_ids.tolist(), self.scores.top_logprobs.tolist()))
+        chunks, start = [], 0
+        for seq, first, rows in self.spans:
+            end = start + len(rows)
+            chunks.append(PromptLogprobsChunk(seq, first, logprobs[start:end], ranks[start:end],
+                                              top[start:end] if top else None))
+            start = end
+        return chunks
+
+
 def score_prompts(spans: list[tuple[Sequence, int, list[int]]], prompt_logits: list[torch.Tensor],
-                  device: torch.device) -> list[PromptLogprobsChunk]:
+                  device: torch.device) -> PromptScores:
     """spans: (sequence, its first prompt token scored, the rows that score it and the next ones);
-    prompt_logits: those rows' logits, in order, in parts -> one chunk a span, read to the host."""
+    prompt_logits: those rows' logits, in order, in parts -> their scores, being copied to the host.
+    Marks the spans' tokens scored (Sequence.num_prompt_scored), so that no later step scores them again."""
     targets = [seq.token_ids[t] for seq, first, rows in spans for t in range(first, first + len(rows))]
     targets = torch.tensor(targets, device=device)
     num_top = max(seq.sampling_params.prompt_logprobs for seq, _, _ in spans)
@@ -31,19 +58,17 @@ def score_prompts(spans: list[tuple[Sequence, int, list[int]]], prompt_logits: l
         end = start + logits.shape[0]
         parts.append(_score(logits, targets[start:end], num_top))
         start = end
-    logprobs = torch.cat([p.logprobs for p in parts]).tolist()
-    ranks = torch.cat([p.ranks for p in parts]).tolist()
-    top = None
-    if num_top:
-        top = list(zip(torch.cat([p.top_ids for p in parts]).tolist(),
-                       torch.cat([p.top_logprobs for p in parts]).tolist()))
-    chunks, start = [], 0
     for seq, first, rows in spans:
-        end = start + len(rows)
-        chunks.append(PromptLogprobsChunk(seq, first, logprobs[start:end], ranks[start:end],
-                                          top[start:end] if top else None))
-        start = end
-    return chunks
+        seq.num_prompt_scored = first + len(rows) - 1
+    scores = {f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(SamplerOutput)
+              if f.name != "token_ids" and getattr(parts[0], f.name) is not None}
+    if device.type == "cpu":
+        return PromptScores(spans, SamplerOutput(targets, **scores), None)
+    host = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+            for name, t in scores.items()}
+    event = torch.cuda.Event()
+    event.record()
+    return PromptScores(spans, SamplerOutput(targets, **host), event)
 
 
 def _score(logits: torch.Tensor, targets: torch.Tensor, num_top: int) -> SamplerOutput:

@@ -64,6 +64,7 @@ class Sequence:
         if sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs = container()
             self.prompt_logprobs.append(None)
+        self.num_prompt_scored = 0               # prompt tokens scored so far, their scores read or in flight
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.bad_words_token_ids: list[list[int]] = []   # set by the engine from sampling_params.bad_words

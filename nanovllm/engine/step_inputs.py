@@ -91,7 +91,7 @@ def prompt_spans(out: SchedulerOutput, batch: HostBatch) -> list[tuple[Sequence,
         if seq.prompt_logprobs is None:
             continue
         start = seq.num_computed_tokens
-        first = max(start, len(seq.prompt_logprobs) - 1)
+        first = max(start, seq.num_prompt_scored)
         end = min(start + n, seq.num_prompt_tokens - 1)
         row0 = batch.query_start_loc[i] - start
         if first < end:
