@@ -305,8 +305,8 @@ class LLMEngine:
             self.in_flight = InFlightStep([], None, prompt_scores.event, prompt_scores)
         if previous is not None:   # (not read before sampling)
             finished += self._resolve(previous)
-        if self.in_flight is not None and (not self.async_scheduling or self.in_flight.seqs
-                                           and all(seq.is_finished for seq in self.in_flight.seqs)):
+        if self.in_flight is not None and (not self.async_scheduling or (
+                self.in_flight.seqs and all(seq.is_finished for seq in self.in_flight.seqs))):
             # (with async scheduling, a step whose sequences all stopped while it ran: nothing to
             # overlap it with, and the engine is idle after it; one that only scored prompts is
             # followed by the steps that go on with them)

@@ -337,7 +337,10 @@ class ModelRunner:
                                                table_updates=self.table_sender.updates(out.seqs))))
         try:
             logits, prompt_logits = self.run_step(step)
-            prompt_scores = score_prompts(spans, prompt_logits, self.device) if spans else None
+            prompt_scores = None
+            if spans:   # on their way to the host while the GPU goes on
+                scores = score_prompts(spans, prompt_logits, self.device)
+                prompt_scores = PromptScores(spans, *self.copy_to_host(scores))
             if logits is None:
                 return None, prompt_scores
             if before_sampling is not None:

@@ -46,10 +46,11 @@ class PromptScores:
 
 
 def score_prompts(spans: list[tuple[Sequence, int, list[int]]], prompt_logits: list[torch.Tensor],
-                  device: torch.device) -> PromptScores:
+                  device: torch.device) -> SamplerOutput:
     """spans: (sequence, its first prompt token scored, the rows that score it and the next ones);
-    prompt_logits: those rows' logits, in order, in parts -> their scores, being copied to the host.
-    Marks the spans' tokens scored (Sequence.num_prompt_scored), so that no later step scores them again."""
+    prompt_logits: those rows' logits, in order, in parts -> their scores (on the device; the spans'
+    tokens in order). Marks the tokens scored (Sequence.num_prompt_scored), so that no later step
+    scores them again while these are on their way to the host."""
     targets = [seq.token_ids[t] for seq, first, rows in spans for t in range(first, first + len(rows))]
     targets = torch.tensor(targets, device=device)
     num_top = max(seq.sampling_params.prompt_logprobs for seq, _, _ in spans)
@@ -60,15 +61,9 @@ def score_prompts(spans: list[tuple[Sequence, int, list[int]]], prompt_logits: l
         start = end
     for seq, first, rows in spans:
         seq.num_prompt_scored = first + len(rows) - 1
-    scores = {f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(SamplerOutput)
-              if f.name != "token_ids" and getattr(parts[0], f.name) is not None}
-    if device.type == "cpu":
-        return PromptScores(spans, SamplerOutput(targets, **scores), None)
-    host = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-            for name, t in scores.items()}
-    event = torch.cuda.Event()
-    event.record()
-    return PromptScores(spans, SamplerOutput(targets, **host), event)
+    return SamplerOutput(targets, **{f.name: torch.cat([getattr(p, f.name) for p in parts])
+                                     for f in fields(SamplerOutput)
+                                     if f.name != "token_ids" and getattr(parts[0], f.name) is not None})
 
 
 def _score(logits: torch.Tensor, targets: torch.Tensor, num_top: int) -> SamplerOutput:
