@@ -136,9 +136,9 @@ class OutputProcessor:
     def _detokenize_at_end(self, seq: Sequence, end: int):
         """A finished sequence's text, up to token_ids[end], as _detokenize after each token would have
         made it: the whole window in one go gives that text (docs/perf_notes.md row 101) wherever decoding
-        more tokens only adds text after the old (byte-level BPE, SentencePiece; not a clean-up of spaces
-        before punctuation, which transformers applies to WordPiece tokenizers only), unless the window ends
-        in an incomplete character, which the steps would have held back from where it began."""
+        more tokens only adds text after the old (byte-level BPE, SentencePiece; a tokenizer that cleans up
+        spaces before punctuation may differ), unless the window ends in an incomplete character, which the
+        steps would have held back from where it began."""
         if not self._detokenize(seq, end):
             for upto in range(seq.read_offset + 1, end + 1):
                 self._detokenize(seq, upto)
