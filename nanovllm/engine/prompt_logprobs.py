@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import SamplerOutput, token_logprobs
+from nanovllm.layers.sampler import SamplerOutput, kernel_token_logprobs, token_logprobs
 
 
 @dataclass
@@ -73,8 +73,5 @@ def _score(logits: torch.Tensor, targets: torch.Tensor, num_top: int) -> Sampler
     if logits.is_cuda:
         from nanovllm.kernels import triton_logprobs
         if num_top <= triton_logprobs.MAX_TOP:
-            out = SamplerOutput(targets)
-            out.logprobs, out.ranks, out.top_logprobs, out.top_ids = triton_logprobs.token_logprobs(
-                logits, targets, num_top)
-            return out
+            return kernel_token_logprobs(logits, targets, num_top)
     return token_logprobs(logits.float().log_softmax(-1), targets, num_top)

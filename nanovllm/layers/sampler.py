@@ -344,17 +344,22 @@ class Sampler:
         if md.penalty_rows is not None:
             count_sampled(md, token_ids)
         if in_kernels:
-            from nanovllm.kernels import triton_logprobs
-            out = SamplerOutput(token_ids)
-            out.logprobs, out.ranks, out.top_logprobs, out.top_ids = triton_logprobs.token_logprobs(
-                raw_logits, token_ids, md.max_num_logprobs)
-            return out
+            return kernel_token_logprobs(raw_logits, token_ids, md.max_num_logprobs)
         if raw_logprobs is None:
             return SamplerOutput(token_ids)
         out = token_logprobs(raw_logprobs, token_ids, md.max_num_logprobs)
         if md.logprob_rows is not None:
             chosen_logprobs(out, raw_logprobs, md.logprob_rows, md.logprob_token_ids)
         return out
+
+
+def kernel_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> SamplerOutput:
+    """token_logprobs' outputs from the raw logits (CUDA, num_top <= kernels/triton_logprobs.py's
+    MAX_TOP) in two passes over them, without a [B, V] float32 log_softmax."""
+    from nanovllm.kernels import triton_logprobs
+    out = SamplerOutput(token_ids)
+    out.logprobs, out.ranks, out.top_logprobs, out.top_ids = triton_logprobs.token_logprobs(logits, token_ids, num_top)
+    return out
 
 
 def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> SamplerOutput:
