@@ -865,12 +865,14 @@ def test_logprob_texts_are_each_tokens_own_text(llm):
     """decoded_token is tokenizer.decode([id]) in every entry, as lists of dicts and as FlatLogprobs;
     after set_tokenizer the new tokenizer's texts, not the ones kept from the old (perf_notes row 98)."""
     original = llm.get_tokenizer()
-    sp = dict(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
+    sp = dict(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=2)
     for flat in (False, True):
         out = llm.generate(PROMPTS[:2], SamplingParams(**sp, flat_logprobs=flat), use_tqdm=False)
         entries = [(t, lp) for o in out for position in o.outputs[0].logprobs for t, lp in position.items()]
-        assert len(entries) >= 2 * 4 * 3
-        assert all(lp.decoded_token == original.decode([t]) for t, lp in entries)
+        prompt_entries = [(t, lp) for o in out for position in list(o.prompt_logprobs)[1:]
+                          for t, lp in position.items()]
+        assert len(entries) >= 2 * 4 * 3 and len(prompt_entries) >= 3
+        assert all(lp.decoded_token == original.decode([t]) for t, lp in entries + prompt_entries)
 
     class Marking:
         def encode(self, text, **kwargs):
@@ -885,7 +887,7 @@ def test_logprob_texts_are_each_tokens_own_text(llm):
     finally:
         llm.set_tokenizer(original)
     assert all(lp.decoded_token == original.decode([t]) + "|"
-               for o in out for position in o.outputs[0].logprobs for t, lp in position.items())
+               for o in out for position in o.outputs[0].logprobs + o.prompt_logprobs[1:] for t, lp in position.items())
 
 
 def test_token_texts_decode_each_id_once():

@@ -387,6 +387,7 @@ def check_prompt_logprobs(model, prompt, prompt_logprobs, num_top):
 @pytest.mark.parametrize("variant", [
     dict(),
     dict(max_num_batched_tokens=32),        # prompts scored chunk by chunk
+    dict(max_num_seqs=5),                   # a step's prompt rows scored in logits passes of 5 rows
     dict(num_kvcache_blocks=14),            # preempted and recomputed: tokens are not scored twice
     # scores read a step late, with the sampled tokens (as on the GPU)
     dict(async_scheduling=True, max_num_batched_tokens=32),
@@ -412,6 +413,8 @@ def test_prompt_logprobs_equal_hf_log_softmax(qwen3_dir, tokenizer, variant):
         assert tokens(outs) == tokens(llm.generate([ids(p) for p in prompts], plain, use_tqdm=False))
     if "num_kvcache_blocks" in variant:
         assert llm.llm_engine.scheduler.num_preemptions > 0
+    if "max_num_seqs" in variant:
+        assert llm.llm_engine.model_runner.prompt_logits_rows == 5
     bm = llm.llm_engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 

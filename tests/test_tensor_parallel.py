@@ -48,14 +48,15 @@ def test_tp2_matches_tp1(model_dir, async_scheduling):
 
 
 def test_tp2_prompt_logprobs_match_tp1(qwen3_dir):
-    """Prompt rows' logits are a collective too (vocabulary gathered to rank 0), in chunks; TP=2 with
-    async scheduling, as on GPUs (rank 0 reads a step's scores a step late)."""
+    """Prompt rows' logits are a collective too (vocabulary gathered to rank 0), in passes of
+    max_num_seqs rows (here 3, several a step); TP=2 with async scheduling, as on GPUs (rank 0
+    reads a step's scores a step late)."""
     sp = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[5:9]]
     results = []
     for tp in (1, 2):
         with LLM(qwen3_dir, tensor_parallel_size=tp, async_scheduling=tp == 2,
-                 **(SMALL | dict(max_num_batched_tokens=32))) as llm:
+                 **(SMALL | dict(max_num_batched_tokens=32, max_num_seqs=3))) as llm:
             results.append([o.prompt_logprobs for o in llm.generate(prompts, sp, use_tqdm=False)])
     for tp1, tp2 in zip(*results):
         assert tp1[0] is None and tp2[0] is None and len(tp1) == len(tp2)

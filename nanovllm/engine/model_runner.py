@@ -2,7 +2,7 @@
 whole, other steps in pieces) and the sampler; turns a SchedulerOutput into sampled tokens."""
 import bisect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import fields, replace
 
 import numpy as np
@@ -36,9 +36,6 @@ from nanovllm.sampling_params import SamplingParams
 logger = init_logger(__name__)
 
 MAX_GRAPH_BATCH_SIZE = 512
-# Prompt tokens scored per logits pass (prompt_logprobs): keeps their [rows, vocab] logits
-# within the memory the start-up profile measured for the sampler's rows.
-PROMPT_LOGITS_ROWS = 256
 
 
 def runner_device(config: Config, rank: int) -> torch.device:
@@ -112,6 +109,9 @@ class ModelRunner:
         self.hibernations: dict[str, Hibernation] | None = None   # sleep mode's, made by the first sleep()
         # the LM head computes the logits of n rows for logits_bucket(n) rows (see there)
         self.logits_buckets = graph_buckets(config.max_num_seqs) if self.device.type == "cuda" else []
+        # Prompt tokens scored a logits pass (prompt_logprobs): the rows whose logits and sampling
+        # the KV cache's sizing ran (_profile_kv_budget), so that a part fits what it measured.
+        self.prompt_logits_rows = min(config.max_num_seqs, config.max_num_batched_tokens)
         if self.logits_buckets:
             start = time.perf_counter()
             self._warm_up_logits(hf.hidden_size, config.torch_dtype)
@@ -357,14 +357,17 @@ class ModelRunner:
     def run_worker_step(self, step: StepInputs):
         """Ranks > 0: the same step as rank 0, then receive its sampled tokens."""
         step.batch.block_tables = self.table_receiver.apply(step.table_updates)
-        self.run_step(step)
+        _, prompt_logits = self.run_step(step)
+        for _ in prompt_logits:   # (the LM head gathers over the ranks: each computes every part)
+            pass
         if step.num_sampling:
             tokens = torch.empty(step.num_sampling, dtype=torch.int64, device=self.device)
             self.last_sampled = self.tp.broadcast_from_first(tokens)
 
-    def run_step(self, step: StepInputs) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    def run_step(self, step: StepInputs) -> tuple[torch.Tensor | None, Iterator[torch.Tensor]]:
         """Every rank: the forward pass, then (on rank 0) the logits of the sampling rows, None
-        if no row samples, and those of the prompt rows, PROMPT_LOGITS_ROWS rows at a time."""
+        if no row samples, and those of the prompt rows as parts of prompt_logits_rows rows, each
+        computed when the iterator reaches it (one part's logits alive at a time)."""
         batch = step.batch
         num_seqs = len(batch.seq_lens)
         pending = (step.pending_rows, step.pending_sources) if step.pending_rows else None
@@ -394,10 +397,8 @@ class ModelRunner:
             return None if logits is None else logits[:n]
 
         logits = logits_of(step.logits_rows) if step.num_sampling else None
-        prompt_rows = step.prompt_rows
-        prompt_logits = [logits_of(prompt_rows[i:i + PROMPT_LOGITS_ROWS])
-                         for i in range(0, len(prompt_rows), PROMPT_LOGITS_ROWS)]
-        return logits, prompt_logits
+        rows, size = step.prompt_rows, self.prompt_logits_rows
+        return logits, (logits_of(rows[i:i + size]) for i in range(0, len(rows), size))
 
     # ---- sleep mode (engine/sleep.py) ---------------------------------------------------------
     def sleep(self, level: int = 1) -> int:

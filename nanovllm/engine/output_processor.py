@@ -1,6 +1,6 @@
 """OutputProcessor: appends sampled tokens to sequences, detokenizes incrementally and decides
 when each sequence stops (EOS, stop token, stop string, max_tokens, max_model_len, a repetition)."""
-from itertools import count
+from itertools import count, repeat
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.logprobs import FlatLogprobs, Logprob
@@ -77,13 +77,28 @@ class OutputProcessor:
             self._detokenize_at_end(seq, len(seq.token_ids) - (not text_of_token))
 
     def append_prompt_logprobs(self, chunk):
-        """chunk: a PromptLogprobsChunk; its tokens follow the ones already scored."""
+        """chunk: a PromptLogprobsChunk; its tokens follow the ones already scored. A loglikelihood
+        run's step scores ~16k prompt tokens, so the dicts' loop is written out here rather than
+        one _record call a position (docs/perf_notes.md row 104)."""
         seq, sp = chunk.seq, chunk.seq.sampling_params
         assert chunk.first == len(seq.prompt_logprobs)
-        for i, (logprob, rank) in enumerate(zip(chunk.logprobs, chunk.ranks)):
-            top = chunk.top[i] if chunk.top else None
-            self._record(seq.prompt_logprobs, seq.token_ids[chunk.first + i], logprob, rank, top, sp.prompt_logprobs,
-                         sp.detokenize)
+        tokens = seq.token_ids[chunk.first:chunk.first + len(chunk.logprobs)]
+        no_top = repeat(())
+        top_ids, top_logprobs = chunk.top_ids or no_top, chunk.top_logprobs or no_top
+        if type(seq.prompt_logprobs) is FlatLogprobs:
+            for token_id, logprob, rank, ids, values in zip(tokens, chunk.logprobs, chunk.ranks, top_ids, top_logprobs):
+                self._record(seq.prompt_logprobs, token_id, logprob, rank, (ids, values), sp.prompt_logprobs,
+                             sp.detokenize)
+            return
+        texts = self.token_texts if sp.detokenize and self._tokenizer is not None else None
+        ranked = range(1, sp.prompt_logprobs + 1)
+        entries = seq.prompt_logprobs
+        for token_id, logprob, rank, ids, values in zip(tokens, chunk.logprobs, chunk.ranks, top_ids, top_logprobs):
+            entry = {token_id: Logprob(logprob, rank, None if texts is None else texts[token_id])}
+            for r, tid, value in zip(ranked, ids, values):
+                if tid not in entry:
+                    entry[tid] = Logprob(value, r, None if texts is None else texts[tid])
+            entries.append(entry)
 
     def _record(self, logprobs, token_id: int, logprob: float, rank: int, top, num_top: int, detokenize: bool):
         """Append to logprobs (a list of dicts or FlatLogprobs) one position: the token itself and

@@ -3,11 +3,14 @@ before it, from the logits of the rows before it (step_inputs.prompt_spans says 
 
 A step's scores are copied to the host while the GPU goes on, and read with its sampled tokens
 (LLMEngine._resolve), so a step that scores prompt tokens does not make the host wait for it."""
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.upload import upload
 from nanovllm.layers.sampler import SamplerOutput, kernel_token_logprobs, token_logprobs
 
 
@@ -19,7 +22,8 @@ class PromptLogprobsChunk:
     first: int
     logprobs: list[float]
     ranks: list[int]
-    top: list[tuple[list[int], list[float]]] | None   # per token: (token ids, logprobs), best first
+    top_ids: list[list[int]] | None   # per token, best first
+    top_logprobs: list[list[float]] | None
 
 
 @dataclass
@@ -32,33 +36,38 @@ class PromptScores:
 
     def chunks(self) -> list[PromptLogprobsChunk]:
         """One chunk a span, from the host copy (after event)."""
-        logprobs, ranks = self.scores.logprobs.tolist(), self.scores.ranks.tolist()
-        top = None
-        if self.scores.top_ids is not None:
-            top = list(zip(self.scores.top_ids.tolist(), self.scores.top_logprobs.tolist()))
+        scores = self.scores
+        logprobs, ranks = scores.logprobs.tolist(), scores.ranks.tolist()
+        top_ids = top_logprobs = None
+        if scores.top_ids is not None:
+            top_ids, top_logprobs = scores.top_ids.tolist(), scores.top_logprobs.tolist()
         chunks, start = [], 0
         for seq, first, rows in self.spans:
             end = start + len(rows)
-            chunks.append(PromptLogprobsChunk(seq, first, logprobs[start:end], ranks[start:end],
-                                              top[start:end] if top else None))
+            top = (None, None) if top_ids is None else (top_ids[start:end], top_logprobs[start:end])
+            chunks.append(PromptLogprobsChunk(seq, first, logprobs[start:end], ranks[start:end], *top))
             start = end
         return chunks
 
 
-def score_prompts(spans: list[tuple[Sequence, int, list[int]]], prompt_logits: list[torch.Tensor],
+def score_prompts(spans: list[tuple[Sequence, int, list[int]]], prompt_logits: Iterable[torch.Tensor],
                   device: torch.device) -> SamplerOutput:
     """spans: (sequence, its first prompt token scored, the rows that score it and the next ones);
-    prompt_logits: those rows' logits, in order, in parts -> their scores (on the device; the spans'
-    tokens in order). Marks the tokens scored (Sequence.num_prompt_scored), so that no later step
-    scores them again while these are on their way to the host."""
-    targets = [seq.token_ids[t] for seq, first, rows in spans for t in range(first, first + len(rows))]
-    targets = torch.tensor(targets, device=device)
+    prompt_logits: those rows' logits, in order, in parts, each scored before the next is made ->
+    their scores (on the device; the spans' tokens in order). Marks the tokens scored
+    (Sequence.num_prompt_scored), so that no later step scores them again while these are on their
+    way to the host."""
+    targets = []
+    for seq, first, rows in spans:
+        targets += seq.token_ids[first:first + len(rows)]
+    targets = upload([np.array(targets, np.int64)], device)[0]
     num_top = max(seq.sampling_params.prompt_logprobs for seq, _, _ in spans)
     parts, start = [], 0
     for logits in prompt_logits:
         end = start + logits.shape[0]
         parts.append(_score(logits, targets[start:end], num_top))
         start = end
+        del logits   # (before the next part's logits are made)
     for seq, first, rows in spans:
         seq.num_prompt_scored = first + len(rows) - 1
     return SamplerOutput(targets, **{f.name: torch.cat([getattr(p, f.name) for p in parts])
