@@ -638,11 +638,24 @@ def test_sampler_kernels_warm_up_for_the_models_own_top_k_or_top_p(qwen3_dir, mo
     (dict(repetition_detection={"pattern": 2}), "repetition_detection takes max_pattern_size, min_pattern_size"),
     (dict(routed_experts_prompt_start=5), "routed_experts_prompt_start is not supported"),
     (dict(flat_logprobs="yes"), "flat_logprobs must be bool, got 'yes'."),
+    (dict(max_tokens=True), "max_tokens must be int or None, got True."),
+    (dict(temperature=False), "temperature must be float, got False."),
+    (dict(seed=1.5), "seed must be int or None, got 1.5."),
 ])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError) as e:
         SamplingParams(**kwargs)
     assert message in str(e.value)
+
+
+def test_numpy_values_in_sampling_params_become_python_values():
+    """As numbers from numpy arrive in scripts: converted, also inside lists; a plain int for a float
+    field is kept as it is (the type checks pass plain values by without converting them)."""
+    sp = SamplingParams(temperature=np.float32(0.5), max_tokens=np.int64(3), seed=np.int32(7),
+                        stop_token_ids=[np.int64(5), 6], top_p=1, ignore_eos=np.bool_(True))
+    values = (sp.temperature, sp.max_tokens, sp.seed, *sp.stop_token_ids, sp.top_p, sp.ignore_eos)
+    assert values == (0.5, 3, 7, 5, 6, 1, True)
+    assert [type(v) for v in values] == [float, int, int, int, int, int, bool]
 
 
 def test_decode_options_reach_the_tokenizer(llm, monkeypatch):
