@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import build_model_dir, check_logprobs_close, check_within_top_k_top_p, make_prompts
+from conftest import VOCAB_SIZE, build_model_dir, check_logprobs_close, check_within_top_k_top_p, make_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.attention import has_flash_attn
 
@@ -263,6 +263,29 @@ def test_prompt_logprobs_close_to_hf(gpu_model_dir):
     for prompt, out in zip(prompts, outs):
         ref = model(torch.tensor([prompt], device="cuda")).logits[0].float().log_softmax(-1).cpu()
         assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        ours = torch.tensor([out.prompt_logprobs[j][prompt[j]].logprob for j in range(1, len(prompt))])
+        theirs = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+        assert (ours - theirs).abs().max() < 0.1
+
+
+@torch.no_grad()
+def test_a_step_of_12k_prompt_tokens_runs_in_pieces_and_scores_close_to_hf(gpu_model_dir):
+    """24 prompts of 520 tokens in one step: the piecewise graphs' 14,336-token bucket (above 8,192:
+    perf_notes row 106) and the prompt rows scored in passes of max_num_seqs rows (row 104)."""
+    from transformers import AutoModelForCausalLM
+    generator = torch.Generator().manual_seed(5)
+    prompts = torch.randint(0, VOCAB_SIZE, (24, 520), generator=generator).tolist()
+    llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, max_num_seqs=256)
+    pieces = llm.llm_engine.model_runner.pieces
+    steps, run_pieces = [], pieces.run
+    pieces.run = lambda input_ids, *rest: steps.append(len(input_ids)) or run_pieces(input_ids, *rest)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                        use_tqdm=False)
+    assert steps[0] == 24 * 520 and pieces.max_tokens >= 14336
+    assert llm.llm_engine.model_runner.prompt_logits_rows == 256   # 49 passes over the step's rows
+    model = AutoModelForCausalLM.from_pretrained(gpu_model_dir, dtype=torch.bfloat16).cuda().eval()
+    for prompt, out in zip(prompts, outs):
+        ref = model(torch.tensor([prompt], device="cuda")).logits[0].float().log_softmax(-1).cpu()
         ours = torch.tensor([out.prompt_logprobs[j][prompt[j]].logprob for j in range(1, len(prompt))])
         theirs = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
         assert (ours - theirs).abs().max() < 0.1

@@ -11,7 +11,8 @@ from nanovllm.layers.attention import Attention, split_at_attention
 
 def test_buckets_pad_a_step_above_512_tokens_by_at_most_a_quarter():
     assert piecewise_buckets(MAX_TOKENS) == [16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792,
-                                             2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192]
+                                             2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192, 10240, 12288,
+                                             14336, 16384]
     buckets = piecewise_buckets(MAX_TOKENS)
     for below, bucket in zip(buckets[6:], buckets[7:]):
         assert bucket - below <= below / 4   # a step of below + 1 tokens replays bucket

@@ -22,17 +22,18 @@ from torch import nn
 
 from nanovllm.layers.attention import Attention, AttentionMetadata, split_at_attention
 
-# Above this many tokens a step's GPU work outlasts its eager launches (a 16k-token prompt step
-# takes ~35 ms on the H200), and the buckets' padding would cost more than the launches.
-MAX_TOKENS = 8192
+# vLLM's step size on a large GPU (max_num_batched_tokens 16,384). A 16k-token prompt step's GPU
+# work (~40 ms on the H200) outlasts its eager launches, unless the host has more to do a step: one
+# that scores every prompt token (prompt_logprobs) was host-bound there (docs/perf_notes.md row 106).
+MAX_TOKENS = 16384
 
 
 def piecewise_buckets(max_tokens: int) -> list[int]:
     """16 to 256 tokens by powers of two, then steps of 128 up to 1,024, 256 up to 2,048, 512 up to
-    4,096 and 1,024 up to 8,192 (a step above 512 tokens padded by at most a quarter, where the
-    products begin to cost by the row), cut at max_tokens, which is always the last."""
+    4,096, 1,024 up to 8,192 and 2,048 up to 16,384 (a step above 512 tokens padded by at most a
+    quarter, where the products begin to cost by the row), cut at max_tokens, which is always the last."""
     sizes = [16, 32, 64, 128, 256]
-    for step, top in ((128, 1024), (256, 2048), (512, 4096), (1024, MAX_TOKENS)):
+    for step, top in ((128, 1024), (256, 2048), (512, 4096), (1024, 8192), (2048, MAX_TOKENS)):
         sizes += range(sizes[-1] + step, top + 1, step)
     return [s for s in sizes if s < max_tokens] + [max_tokens]
 
