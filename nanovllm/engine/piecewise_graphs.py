@@ -22,9 +22,10 @@ from torch import nn
 
 from nanovllm.layers.attention import Attention, AttentionMetadata, split_at_attention
 
-# vLLM's step size on a large GPU (max_num_batched_tokens 16,384). A 16k-token prompt step's GPU
-# work (~40 ms on the H200) outlasts its eager launches, unless the host has more to do a step: one
-# that scores every prompt token (prompt_logprobs) was host-bound there (docs/perf_notes.md row 106).
+# vLLM's step size on a large GPU (max_num_batched_tokens 16,384). Steps above 8,192 tokens once ran
+# eagerly, their GPU work (~40 ms at 16k tokens on the H200) outlasting the launches; but a step
+# that also scores its prompt tokens (prompt_logprobs) has more host work and was host-bound there
+# (docs/perf_notes.md row 106).
 MAX_TOKENS = 16384
 
 
