@@ -252,27 +252,32 @@ def test_lm_head_sees_only_the_warmed_row_counts(gpu_model_dir):
 
 
 @torch.no_grad()
+def prompt_logprob_differences(model_dir, prompts, outs) -> torch.Tensor:
+    """|ours - HF's bf16 log_softmax| at every scored prompt position (each token after a prompt's
+    first), the prompts' back to back."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    differences = []
+    for prompt, out in zip(prompts, outs):
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        ref = model(torch.tensor([prompt], device="cuda")).logits[0].float().log_softmax(-1).cpu()
+        ours = torch.tensor([out.prompt_logprobs[j][prompt[j]].logprob for j in range(1, len(prompt))])
+        differences.append(ours - ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])])
+    return torch.cat(differences).abs()
+
+
 def test_prompt_logprobs_close_to_hf(gpu_model_dir):
     """Prompt logprobs (scored chunk by chunk, in bf16) against HF's bf16 log_softmax."""
-    from transformers import AutoModelForCausalLM
     llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, block_size=16, max_num_batched_tokens=64)
     prompts = PROMPTS[4:12]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, prompt_logprobs=2),
                         use_tqdm=False)
-    model = AutoModelForCausalLM.from_pretrained(gpu_model_dir, dtype=torch.bfloat16).cuda().eval()
-    for prompt, out in zip(prompts, outs):
-        ref = model(torch.tensor([prompt], device="cuda")).logits[0].float().log_softmax(-1).cpu()
-        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
-        ours = torch.tensor([out.prompt_logprobs[j][prompt[j]].logprob for j in range(1, len(prompt))])
-        theirs = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-        assert (ours - theirs).abs().max() < 0.1
+    assert prompt_logprob_differences(gpu_model_dir, prompts, outs).max() < 0.1
 
 
-@torch.no_grad()
 def test_a_step_of_12k_prompt_tokens_runs_in_pieces_and_scores_close_to_hf(gpu_model_dir):
     """24 prompts of 520 tokens in one step: the piecewise graphs' 14,336-token bucket (above 8,192:
     perf_notes row 106) and the prompt rows scored in passes of max_num_seqs rows (row 104)."""
-    from transformers import AutoModelForCausalLM
     generator = torch.Generator().manual_seed(5)
     prompts = torch.randint(0, VOCAB_SIZE, (24, 520), generator=generator).tolist()
     llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, max_num_seqs=256)
@@ -283,13 +288,7 @@ def test_a_step_of_12k_prompt_tokens_runs_in_pieces_and_scores_close_to_hf(gpu_m
                         use_tqdm=False)
     assert steps[0] == 24 * 520 and pieces.max_tokens >= 14336
     assert llm.llm_engine.model_runner.prompt_logits_rows == 256   # 49 passes over the step's rows
-    model = AutoModelForCausalLM.from_pretrained(gpu_model_dir, dtype=torch.bfloat16).cuda().eval()
-    differences = []
-    for prompt, out in zip(prompts, outs):
-        ref = model(torch.tensor([prompt], device="cuda")).logits[0].float().log_softmax(-1).cpu()
-        ours = torch.tensor([out.prompt_logprobs[j][prompt[j]].logprob for j in range(1, len(prompt))])
-        differences.append(ours - ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])])
-    differences = torch.cat(differences).abs()
+    differences = prompt_logprob_differences(gpu_model_dir, prompts, outs)
     # bf16 over 520 positions: ~0.015 on average, 0.10 at most (2026-12-04); a wrong row is off by units
     assert differences.mean() < 0.03 and differences.max() < 0.25, (differences.mean(), differences.max())
 

@@ -316,11 +316,15 @@ def test_qk_norm_rope_store(q_heads, kv_heads, head_dim, qk_norm, cache_dtype):
     caches = [torch.full((blocks, page, kv_heads, head_dim), float("nan"), dtype=cache_dtype) for _ in range(4)]
     torch_attention.store_kvcache(ref_k, v, caches[0], caches[1], slots)
     caches[2:] = [c.to(DEVICE) for c in caches[2:]]
-    out_q = qk_norm_rope_store(qkv.to(DEVICE), positions.to(DEVICE), rope.cos_sin_cache.to(DEVICE), q_heads,
-                               kv_heads, head_dim, q_norm.weight.to(DEVICE) if qk_norm else None,
-                               k_norm.weight.to(DEVICE) if qk_norm else None, 1e-6, caches[2], caches[3],
-                               slots.to(DEVICE))
+    args = (qkv.to(DEVICE), positions.to(DEVICE), rope.cos_sin_cache.to(DEVICE), q_heads, kv_heads, head_dim,
+            q_norm.weight.to(DEVICE) if qk_norm else None, k_norm.weight.to(DEVICE) if qk_norm else None, 1e-6,
+            caches[2], caches[3], slots.to(DEVICE))
+    out_q = qk_norm_rope_store(*args)
     assert rel_err(out_q.cpu(), ref_q) < TOL
+    static = torch.zeros(n + 3, q_heads * head_dim, dtype=DTYPE, device=DEVICE)   # as the piecewise graphs' query
+    into = static[:n].view(n, q_heads, head_dim)
+    assert qk_norm_rope_store(*args, out=into) is into
+    assert torch.equal(into, out_q) and not static[n:].any()
     written = ~caches[0].float().isnan()
     assert torch.equal(written, ~caches[2].cpu().float().isnan())               # same slots, padding skipped
     tol = TOL if cache_dtype == DTYPE else 5e-2                                  # fp8 steps are 1/8 apart

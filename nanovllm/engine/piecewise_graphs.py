@@ -67,7 +67,7 @@ class PiecewiseGraphs:
             meta = AttentionMetadata(
                 slot_mapping=self.slot_mapping[:tokens], block_tables=torch.zeros(0, 0), query_start_loc=None,
                 seq_lens=None, query_start_loc_cpu=[], seq_lens_cpu=[], max_query_len=0, max_seq_len=0)
-            with split_at_attention(self._cut):
+            with split_at_attention(self._cut, self.q):
                 self._recording = not self.pieces
                 self.hidden[:tokens] = model(ids, positions, meta)     # warm-up, eager
                 self._recording = False
@@ -84,13 +84,14 @@ class PiecewiseGraphs:
         torch.cuda.synchronize(device)
 
     def _cut(self, layer: Attention, q: torch.Tensor) -> torch.Tensor:
-        """An attention layer met in the forward: its query into self.q and, while capturing, the
-        piece's graph ended and the next one begun -> the attention's output as the next piece
-        will read it, a view of self.o."""
+        """An attention layer met in the forward: its query into self.q (where the fused RoPE kernel
+        has written it: Attention.query_out) and, while capturing, the piece's graph ended and the
+        next one begun -> the attention's output as the next piece will read it, a view of self.o."""
         tokens = len(q)
         if self._recording:
             self.layers.append(layer)
-        self.q[:tokens].copy_(q.flatten(1))
+        if q.data_ptr() != self.q.data_ptr():
+            self.q[:tokens].copy_(q.flatten(1))
         if self._capturing is not None:
             self._capturing[-1].capture_end()
             self._capturing.append(torch.cuda.CUDAGraph())

@@ -114,13 +114,15 @@ def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, q_
 def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_q_heads: int,
                        num_kv_heads: int, head_dim: int, q_weight: torch.Tensor | None,
                        k_weight: torch.Tensor | None, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> torch.Tensor:
+                       slot_mapping: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """qkv: [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim] -> q [num_tokens, num_q_heads, head_dim]:
     per-head RMSNorm (if weights are given), then RoPE, on q and k; k and v are written straight
     into the paged cache ([num_blocks, page, num_kv_heads, head_dim]) at slot_mapping (slot -1: skipped),
-    which is all the attention kernels read them from."""
+    which is all the attention kernels read them from. out: where to write q (contiguous rows), else
+    a new tensor."""
     num_tokens = qkv.shape[0]
-    q = torch.empty(num_tokens, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    q = out if out is not None else torch.empty(num_tokens, num_q_heads, head_dim, dtype=qkv.dtype,
+                                                device=qkv.device)
     has_norm = q_weight is not None
     num_heads = num_q_heads + 2 * num_kv_heads
     heads = 1

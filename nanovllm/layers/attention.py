@@ -161,21 +161,23 @@ def select_backend(name: str, device: torch.device, block_size: int, fp8_cache: 
 
 
 # Set while engine/piecewise_graphs.py captures a forward in pieces: cut(layer, q) stands in for
-# every attention layer's computation (see split_at_attention).
+# every attention layer's computation, and the query is written into _query_buffer (see split_at_attention).
 _cut: "Callable[[Attention, torch.Tensor], torch.Tensor] | None" = None
+_query_buffer: torch.Tensor | None = None
 
 
 @contextlib.contextmanager
-def split_at_attention(cut: "Callable[[Attention, torch.Tensor], torch.Tensor]"):
+def split_at_attention(cut: "Callable[[Attention, torch.Tensor], torch.Tensor]", query_buffer: torch.Tensor):
     """Inside: each attention layer's forward computes nothing and returns cut(layer, q), q being
     [num_tokens, num_heads, head_dim] with its k and v already in the cache (CUDA's fused RoPE
-    kernel stores them)."""
-    global _cut
-    _cut = cut
+    kernel stores them). query_buffer: [max tokens, num_heads * head_dim], where the layers'
+    callers write q (Attention.query_out), so that the cut need not copy it there."""
+    global _cut, _query_buffer
+    _cut, _query_buffer = cut, query_buffer
     try:
         yield
     finally:
-        _cut = None
+        _cut = _query_buffer = None
 
 
 class Attention(nn.Module):
@@ -187,6 +189,13 @@ class Attention(nn.Module):
         # and the backend that computes attention.
         self.k_cache = self.v_cache = torch.tensor([])
         self.backend = TorchBackend()
+
+    def query_out(self, num_tokens: int) -> torch.Tensor | None:
+        """Where the caller should write this layer's query [num_tokens, num_heads, head_dim]: the
+        static buffer of split_at_attention while a forward is cut there, else None (anywhere)."""
+        if _query_buffer is None:
+            return None
+        return _query_buffer[:num_tokens].view(num_tokens, self.num_heads, self.head_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -61,7 +61,8 @@ class QwenAttention(nn.Module):
                                    self.num_kv_heads, self.head_dim, self.q_norm.weight if self.is_qwen3 else None,
                                    self.k_norm.weight if self.is_qwen3 else None,
                                    self.q_norm.eps if self.is_qwen3 else 0.0,
-                                   self.attn.k_cache, self.attn.v_cache, meta.slot_mapping)
+                                   self.attn.k_cache, self.attn.v_cache, meta.slot_mapping,
+                                   out=self.attn.query_out(len(qkv)))
             k = v = None
         else:
             q = q.view(-1, self.num_heads, self.head_dim)
