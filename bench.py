@@ -8,6 +8,7 @@
     python bench.py --top-k 20 --top-p 0.95    # sampled requests also filtered (Qwen3's own defaults)
     python bench.py --logprobs 5               # every token also with its logprob and the 5 best
     python bench.py --prompt-logprobs 1        # every prompt token scored too (as lm-eval's loglikelihood)
+    python bench.py --num-seqs 64 --n 8        # parallel sampling: 8 completions of each prompt
     python bench.py --tokenizer synthetic      # outputs detokenized as a real model's are (no download)
     python bench.py --workload default,latency # several workloads, one engine start-up
     python bench.py --repeat 3                 # three timed runs of each workload, one start-up
@@ -147,6 +148,8 @@ def main():
     p.add_argument("--prompt-logprobs", type=int, default=None,
                    help="SamplingParams.prompt_logprobs of every request: each prompt token's logprob and the N best "
                         "(default: none)")
+    p.add_argument("--n", type=int, default=1,
+                   help="SamplingParams.n of every request: completions sampled from each prompt (parallel sampling)")
     p.add_argument("--flat-logprobs", action="store_true",
                    help="SamplingParams.flat_logprobs: the logprobs as FlatLogprobs (flat lists) instead of dicts")
     p.add_argument("--tokenizer", default=None,
@@ -161,6 +164,8 @@ def main():
             p.error(f"--workload: unknown workload {name!r} (default, prefix, latency)")
     if args.repeat < 1:
         p.error(f"--repeat: must be at least 1, got {args.repeat}")
+    if args.n < 1:
+        p.error(f"--n: must be at least 1, got {args.n}")
 
     if args.engine == "vllm" and args.attention_backend != "auto":
         p.error("--attention-backend: nanovllm's setting; leave it at auto with --engine vllm")
@@ -214,11 +219,12 @@ def sampling_filters(args) -> dict:
 
 
 def request_options(args) -> dict:
-    """The penalty and logprobs fields of every request's SamplingParams (none when all are off)."""
+    """The n, penalty and logprobs fields of every request's SamplingParams (none when all are off)."""
     values = dict(presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                   repetition_penalty=args.repetition_penalty)
     off = values == dict(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
-    return (({} if off else values) | ({} if args.logprobs is None else dict(logprobs=args.logprobs))
+    return (({} if off else values) | ({} if args.n == 1 else dict(n=args.n))
+            | ({} if args.logprobs is None else dict(logprobs=args.logprobs))
             | ({} if args.prompt_logprobs is None else dict(prompt_logprobs=args.prompt_logprobs))
             | (dict(flat_logprobs=True) if args.flat_logprobs else {}))
 
@@ -234,10 +240,11 @@ def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float, run: i
     start = time.perf_counter()
     outputs = llm.generate(inputs, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    completions = [c for o in outputs for c in o.outputs]   # (n of each request)
+    num_out = sum(len(c.token_ids) for c in completions)
     num_in = sum(len(ids) for ids in prompts)
     num_cached = sum(o.num_cached_tokens or 0 for o in outputs)
-    num_chars = sum(len(o.outputs[0].text or "") for o in outputs)
+    num_chars = sum(len(c.text or "") for c in completions)
     options = filters | request_options(args)
     workload = args.workload + "".join(f" {k}={v}" for k, v in options.items())
     result = dict(engine=args.engine, model=args.model, workload=workload, tp=args.tp,
