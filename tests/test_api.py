@@ -447,6 +447,15 @@ def test_prefix_cache_hits_and_writes_per_request(llm):
     assert (longer.num_cached_tokens, longer.num_cache_creation_tokens) == (32, 16)
 
 
+def test_prefix_cache_hits_of_a_request_with_several_completions(llm):
+    """With n > 1 the first completion computes the prompt and the others find its full blocks cached:
+    the request reports what they found (vLLM's count for completions that end together)."""
+    prompt = [9, 9, 9] + list(range(300, 337))         # 40 tokens, not asked before
+    out = llm.generate([prompt], SamplingParams(n=4, max_tokens=2, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs) == 4
+    assert (out.num_cached_tokens, out.num_cache_creation_tokens) == (32, 32)
+
+
 def test_token_ids_from_numpy_and_torch(llm):
     """Token ids may come as numpy integers, a 1-D numpy array or a 1-D torch tensor: taken as ints."""
     sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)

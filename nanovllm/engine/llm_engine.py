@@ -476,8 +476,15 @@ class LLMEngine:
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids, prompt_logprobs=request.seqs[0].prompt_logprobs,
-            outputs=outputs, finished=request.is_finished, num_cached_tokens=request.seqs[0].num_cached_tokens,
+            outputs=outputs, finished=request.is_finished, num_cached_tokens=self._num_cached_tokens(request),
             num_cache_creation_tokens=self._num_cache_creation_tokens(request), metrics=request.metrics)
+
+    @staticmethod
+    def _num_cached_tokens(request: Request) -> int:
+        """The prompt tokens the request found in the prefix cache: with n > 1 completions, the most any
+        of them found (the first computes the prompt, the others find it there), which is what vLLM
+        reports for a request whose completions end together."""
+        return max(seq.num_cached_tokens for seq in request.seqs)
 
     def _num_cache_creation_tokens(self, request: Request) -> int:
         """The prompt tokens this request computed and left in the prefix cache (vLLM's count): its
