@@ -10,7 +10,7 @@
 
     PYTHONPATH=. python3 tests/profile_run.py [--model qwen3-0.6b] [--workload default] [--tp 2] [--profile-steps 200]
         [--max-num-seqs 512] [--top-k 20 --top-p 0.95] [--presence-penalty 0.5 ...] [--runs 2] [--no-profile] [--pause 5]
-        [--logprobs 20 [--flat-logprobs]] [--prompt-logprobs 1] [--tokenizer synthetic]
+        [--n 8] [--logprobs 20 [--flat-logprobs]] [--prompt-logprobs 1] [--tokenizer synthetic]
         [--cprofile | --cprofile-steps 3 8]
         [--num-seqs 128 --min-input-len 6000 --max-input-len 8000 --min-output-len 16 --max-output-len 64
          --max-model-len 8192]     (the long-prompt workload; the default workload's lengths otherwise)
@@ -132,6 +132,7 @@ def main():
         p.add_argument(f"--{flag}", type=int, default=default, help="as bench.py's")
     for flag, default in (("presence-penalty", 0.0), ("frequency-penalty", 0.0), ("repetition-penalty", 1.0)):
         p.add_argument(f"--{flag}", type=float, default=default, help="as bench.py's")
+    p.add_argument("--n", type=int, default=1, help="as bench.py's")
     p.add_argument("--logprobs", type=int, default=None, help="as bench.py's")
     p.add_argument("--prompt-logprobs", type=int, default=None, help="as bench.py's")
     p.add_argument("--flat-logprobs", action="store_true", help="as bench.py's")
