@@ -39,7 +39,8 @@ def step_ms(processor: OutputProcessor, rows, params: SamplingParams, steps: int
         with fewer_collections():   # as in generate()
             for _ in range(steps):
                 for seq, (token, logprob, rank, top) in zip(seqs, rows):
-                    processor._record(seq.logprobs, token, logprob, rank, top, params.num_logprobs, params.detokenize)
+                    processor._record(seq.logprobs, (token,), (logprob,), (rank,), (top,), params.num_logprobs,
+                                      processor._texts(params))
         best = min(best, (time.perf_counter() - start) / steps * 1000)
     return best
 

@@ -1,6 +1,6 @@
 """OutputProcessor: appends sampled tokens to sequences, detokenizes incrementally and decides
 when each sequence stops (EOS, stop token, stop string, max_tokens, max_model_len, a repetition)."""
-from itertools import count, repeat
+from itertools import repeat
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.logprobs import FlatLogprobs, Logprob
@@ -52,7 +52,7 @@ class OutputProcessor:
         seq.append_token(token_id)
         sp = seq.sampling_params
         if seq.logprobs is not None:
-            self._record(seq.logprobs, token_id, logprob, rank, top, sp.num_logprobs, sp.detokenize)
+            self._record(seq.logprobs, (token_id,), (logprob,), (rank,), (top,), sp.num_logprobs, self._texts(sp))
             seq.cumulative_logprob += logprob
 
         may_stop = seq.num_output_tokens >= sp.min_tokens
@@ -77,53 +77,45 @@ class OutputProcessor:
             self._detokenize_at_end(seq, len(seq.token_ids) - (not text_of_token))
 
     def append_prompt_logprobs(self, chunk):
-        """chunk: a PromptLogprobsChunk; its tokens follow the ones already scored. A loglikelihood
-        run's step scores ~16k prompt tokens, so the dicts' loop is written out here rather than
-        one _record call a position (docs/perf_notes.md row 104)."""
+        """chunk: a PromptLogprobsChunk; its tokens follow the ones already scored (a loglikelihood run's
+        step scores ~16k prompt tokens, all through one _record call a chunk)."""
         seq, sp = chunk.seq, chunk.seq.sampling_params
         assert chunk.first == len(seq.prompt_logprobs)
         tokens = seq.token_ids[chunk.first:chunk.first + len(chunk.logprobs)]
-        no_top = repeat(())
-        top_ids, top_logprobs = chunk.top_ids or no_top, chunk.top_logprobs or no_top
-        if type(seq.prompt_logprobs) is FlatLogprobs:
-            for token_id, logprob, rank, ids, values in zip(tokens, chunk.logprobs, chunk.ranks, top_ids, top_logprobs):
-                self._record(seq.prompt_logprobs, token_id, logprob, rank, (ids, values), sp.prompt_logprobs,
-                             sp.detokenize)
-            return
-        texts = self.token_texts if sp.detokenize and self._tokenizer is not None else None
-        ranked = range(1, sp.prompt_logprobs + 1)
-        entries = seq.prompt_logprobs
-        for token_id, logprob, rank, ids, values in zip(tokens, chunk.logprobs, chunk.ranks, top_ids, top_logprobs):
-            entry = {token_id: Logprob(logprob, rank, None if texts is None else texts[token_id])}
-            for r, tid, value in zip(ranked, ids, values):
-                if tid not in entry:
-                    entry[tid] = Logprob(value, r, None if texts is None else texts[tid])
-            entries.append(entry)
+        tops = zip(chunk.top_ids, chunk.top_logprobs) if chunk.top_ids else repeat(())
+        self._record(seq.prompt_logprobs, tokens, chunk.logprobs, chunk.ranks, tops, sp.prompt_logprobs,
+                     self._texts(sp))
 
-    def _record(self, logprobs, token_id: int, logprob: float, rank: int, top, num_top: int, detokenize: bool):
-        """Append to logprobs (a list of dicts or FlatLogprobs) one position: the token itself and
-        the first num_top of top ((ids, logprobs), ranked by position, or (ids, logprobs, ranks)).
-        A step's positions are thousands of entries (256 rows x 21 with logprobs=20), so the
-        loops are kept plain."""
-        decode, texts = detokenize and self._tokenizer is not None, self.token_texts
+    def _texts(self, sp) -> TokenTexts | None:
+        """The table of single-token texts, or None where the request's entries carry no text."""
+        return self.token_texts if sp.detokenize and self._tokenizer is not None else None
+
+    @staticmethod
+    def _record(logprobs, token_ids, values, ranks, tops, num_top: int, texts: TokenTexts | None):
+        """Append to logprobs (a list of dicts or FlatLogprobs) one position a token: token_ids[i] with
+        values[i] and ranks[i], then the first num_top of tops[i] ((ids, logprobs), ranked by position,
+        or (ids, logprobs, ranks)) that are not that token; texts: their decoded_token, or None.
+        A step's positions are thousands of entries (256 rows x 21 with logprobs=20; a scoring step's
+        16k prompt tokens), so the loops are kept plain."""
+        positions = range(1, num_top + 1)      # the ranks of a top ranked by position
         if type(logprobs) is FlatLogprobs:
-            ids, values, ranks = [token_id], [logprob], [rank]
-            if top:
-                top_ids, top_values, *ranked = top
-                for tid, lp, r in zip(top_ids[:num_top], top_values[:num_top], ranked[0] if ranked else count(1)):
-                    if tid != token_id:
-                        ids.append(tid)
-                        values.append(lp)
-                        ranks.append(r)
-            logprobs.append_position(ids, values, ranks, [texts[t] for t in ids] if decode else [None] * len(ids))
+            for token_id, logprob, rank, top in zip(token_ids, values, ranks, tops):
+                ids, lps, rks = [token_id], [logprob], [rank]
+                if top:
+                    for r, tid, lp in zip(top[2][:num_top] if len(top) == 3 else positions, top[0], top[1]):
+                        if tid != token_id:
+                            ids.append(tid)
+                            lps.append(lp)
+                            rks.append(r)
+                logprobs.append_position(ids, lps, rks, [None] * len(ids) if texts is None else [texts[t] for t in ids])
             return
-        entry = {token_id: Logprob(logprob, rank, texts[token_id] if decode else None)}
-        if top:
-            top_ids, top_values, *ranked = top
-            for tid, lp, r in zip(top_ids[:num_top], top_values[:num_top], ranked[0] if ranked else count(1)):
-                if tid not in entry:
-                    entry[tid] = Logprob(lp, r, texts[tid] if decode else None)
-        logprobs.append(entry)
+        for token_id, logprob, rank, top in zip(token_ids, values, ranks, tops):
+            entry = {token_id: Logprob(logprob, rank, None if texts is None else texts[token_id])}
+            if top:
+                for r, tid, lp in zip(top[2][:num_top] if len(top) == 3 else positions, top[0], top[1]):
+                    if tid not in entry:
+                        entry[tid] = Logprob(lp, r, None if texts is None else texts[tid])
+            logprobs.append(entry)
 
     def _detokenize(self, seq: Sequence, end: int | None = None) -> str:
         """Add the text of the newest token(s), up to token_ids[end] (None: all), to seq.output_text and
