@@ -111,6 +111,42 @@ def test_decode_attention(num_kv_heads, group, head_dim, page, seq_lens, cache_d
         assert torch.equal(out[-1], torch.zeros_like(out[-1]))
 
 
+@pytest.mark.parametrize("num_kv_heads, group, head_dim, page", [(2, 1, 16, 16), (2, 4, 64, 16), (8, 2, 128, 256),
+                                                                 (1, 7, 32, 32)])
+@pytest.mark.parametrize("cache_dtype", [DTYPE, FP8[0]])
+def test_decode_attention_with_shared_prefixes(num_kv_heads, group, head_dim, page, cache_dtype):
+    """Runs of sequences whose block tables begin with the same pages (engine/shared_prefix.py's plan):
+    the shared pages read once a tile, the rest by the split programs, merged: the plain result. Runs
+    longer than a tile, a run whose rest fits one split and one whose rest spans several, a sequence
+    alone, a padding row."""
+    from nanovllm.engine.shared_prefix import plan_shared_prefixes
+    from nanovllm.kernels import triton_attention
+    from nanovllm.layers.attention import SharedPrefixes
+    gen = torch.Generator().manual_seed(page * 7 + head_dim)
+    shared_pages, rest = [4, 4, 4, 4, 4, 2, 2, 0], [1, 33, page, 5 * page + 3, 700, 17, 2 * page + 1, 300]
+    runs = [0, 0, 0, 0, 0, 1, 1, 2]
+    seq_lens = [p * page + r for p, r in zip(shared_pages, rest)] + [0]
+    k_cache, v_cache, tables, qsl = random_batch([max(n, 1) for n in seq_lens], [1] * len(seq_lens),
+                                                 num_kv_heads, head_dim, page, gen, cache_dtype)
+    for i, (run, pages) in enumerate(zip(runs, shared_pages)):       # each run's pages: its first sequence's
+        tables[i, :pages] = tables[runs.index(run), :pages]
+    q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen).to(DTYPE)
+    scale = head_dim ** -0.5
+    ref = torch_attention.paged_attention(q[:-1], k_cache, v_cache, tables, qsl[:-1], seq_lens[:-1], scale)
+    plan = plan_shared_prefixes(tables.numpy(), seq_lens[:-1] + [1], page, seqs_per_tile=3, min_saved_share=0)
+    assert plan.prefix_lens.tolist() == [4 * page] * 5 + [2 * page] * 2 + [0, 0]
+    assert plan.tiles.tolist() == [[0, 3, 4 * page], [3, 2, 4 * page], [5, 2, 2 * page]]
+    shared = SharedPrefixes(torch.from_numpy(plan.prefix_lens).to(DEVICE), torch.from_numpy(plan.tiles).to(DEVICE),
+                            len(plan.tiles))
+    for num_splits, min_split in ((1, 64), (4, 64), (16, 256)):
+        out = triton_attention.decode_attention(
+            q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE),
+            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), scale, num_splits, min_split,
+            shared_prefixes=shared).cpu()
+        assert rel_err(out[:-1], ref) < TOL, (num_splits, min_split)
+        assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+
+
 PREFILL_SHAPES = [(2, 1, 16, 16), (2, 4, 64, 16), (8, 2, 128, 256), (1, 7, 32, 32)]
 
 

@@ -20,11 +20,12 @@ from nanovllm.engine.sampling_inputs import build_sampling_metadata
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sleep import SLEEP_TAGS, ArenaMemory, Hibernation, Storages
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.shared_prefix import SharedPrefixPlan, plan_shared_prefixes
 from nanovllm.engine.step_inputs import HostBatch, StepInputs, build_step, mixed_step_decodes, prompt_spans
 from nanovllm.engine.structured_output import BitmaskFiller
 from nanovllm.engine.upload import upload
 from nanovllm.kernels import compile_ahead
-from nanovllm.layers.attention import Attention, AttentionMetadata, MixedDecodes, select_backend
+from nanovllm.layers.attention import Attention, AttentionMetadata, MixedDecodes, SharedPrefixes, select_backend
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from nanovllm.engine.profiler import ProfilerConfig, RankProfiler
 from nanovllm.logger import init_logger
@@ -246,6 +247,10 @@ class ModelRunner:
         smaller = [host_batch(kv_cache.even_split(n, -(-n // max(lens)))) for n in powers_of_two]
         decodes = [host_batch([1] * n) for n in decode_variant_sizes(cfg.max_num_seqs, self.decode_split)]
         steps = [inputs] + [self._device_inputs(b) for b in [short, *smaller, *decodes]]
+        if self.backend.supports_shared_prefixes:   # and each variant's kernels with shared prefixes
+            steps += [self._device_inputs(b, shared=SharedPrefixPlan(np.zeros(len(b.seq_lens), np.int32),
+                                                                     np.zeros((1, 3), np.int32)))
+                      for b in decodes]
         self._add_compile_ahead(compile_ahead.dry_run(lambda: [self.model(*step) for step in steps]))
         hidden = self.model(*inputs)
         logits = self.model.compute_logits(hidden[torch.tensor(batch.query_start_loc[1:]) - 1])
@@ -276,9 +281,25 @@ class ModelRunner:
         return decode_split_config(num_seqs, self.attention_layers[0].num_kv_heads, self.num_sms,
                                    self.config.max_model_len)
 
-    def _device_inputs(self, batch: HostBatch, pending: tuple[list[int], list[int]] | None = None):
+    def plan_shared_prefixes(self, batch: HostBatch) -> SharedPrefixPlan | None:
+        """A decode step's runs of sequences that begin with the same pages, where reading those once
+        a run saves enough (engine/shared_prefix.py); None: none, or a backend that reads each
+        sequence's context whole."""
+        if not self.backend.supports_shared_prefixes or len(batch.input_ids) != len(batch.seq_lens):
+            return None
+        from nanovllm.kernels.counters import NUM_COUNTERS
+        from nanovllm.kernels.triton_attention import shared_prefix_tile_rows
+        layer = self.attention_layers[0]
+        if len(batch.seq_lens) * layer.num_kv_heads > NUM_COUNTERS:   # (the split kernel's fused merge)
+            return None
+        return plan_shared_prefixes(batch.block_tables, batch.seq_lens, self.block_size,
+                                    shared_prefix_tile_rows(layer.num_heads, layer.num_kv_heads))
+
+    def _device_inputs(self, batch: HostBatch, pending: tuple[list[int], list[int]] | None = None,
+                       shared: SharedPrefixPlan | None = None):
         """-> input_ids, positions, AttentionMetadata on the device, uploaded in one copy.
-        pending: (rows, sources), as DecodeGraphs.run takes them."""
+        pending: (rows, sources), as DecodeGraphs.run takes them. shared: a decode step's plan of
+        shared prefixes."""
         qsl = batch.query_start_loc
         max_query_len = max(b - a for a, b in zip(qsl, qsl[1:]))
         rows, sources = pending or ([], [])
@@ -292,10 +313,16 @@ class ModelRunner:
                   np.asarray(qsl, np.int32), np.asarray(batch.seq_lens, np.int32),
                   np.asarray(rows, np.int64), np.asarray(sources, np.int64),
                   np.asarray(gathered, np.int64), np.asarray([qsl[i] for i in gathered], np.int64)]
+        if shared is not None:
+            arrays += [shared.prefix_lens, shared.tiles]
         if self.backend.needs_cu_seqlens_k:
             arrays.append(np.concatenate([[0], np.cumsum(batch.seq_lens)]).astype(np.int32))
         (input_ids, positions, slot_mapping, block_tables, query_start_loc, seq_lens, rows, sources, decode_seqs_t,
-         decode_rows, *cu_seqlens_k) = upload(arrays, self.device)
+         decode_rows, *rest) = upload(arrays, self.device)
+        if shared is not None:
+            prefix_lens, tiles, *rest = rest
+            shared = SharedPrefixes(prefix_lens, tiles, len(tiles))
+        cu_seqlens_k = rest
         if pending:
             input_ids[rows] = self.last_sampled[sources]
         meta = AttentionMetadata(
@@ -305,6 +332,7 @@ class ModelRunner:
             cu_seqlens_k=cu_seqlens_k[0] if cu_seqlens_k else None)
         if max_query_len == 1 and self.device.type == "cuda":
             meta.decode_split = self.decode_split(len(batch.seq_lens))
+            meta.shared_prefixes = shared
         if decode_seqs:
             at, pick = (decode_rows, decode_seqs_t) if front is None else (front, front)   # (a slice: views)
             meta.decodes = MixedDecodes(rows=at, block_tables=block_tables[pick], seq_lens=seq_lens[pick],
@@ -371,15 +399,17 @@ class ModelRunner:
         batch = step.batch
         num_seqs = len(batch.seq_lens)
         pending = (step.pending_rows, step.pending_sources) if step.pending_rows else None
+        # A decode step with shared prefixes runs its attention eagerly (in the pieces' gaps)
+        shared = self.plan_shared_prefixes(batch)
         from_graph = (self.graphs is not None and len(batch.input_ids) == num_seqs
-                      and num_seqs <= self.graphs.max_batch_size)
+                      and num_seqs <= self.graphs.max_batch_size and shared is None)
         if from_graph:
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
                                      batch.block_tables, pending, self.last_sampled)
         elif self.pieces is not None and len(batch.input_ids) <= self.pieces.max_tokens:
-            hidden = self.pieces.run(*self._device_inputs(batch, pending))
+            hidden = self.pieces.run(*self._device_inputs(batch, pending, shared))
         else:
-            hidden = self.model(*self._device_inputs(batch, pending))
+            hidden = self.model(*self._device_inputs(batch, pending, shared))
 
         def logits_of(rows: list[int] | None) -> torch.Tensor | None:
             """The logits of hidden's rows (None: every row), computed for their number padded to

@@ -12,10 +12,15 @@ lives in page block_table[t // block_size] at row t % block_size.
   at small batches, above FUSED_MERGE_ABOVE sequences by the split program of each (sequence, KV
   head) that finishes last. A context that fits in one split is written out by its program, and
   the merge skips it.
+  With shared prefixes (cascade attention): where consecutive sequences begin with the same pages
+  (a system prompt shared by many requests, the n completions of one), a first kernel reads those
+  pages once for a tile of their queries and leaves each query's partial result; each sequence's
+  split programs then read only the rest of its context and merge that partial in.
 - prefill_attention: causal, variable-length queries over the cached prefix plus themselves;
   serves prefill, chunked prefill and prefix-cache hits alike.
 """
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -25,7 +30,11 @@ from nanovllm.kernels import pdl
 from nanovllm.kernels.compile_ahead import launch
 from nanovllm.kernels.counters import NUM_COUNTERS, counters as arrival_counters
 
+if TYPE_CHECKING:
+    from nanovllm.layers.attention import SharedPrefixes
+
 FUSED_MERGE_ABOVE = 16   # sequences
+SHARED_PREFIX_ROWS = 64  # query rows a _shared_prefix_kernel program (sequences x their query heads)
 
 
 # ---- store ------------------------------------------------------------------------------------
@@ -132,21 +141,24 @@ def tile_size(block_n: int, page: int) -> int:
 # stride_bt, the block-table width, changes from step to step: not specialised on (Triton would
 # otherwise compile a kernel for width 1 and for multiples of 16, in the middle of a run).
 @triton.jit(do_not_specialize=["stride_bt"])
-def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, prefix_lens_ptr,
                          out_ptr, o_part_ptr, lse_part_ptr, count_ptr, scale,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cr, stride_ch,
                          NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, GROUP: tl.constexpr,
                          BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         FUSE_MERGE: tl.constexpr, PDL: tl.constexpr):
+                         FUSE_MERGE: tl.constexpr, SHARED_PREFIX: tl.constexpr, PDL: tl.constexpr):
     pdl.begin(PDL)
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = _split_len(seq_len, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
-    num_used = tl.cdiv(seq_len, split_len)      # 0 for a padding row
+    # SHARED_PREFIX: the first prefix_len tokens were read by _shared_prefix_kernel, whose partial
+    # result waits in the last partial slot; the splits cover the rest
+    prefix_len = tl.load(prefix_lens_ptr + seq) if SHARED_PREFIX else 0
+    split_len = _split_len(seq_len - prefix_len, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
+    num_used = tl.cdiv(seq_len - prefix_len, split_len)      # 0 for a padding row
     if split >= tl.maximum(num_used, 1):
         return          # an unused split: the merge reads only the first num_used
-    start = split * split_len
+    start = prefix_len + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -173,18 +185,26 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
         page = _next_page(table, n_start, end, PAGE, BLOCK_N)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]       # a padding row: zeros
-    if num_used <= 1:   # the whole context in this program: the final output, nothing to merge
+    # o_part [num_seqs, num_heads, SLOTS, HEAD_DIM], lse_part [.., SLOTS]: a slot a split, then
+    # (SHARED_PREFIX) the shared prefix's
+    SLOTS: tl.constexpr = NUM_SPLITS + SHARED_PREFIX
+    first = (seq * num_heads + heads) * SLOTS
+    merged = prefix_len > 0                  # a partial from the shared prefix to merge in
+    if num_used <= 1:   # the rest of the context in this program: the final output
+        if merged:
+            out = _merge_prefix(out, m_i + tl.log2(l_i), o_part_ptr, lse_part_ptr, first + NUM_SPLITS, g_mask,
+                                offs_d, HEAD_DIM)
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
-    else:               # o_part [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM], lse_part [.., NUM_SPLITS]
-        first = (seq * num_heads + heads) * NUM_SPLITS
+    else:
         tl.store(o_part_ptr + (first + split)[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None])
         tl.store(lse_part_ptr + first + split, m_i + tl.log2(l_i), mask=g_mask)
         if FUSE_MERGE:  # the last split of this (sequence, KV head) to finish merges them all
             tl.debug_barrier()                                       # every thread's partials written ...
             counter = count_ptr + seq * tl.num_programs(1) + kv_head
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_used - 1:   # ... before counting in
-                out = _merge_splits(o_part_ptr, lse_part_ptr, first, num_used, g_mask, offs_d, BLOCK_G, HEAD_DIM)
+                out = _merge_splits(o_part_ptr, lse_part_ptr, first, num_used, g_mask, offs_d, BLOCK_G, HEAD_DIM,
+                                    merged, NUM_SPLITS)
                 tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                          out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
@@ -192,14 +212,15 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
 
 @triton.jit
 def _merge_splits(o_part_ptr, lse_part_ptr, first, num_used, g_mask, offs_d, BLOCK_G: tl.constexpr,
-                  HEAD_DIM: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, merged=False, PREFIX_SLOT: tl.constexpr = 0):
     """The output of BLOCK_G query heads from their first num_used splits' partials (first: each
-    head's first partial), combined as online softmax combines tiles. Loads bypass L1: the partials
-    were written by other programs."""
+    head's first partial), and with merged the shared prefix's in slot PREFIX_SLOT, combined as
+    online softmax combines tiles. Loads bypass L1: the partials were written by other programs."""
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for s in range(0, num_used):
+    for i in range(0, num_used + merged):
+        s = tl.where(i < num_used, i, PREFIX_SLOT)
         lse = tl.load(lse_part_ptr + first + s, mask=g_mask, other=0.0, cache_modifier=".cg")
         o = tl.load(o_part_ptr + (first + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=g_mask[:, None],
                     other=0.0, cache_modifier=".cg")
@@ -209,6 +230,17 @@ def _merge_splits(o_part_ptr, lse_part_ptr, first, num_used, g_mask, offs_d, BLO
         l_sum = l_sum * alpha + w
         m = m_new
     return acc / l_sum[:, None]
+
+
+@triton.jit
+def _merge_prefix(out, lse, o_part_ptr, lse_part_ptr, slot, g_mask, offs_d, HEAD_DIM: tl.constexpr):
+    """out (lse: its log2-sum-exp) merged with the shared prefix's partial in slot (per head)."""
+    prefix_lse = tl.load(lse_part_ptr + slot, mask=g_mask, other=0.0, cache_modifier=".cg")
+    prefix_out = tl.load(o_part_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], mask=g_mask[:, None],
+                         other=0.0, cache_modifier=".cg")
+    m = tl.maximum(lse, prefix_lse)
+    w, prefix_w = tl.exp2(lse - m), tl.exp2(prefix_lse - m)
+    return (out * w[:, None] + prefix_out * prefix_w[:, None]) / (w + prefix_w)[:, None]
 
 
 @triton.jit
@@ -238,6 +270,53 @@ def _decode_merge_kernel(o_part_ptr, lse_part_ptr, seq_lens_ptr, out_ptr, stride
                 mask=used[:, None], other=0.0)
     out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+# (do_not_specialize: as the split kernel's; the tiles' count does not change the kernel)
+@triton.jit(do_not_specialize=["stride_bt"])
+def _shared_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, tiles_ptr, o_part_ptr, lse_part_ptr,
+                          scale, stride_qt, stride_qh, stride_bt, stride_cb, stride_cr, stride_ch,
+                          SLOTS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One tile of consecutive sequences that begin with the same prefix_len tokens (tiles_ptr:
+    [num_tiles, 3] of (first sequence, sequences, prefix_len)) and one KV head: the prefix read once
+    for the tile's queries (rows: sequence by sequence, GROUP query heads each), each query's
+    partial result written to the last slot of o_part / lse_part."""
+    tile, kv_head = tl.program_id(0), tl.program_id(1)
+    num_heads = tl.num_programs(1) * GROUP
+    first_seq = tl.load(tiles_ptr + tile * 3)
+    num_rows = tl.load(tiles_ptr + tile * 3 + 1) * GROUP
+    prefix_len = tl.load(tiles_ptr + tile * 3 + 2)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_mask = offs_m < num_rows
+    seqs = first_seq + offs_m // GROUP
+    heads = kv_head * GROUP + offs_m % GROUP
+    q = tl.load(q_ptr + seqs[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None], other=0.0)
+    q = _in_compute_dtype(q, k_cache_ptr)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    qk_scale = scale * 1.4426950408889634
+
+    table = block_tables_ptr + first_seq * stride_bt      # (the tile's sequences share these pages)
+    page = tl.load(table)
+    for n_start in range(0, prefix_len, BLOCK_N):         # whole pages: whole tiles, no masks
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        rows = _tile_rows(page, offs_n, kv_head, stride_cb, stride_cr, stride_ch, PAGE)
+        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, rows, None, None, offs_d, m_i, l_i, acc, qk_scale,
+                                     MASKED=False)
+        page = _next_page(table, n_start, prefix_len, PAGE, BLOCK_N)
+
+    slot = (seqs * num_heads + heads) * SLOTS + SLOTS - 1
+    tl.store(o_part_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None], mask=m_mask[:, None])
+    tl.store(lse_part_ptr + slot, m_i + tl.log2(l_i), mask=m_mask)
+
+
+def shared_prefix_tile_rows(num_heads: int, num_kv_heads: int) -> int:
+    """Sequences in one tile of _shared_prefix_kernel: SHARED_PREFIX_ROWS query rows."""
+    return max(1, SHARED_PREFIX_ROWS // (num_heads // num_kv_heads))
 
 
 def decode_split_config(num_seqs: int, num_kv_heads: int, num_sms: int, max_model_len: int) -> tuple[int, int]:
@@ -275,17 +354,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      num_splits: int = 16, min_split: int = 64, block_n: int = 64, num_stages: int | None = None,
                      num_warps: int = 4, max_registers: int | None = None,
-                     fuse_merge: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     fuse_merge: bool | None = None, out: torch.Tensor | None = None,
+                     shared_prefixes: "SharedPrefixes | None" = None) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim], one query per sequence at position seq_lens - 1.
     A context is split into ceil(seq_len / split_len) parts, split_len = max(seq_len / num_splits,
     min_split) rounded up to block_n. A sequence with seq_len 0 (padding) gets zeros.
     fuse_merge: the last split of each (sequence, KV head) merges them (kernels/counters.py), instead
     of a second kernel; None: fused_merge_for's choice. out: where to write (q's shape, rows and heads at
-    any stride); a new tensor when None."""
+    any stride); a new tensor when None. shared_prefixes: runs of sequences whose contexts begin with
+    the same pages, read once a tile of them (engine/shared_prefix.py); the splits cover the rest."""
     num_seqs, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     block_n = tile_size(block_n, page)
+    if shared_prefixes is not None:
+        return _decode_with_shared_prefixes(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
+                                            min_split, block_n, num_warps, out, shared_prefixes)
     if num_stages is None:
         # Fastest on the H200 (docs/perf_notes.md rows 13-14): a 16-bit cache with one tile in flight
         # per program and five programs per SM; an fp8 cache (converted tiles, more registers)
@@ -303,18 +387,48 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if fuse_merge:
         count = arrival_counters(q.device)
     launch(_decode_split_kernel, (num_seqs, num_kv_heads, num_splits),
-        q, k_cache, v_cache, block_tables, seq_lens, out, o_part, lse_part, count, scale,
+        q, k_cache, v_cache, block_tables, seq_lens, seq_lens, out, o_part, lse_part, count, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_SPLITS=num_splits, MIN_SPLIT=min_split, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n, FUSE_MERGE=fuse_merge, num_warps=num_warps,
-        num_stages=num_stages, maxnreg=max_registers, **pdl.launch_options(num_seqs))
+        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n, FUSE_MERGE=fuse_merge, SHARED_PREFIX=False,
+        num_warps=num_warps, num_stages=num_stages, maxnreg=max_registers, **pdl.launch_options(num_seqs))
     if num_splits == 1 or fuse_merge:
         return out
     launch(_decode_merge_kernel, (num_seqs, num_heads),
         o_part, lse_part, seq_lens, out, out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, MIN_SPLIT=min_split, BLOCK_N=block_n,
         BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, **pdl.launch_options(num_seqs))
+    return out
+
+
+def _decode_with_shared_prefixes(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, min_split,
+                                 block_n, num_warps, out, shared):
+    """decode_attention with shared_prefixes: _shared_prefix_kernel's tiles, then the split kernel over
+    what follows each prefix, merging (fused) the prefix's partial in. A 16-bit cache's decode settings."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    assert num_seqs * num_kv_heads <= NUM_COUNTERS
+    if out is None:
+        out = torch.empty_like(q)
+    slots = num_splits + 1
+    o_part = torch.empty(num_seqs, num_heads, slots, head_dim, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(num_seqs, num_heads, slots, dtype=torch.float32, device=q.device)
+    num_stages = 3 if k_cache.element_size() == 1 else 2
+    launch(_shared_prefix_kernel, (shared.num_tiles, num_kv_heads),
+        q, k_cache, v_cache, block_tables, shared.tiles, o_part, lse_part, scale,
+        q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        SLOTS=slots, GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=SHARED_PREFIX_ROWS, BLOCK_N=block_n,
+        num_warps=4, num_stages=num_stages)
+    launch(_decode_split_kernel, (num_seqs, num_kv_heads, num_splits),
+        q, k_cache, v_cache, block_tables, seq_lens, shared.prefix_lens, out, o_part, lse_part,
+        arrival_counters(q.device), scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_SPLITS=num_splits, MIN_SPLIT=min_split, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n, FUSE_MERGE=True, SHARED_PREFIX=True,
+        num_warps=num_warps, num_stages=num_stages, maxnreg=128 if k_cache.element_size() == 1 else None,
+        **pdl.launch_options(num_seqs))
     return out
 
 

@@ -34,6 +34,17 @@ class AttentionMetadata:
     # A step with prompt tokens in which some sequences have one new token (decodes beside prefill
     # chunks), for a backend that sends those to its decode kernel (splits_mixed_steps).
     decodes: "MixedDecodes | None" = None
+    # A decode step whose sequences come in runs that begin with the same pages, for a backend
+    # that reads those once a run (supports_shared_prefixes; engine/shared_prefix.py plans them).
+    shared_prefixes: "SharedPrefixes | None" = None
+
+
+@dataclass
+class SharedPrefixes:
+    """engine/shared_prefix.py's plan on the device."""
+    prefix_lens: torch.Tensor       # [num_seqs] int32: each sequence's tokens read by its run's tiles (0: none)
+    tiles: torch.Tensor             # [num_tiles, 3] int32: (first sequence, sequences, shared tokens)
+    num_tiles: int
 
 
 @dataclass
@@ -55,6 +66,7 @@ class TorchBackend:
     supports_cuda_graphs = False   # loops over host-side lists
     needs_cu_seqlens_k = False
     splits_mixed_steps = False
+    supports_shared_prefixes = False
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out=None):
         if k is not None:
@@ -70,6 +82,7 @@ class TritonBackend:
     supports_cuda_graphs = True
     needs_cu_seqlens_k = False
     splits_mixed_steps = True
+    supports_shared_prefixes = True
 
     def __init__(self):
         from nanovllm.kernels import triton_attention
@@ -85,7 +98,8 @@ class TritonBackend:
             self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.decode_split is not None:
             return self.kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                                 scale, *meta.decode_split, out=out)
+                                                 scale, *meta.decode_split, out=out,
+                                                 shared_prefixes=meta.shared_prefixes)
         prefill = self.kernels.prefill_attention
         d = meta.decodes
         if self.gluon_prefill is not None and self.gluon_prefill.supports(q, k_cache):
@@ -107,6 +121,7 @@ class FlashAttnBackend:
     supports_cuda_graphs = True
     needs_cu_seqlens_k = True
     splits_mixed_steps = False     # (its varlen kernel takes one-token sequences as they are)
+    supports_shared_prefixes = False
 
     def __init__(self):
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
