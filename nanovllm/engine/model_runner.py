@@ -136,8 +136,7 @@ class ModelRunner:
         cfg = self.config
         return DecodeGraphs(self.model, min(cfg.max_num_seqs, MAX_GRAPH_BATCH_SIZE), self.max_blocks_per_seq,
                             cfg.hf_config.hidden_size, cfg.torch_dtype, self.device, self.decode_split,
-                            pool=None if self.pieces is None else self.pieces.pool,
-                            shared_prefix_tile_seqs=self.shared_prefix_tile_seqs())
+                            pool=None if self.pieces is None else self.pieces.pool)
 
     def _add_compile_ahead(self, seconds: float | None):
         """Counts a dry pass's seconds (None: none ran) into the start-up's compile_ahead_s."""
@@ -282,26 +281,19 @@ class ModelRunner:
         return decode_split_config(num_seqs, self.attention_layers[0].num_kv_heads, self.num_sms,
                                    self.config.max_model_len)
 
-    def shared_prefix_tile_seqs(self) -> int | None:
-        """The sequences of one tile of the shared-prefix kernel; None: a backend that reads each
-        sequence's context whole."""
-        if not self.backend.supports_shared_prefixes:
-            return None
-        from nanovllm.kernels.triton_attention import shared_prefix_tile_rows
-        layer = self.attention_layers[0]
-        return shared_prefix_tile_rows(layer.num_heads, layer.num_kv_heads)
-
     def plan_shared_prefixes(self, batch: HostBatch) -> SharedPrefixPlan | None:
         """A decode step's runs of sequences that begin with the same pages, where reading those once
         a run saves enough (engine/shared_prefix.py); None: none, or a backend that reads each
         sequence's context whole."""
-        tile_seqs = self.shared_prefix_tile_seqs()
-        if tile_seqs is None or len(batch.input_ids) != len(batch.seq_lens):
+        if not self.backend.supports_shared_prefixes or len(batch.input_ids) != len(batch.seq_lens):
             return None
         from nanovllm.kernels.counters import NUM_COUNTERS
-        if len(batch.seq_lens) * self.attention_layers[0].num_kv_heads > NUM_COUNTERS:   # (the fused merge's)
+        from nanovllm.kernels.triton_attention import shared_prefix_tile_rows
+        layer = self.attention_layers[0]
+        if len(batch.seq_lens) * layer.num_kv_heads > NUM_COUNTERS:   # (the split kernel's fused merge)
             return None
-        return plan_shared_prefixes(batch.block_tables, batch.seq_lens, self.block_size, tile_seqs)
+        return plan_shared_prefixes(batch.block_tables, batch.seq_lens, self.block_size,
+                                    shared_prefix_tile_rows(layer.num_heads, layer.num_kv_heads))
 
     def _device_inputs(self, batch: HostBatch, pending: tuple[list[int], list[int]] | None = None,
                        shared: SharedPrefixPlan | None = None):
@@ -407,12 +399,13 @@ class ModelRunner:
         batch = step.batch
         num_seqs = len(batch.seq_lens)
         pending = (step.pending_rows, step.pending_sources) if step.pending_rows else None
+        # A decode step with shared prefixes runs its attention eagerly (in the pieces' gaps)
         shared = self.plan_shared_prefixes(batch)
         from_graph = (self.graphs is not None and len(batch.input_ids) == num_seqs
-                      and num_seqs <= self.graphs.max_batch_size)
+                      and num_seqs <= self.graphs.max_batch_size and shared is None)
         if from_graph:
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
-                                     batch.block_tables, pending, self.last_sampled, shared)
+                                     batch.block_tables, pending, self.last_sampled)
         elif self.pieces is not None and len(batch.input_ids) <= self.pieces.max_tokens:
             hidden = self.pieces.run(*self._device_inputs(batch, pending, shared))
         else:
