@@ -65,21 +65,30 @@ def report(label: str, compiled, num_warps: int) -> str:
 
 
 def main():
+    prefix_types = {"q_ptr": "*bf16", "block_tables_ptr": "*i32", "tiles_ptr": "*i32", "o_part_ptr": "*fp32",
+                    "lse_part_ptr": "*fp32", "scale": "fp32"}
+    prefix_constants = dict(SLOTS=5, GROUP=2, HEAD_DIM=128, PAGE=256, BLOCK_M=ta.SHARED_PREFIX_ROWS, BLOCK_N=64)
     print("decode (block_n, stages, warps, max registers):")
     for cache in ("bf16", "fp8e4nv"):
         types = {"q_ptr": "*bf16", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}",
-                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16",
+                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "prefix_lens_ptr": "*i32", "out_ptr": "*bf16",
                  "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "count_ptr": "*i32", "scale": "fp32"}
         for block_n, stages, warps, maxnreg in ((64, 2, 4, None), (64, 3, 4, None), (64, 3, 4, 128),
                                                 (128, 3, 8, None), (32, 4, 2, None)):
             constants = dict(NUM_SPLITS=4, MIN_SPLIT=1024, GROUP=2, BLOCK_G=16, HEAD_DIM=128, PAGE=256,
-                             BLOCK_N=block_n, FUSE_MERGE=False, PDL=False)
+                             BLOCK_N=block_n, FUSE_MERGE=False, SHARED_PREFIX=False, PDL=False)
             compiled = compile_kernel(ta._decode_split_kernel, types, constants, warps, stages, maxnreg)
             print(report(f"{cache} {(block_n, stages, warps, maxnreg)}", compiled, warps))
         for stages, maxnreg in ((2, None), (3, 128)):   # the defaults per cache dtype, merge fused
             compiled = compile_kernel(ta._decode_split_kernel, types, constants | dict(BLOCK_N=64, FUSE_MERGE=True),
                                       4, stages, maxnreg)
             print(report(f"{cache} (64, {stages}, 4, {maxnreg}) fused merge", compiled, 4))
+            shared = constants | dict(BLOCK_N=64, FUSE_MERGE=True, SHARED_PREFIX=True)
+            compiled = compile_kernel(ta._decode_split_kernel, types, shared, 4, stages, maxnreg)
+            print(report(f"{cache} (64, {stages}, 4, {maxnreg}) fused merge, shared prefixes", compiled, 4))
+            compiled = compile_kernel(ta._shared_prefix_kernel, prefix_types | {"k_cache_ptr": f"*{cache}",
+                                      "v_cache_ptr": f"*{cache}"}, prefix_constants, 4, stages, None)
+            print(report(f"{cache} shared-prefix kernel (64 rows, 64, {stages}, 4)", compiled, 4))
         constants |= dict(BLOCK_N=64, PDL=True)   # programmatic dependent launch (kernels/pdl.py)
         compiled = compile_kernel(ta._decode_split_kernel, types, constants, 4, 2, None)
         ptx = compiled.asm["ptx"]
