@@ -367,9 +367,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     block_n = tile_size(block_n, page)
-    if shared_prefixes is not None:
-        return _decode_with_shared_prefixes(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
-                                            min_split, block_n, num_warps, out, shared_prefixes)
     if num_stages is None:
         # Fastest on the H200 (docs/perf_notes.md rows 13-14): a 16-bit cache with one tile in flight
         # per program and five programs per SM; an fp8 cache (converted tiles, more registers)
@@ -377,21 +374,33 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_stages, max_registers = (3, 128) if k_cache.element_size() == 1 else (2, max_registers)
     if out is None:
         out = torch.empty_like(q)
-    o_part = lse_part = count = out    # (not touched by the kernel unless there are splits / a fused merge)
-    if num_splits > 1:
-        o_part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    if fuse_merge is None:
-        fuse_merge = fused_merge_for(num_seqs)
-    fuse_merge = fuse_merge and num_splits > 1 and num_seqs * num_kv_heads <= NUM_COUNTERS
+    shared = shared_prefixes
+    slots = num_splits + (shared is not None)    # a partial slot a split, then the shared prefix's
+    o_part = lse_part = count = out    # (not touched by the kernel unless there are partials / a fused merge)
+    if slots > 1:
+        o_part = torch.empty(num_seqs, num_heads, slots, head_dim, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(num_seqs, num_heads, slots, dtype=torch.float32, device=q.device)
+    if shared is not None:      # the prefixes' partials first; the split programs merge them in (fused)
+        assert num_seqs * num_kv_heads <= NUM_COUNTERS
+        fuse_merge = True
+        launch(_shared_prefix_kernel, (shared.num_tiles, num_kv_heads),
+            q, k_cache, v_cache, block_tables, shared.tiles, o_part, lse_part, scale,
+            q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            SLOTS=slots, GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=SHARED_PREFIX_ROWS, BLOCK_N=block_n,
+            num_warps=4, num_stages=num_stages)
+    else:
+        if fuse_merge is None:
+            fuse_merge = fused_merge_for(num_seqs)
+        fuse_merge = fuse_merge and num_splits > 1 and num_seqs * num_kv_heads <= NUM_COUNTERS
     if fuse_merge:
         count = arrival_counters(q.device)
     launch(_decode_split_kernel, (num_seqs, num_kv_heads, num_splits),
-        q, k_cache, v_cache, block_tables, seq_lens, seq_lens, out, o_part, lse_part, count, scale,
+        q, k_cache, v_cache, block_tables, seq_lens, seq_lens if shared is None else shared.prefix_lens,
+        out, o_part, lse_part, count, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_SPLITS=num_splits, MIN_SPLIT=min_split, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n, FUSE_MERGE=fuse_merge, SHARED_PREFIX=False,
+        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n, FUSE_MERGE=fuse_merge, SHARED_PREFIX=shared is not None,
         num_warps=num_warps, num_stages=num_stages, maxnreg=max_registers, **pdl.launch_options(num_seqs))
     if num_splits == 1 or fuse_merge:
         return out
@@ -399,36 +408,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         o_part, lse_part, seq_lens, out, out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, MIN_SPLIT=min_split, BLOCK_N=block_n,
         BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, **pdl.launch_options(num_seqs))
-    return out
-
-
-def _decode_with_shared_prefixes(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, min_split,
-                                 block_n, num_warps, out, shared):
-    """decode_attention with shared_prefixes: _shared_prefix_kernel's tiles, then the split kernel over
-    what follows each prefix, merging (fused) the prefix's partial in. A 16-bit cache's decode settings."""
-    num_seqs, num_heads, head_dim = q.shape
-    _, page, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    assert num_seqs * num_kv_heads <= NUM_COUNTERS
-    if out is None:
-        out = torch.empty_like(q)
-    slots = num_splits + 1
-    o_part = torch.empty(num_seqs, num_heads, slots, head_dim, dtype=torch.float32, device=q.device)
-    lse_part = torch.empty(num_seqs, num_heads, slots, dtype=torch.float32, device=q.device)
-    num_stages = 3 if k_cache.element_size() == 1 else 2
-    launch(_shared_prefix_kernel, (shared.num_tiles, num_kv_heads),
-        q, k_cache, v_cache, block_tables, shared.tiles, o_part, lse_part, scale,
-        q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        SLOTS=slots, GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=SHARED_PREFIX_ROWS, BLOCK_N=block_n,
-        num_warps=4, num_stages=num_stages)
-    launch(_decode_split_kernel, (num_seqs, num_kv_heads, num_splits),
-        q, k_cache, v_cache, block_tables, seq_lens, shared.prefix_lens, out, o_part, lse_part,
-        arrival_counters(q.device), scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_SPLITS=num_splits, MIN_SPLIT=min_split, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n, FUSE_MERGE=True, SHARED_PREFIX=True,
-        num_warps=num_warps, num_stages=num_stages, maxnreg=128 if k_cache.element_size() == 1 else None,
-        **pdl.launch_options(num_seqs))
     return out
 
 
