@@ -25,6 +25,7 @@ from nanovllm.engine.step_inputs import HostBatch, StepInputs, build_step, mixed
 from nanovllm.engine.structured_output import BitmaskFiller
 from nanovllm.engine.upload import upload
 from nanovllm.kernels import compile_ahead
+from nanovllm.kernels.counters import NUM_COUNTERS
 from nanovllm.layers.attention import Attention, AttentionMetadata, MixedDecodes, SharedPrefixes, select_backend
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from nanovllm.engine.profiler import ProfilerConfig, RankProfiler
@@ -86,6 +87,11 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = self.backend
+        self.shared_prefix_tile_seqs = None   # sequences a shared-prefix tile (None: each context read whole)
+        if self.backend.supports_shared_prefixes:
+            from nanovllm.kernels.triton_attention import shared_prefix_tile_rows
+            layer = self.attention_layers[0]
+            self.shared_prefix_tile_seqs = shared_prefix_tile_rows(layer.num_heads, layer.num_kv_heads)
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 1)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed)) if tp.rank == 0 else None
@@ -285,15 +291,11 @@ class ModelRunner:
         """A decode step's runs of sequences that begin with the same pages, where reading those once
         a run saves enough (engine/shared_prefix.py); None: none, or a backend that reads each
         sequence's context whole."""
-        if not self.backend.supports_shared_prefixes or len(batch.input_ids) != len(batch.seq_lens):
+        if self.shared_prefix_tile_seqs is None or len(batch.input_ids) != len(batch.seq_lens):
             return None
-        from nanovllm.kernels.counters import NUM_COUNTERS
-        from nanovllm.kernels.triton_attention import shared_prefix_tile_rows
-        layer = self.attention_layers[0]
-        if len(batch.seq_lens) * layer.num_kv_heads > NUM_COUNTERS:   # (the split kernel's fused merge)
+        if len(batch.seq_lens) * self.attention_layers[0].num_kv_heads > NUM_COUNTERS:   # (the fused merge's)
             return None
-        return plan_shared_prefixes(batch.block_tables, batch.seq_lens, self.block_size,
-                                    shared_prefix_tile_rows(layer.num_heads, layer.num_kv_heads))
+        return plan_shared_prefixes(batch.block_tables, batch.seq_lens, self.block_size, self.shared_prefix_tile_seqs)
 
     def _device_inputs(self, batch: HostBatch, pending: tuple[list[int], list[int]] | None = None,
                        shared: SharedPrefixPlan | None = None):
