@@ -66,17 +66,20 @@ def report(label: str, compiled, num_warps: int) -> str:
 
 def main():
     prefix_types = {"q_ptr": "*bf16", "block_tables_ptr": "*i32", "tiles_ptr": "*i32", "o_part_ptr": "*fp32",
-                    "lse_part_ptr": "*fp32", "scale": "fp32"}
-    prefix_constants = dict(SLOTS=5, GROUP=2, HEAD_DIM=128, PAGE=256, BLOCK_M=ta.SHARED_PREFIX_ROWS, BLOCK_N=64)
+                    "lse_part_ptr": "*fp32", "scale": "fp32", "splits": "i32", "slots": "i32"}
+    prefix_constants = dict(GROUP=2, HEAD_DIM=128, PAGE=256, BLOCK_M=ta.SHARED_PREFIX_ROWS, BLOCK_N=64,
+                            MIN_SPLIT=ta.MIN_PREFIX_SPLIT)
     print("decode (block_n, stages, warps, max registers):")
     for cache in ("bf16", "fp8e4nv"):
         types = {"q_ptr": "*bf16", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}",
                  "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "prefix_lens_ptr": "*i32", "out_ptr": "*bf16",
-                 "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "count_ptr": "*i32", "scale": "fp32"}
+                 "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "count_ptr": "*i32", "scale": "fp32",
+                 "prefix_splits": "i32"}
         for block_n, stages, warps, maxnreg in ((64, 2, 4, None), (64, 3, 4, None), (64, 3, 4, 128),
                                                 (128, 3, 8, None), (32, 4, 2, None)):
             constants = dict(NUM_SPLITS=4, MIN_SPLIT=1024, GROUP=2, BLOCK_G=16, HEAD_DIM=128, PAGE=256,
-                             BLOCK_N=block_n, FUSE_MERGE=False, SHARED_PREFIX=False, PDL=False)
+                             BLOCK_N=block_n, FUSE_MERGE=False, SHARED_PREFIX=False,
+                             MIN_PREFIX_SPLIT=ta.MIN_PREFIX_SPLIT, PDL=False)
             compiled = compile_kernel(ta._decode_split_kernel, types, constants, warps, stages, maxnreg)
             print(report(f"{cache} {(block_n, stages, warps, maxnreg)}", compiled, warps))
         for stages, maxnreg in ((2, None), (3, 128)):   # the defaults per cache dtype, merge fused

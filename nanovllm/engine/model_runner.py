@@ -287,6 +287,13 @@ class ModelRunner:
         return decode_split_config(num_seqs, self.attention_layers[0].num_kv_heads, self.num_sms,
                                    self.config.max_model_len)
 
+    def shared_prefix_splits(self, num_seqs: int) -> int:
+        """The most parts the shared-prefix kernel reads a tile's prefix in, for a step of num_seqs
+        sequences (as if they made one run: whole tiles, the GPU filled by their parts)."""
+        from nanovllm.kernels.triton_attention import shared_prefix_splits
+        return shared_prefix_splits(-(-num_seqs // self.shared_prefix_tile_seqs), self.attention_layers[0].num_kv_heads,
+                                    self.num_sms)
+
     def plan_shared_prefixes(self, batch: HostBatch) -> SharedPrefixPlan | None:
         """A decode step's runs of sequences that begin with the same pages, where reading those once
         a run saves enough (engine/shared_prefix.py); None: none, or a backend that reads each
@@ -323,7 +330,7 @@ class ModelRunner:
          decode_rows, *rest) = upload(arrays, self.device)
         if shared is not None:
             prefix_lens, tiles, *rest = rest
-            shared = SharedPrefixes(prefix_lens, tiles, len(tiles))
+            shared = SharedPrefixes(prefix_lens, tiles, len(tiles), self.shared_prefix_splits(len(batch.seq_lens)))
         cu_seqlens_k = rest
         if pending:
             input_ids[rows] = self.last_sampled[sources]

@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 
 FUSED_MERGE_ABOVE = 16   # sequences
 SHARED_PREFIX_ROWS = 64  # query rows a _shared_prefix_kernel program (sequences x their query heads)
+# A tile's prefix in parts (shared_prefix_splits): the kernel fits two programs an SM on sm_90 (for a
+# bf16 cache 80 KB of shared memory each; tests/compile_kernels.py)
+SHARED_PREFIX_PROGRAMS_PER_SM = 2
+MAX_PREFIX_SPLITS = 16
+MIN_PREFIX_SPLIT = 256   # tokens
 
 
 # ---- store ------------------------------------------------------------------------------------
@@ -140,20 +145,26 @@ def tile_size(block_n: int, page: int) -> int:
 # ---- decode -----------------------------------------------------------------------------------
 # stride_bt, the block-table width, changes from step to step: not specialised on (Triton would
 # otherwise compile a kernel for width 1 and for multiples of 16, in the middle of a run).
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "prefix_splits"])
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, prefix_lens_ptr,
-                         out_ptr, o_part_ptr, lse_part_ptr, count_ptr, scale,
+                         out_ptr, o_part_ptr, lse_part_ptr, count_ptr, scale, prefix_splits,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cr, stride_ch,
                          NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, GROUP: tl.constexpr,
                          BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         FUSE_MERGE: tl.constexpr, SHARED_PREFIX: tl.constexpr, PDL: tl.constexpr):
+                         FUSE_MERGE: tl.constexpr, SHARED_PREFIX: tl.constexpr, MIN_PREFIX_SPLIT: tl.constexpr,
+                         PDL: tl.constexpr):
     pdl.begin(PDL)
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
     seq_len = tl.load(seq_lens_ptr + seq)
-    # SHARED_PREFIX: the first prefix_len tokens were read by _shared_prefix_kernel, whose partial
-    # result waits in the last partial slot; the splits cover the rest
-    prefix_len = tl.load(prefix_lens_ptr + seq) if SHARED_PREFIX else 0
+    # SHARED_PREFIX: the first prefix_len tokens were read by _shared_prefix_kernel in prefix_used
+    # parts, whose partial results wait in the slots after the splits'; the splits cover the rest
+    if SHARED_PREFIX:
+        prefix_len = tl.load(prefix_lens_ptr + seq)
+        prefix_used = tl.cdiv(prefix_len, _split_len(prefix_len, prefix_splits, MIN_PREFIX_SPLIT, BLOCK_N))
+        slots = NUM_SPLITS + prefix_splits
+    else:
+        prefix_len, prefix_used, slots = 0, 0, NUM_SPLITS
     split_len = _split_len(seq_len - prefix_len, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
     num_used = tl.cdiv(seq_len - prefix_len, split_len)      # 0 for a padding row
     if split >= tl.maximum(num_used, 1):
@@ -185,15 +196,13 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
         page = _next_page(table, n_start, end, PAGE, BLOCK_N)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]       # a padding row: zeros
-    # o_part [num_seqs, num_heads, SLOTS, HEAD_DIM], lse_part [.., SLOTS]: a slot a split, then
-    # (SHARED_PREFIX) the shared prefix's
-    SLOTS: tl.constexpr = NUM_SPLITS + SHARED_PREFIX
-    first = (seq * num_heads + heads) * SLOTS
-    merged = prefix_len > 0                  # a partial from the shared prefix to merge in
-    if num_used <= 1:   # the rest of the context in this program: the final output
-        if merged:
-            out = _merge_prefix(out, m_i + tl.log2(l_i), o_part_ptr, lse_part_ptr, first + NUM_SPLITS, g_mask,
-                                offs_d, HEAD_DIM)
+    # o_part [num_seqs, num_heads, slots, HEAD_DIM], lse_part [.., slots]: a slot a split, then
+    # (SHARED_PREFIX) a slot a part of the shared prefix
+    first = (seq * num_heads + heads) * slots
+    # The output written here: a context read by this one program (num_used 1), a padding row's zeros (0).
+    # With shared prefixes only the zeros: a one-split context's partial goes through the merge below as
+    # several splits' do (merged here instead, the kernel took 128 registers, not 96: 4 programs an SM, not 5).
+    if num_used <= 1 - SHARED_PREFIX:
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
@@ -203,50 +212,49 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
             tl.debug_barrier()                                       # every thread's partials written ...
             counter = count_ptr + seq * tl.num_programs(1) + kv_head
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_used - 1:   # ... before counting in
-                out = _merge_splits(o_part_ptr, lse_part_ptr, first, num_used, g_mask, offs_d, BLOCK_G, HEAD_DIM,
-                                    merged, NUM_SPLITS)
+                out = _merge_splits(o_part_ptr, lse_part_ptr, first, num_used, NUM_SPLITS, prefix_used, g_mask,
+                                    offs_d, BLOCK_G, HEAD_DIM)
                 tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                          out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _merge_splits(o_part_ptr, lse_part_ptr, first, num_used, g_mask, offs_d, BLOCK_G: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, merged=False, PREFIX_SLOT: tl.constexpr = 0):
+def _merge_splits(o_part_ptr, lse_part_ptr, first, num_used, prefix_first, prefix_used, g_mask, offs_d,
+                  BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr):
     """The output of BLOCK_G query heads from their first num_used splits' partials (first: each
-    head's first partial), and with merged the shared prefix's in slot PREFIX_SLOT, combined as
-    online softmax combines tiles. Loads bypass L1: the partials were written by other programs."""
+    head's first slot) and the shared prefix's prefix_used partials from slot prefix_first on."""
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for i in range(0, num_used + merged):
-        s = tl.where(i < num_used, i, PREFIX_SLOT)
-        lse = tl.load(lse_part_ptr + first + s, mask=g_mask, other=0.0, cache_modifier=".cg")
-        o = tl.load(o_part_ptr + (first + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=g_mask[:, None],
+    acc, m, l_sum = _merge_partials(acc, m, l_sum, o_part_ptr, lse_part_ptr, first, num_used, g_mask, offs_d,
+                                    HEAD_DIM)
+    acc, m, l_sum = _merge_partials(acc, m, l_sum, o_part_ptr, lse_part_ptr, first + prefix_first, prefix_used,
+                                    g_mask, offs_d, HEAD_DIM)
+    return acc / l_sum[:, None]
+
+
+@triton.jit
+def _merge_partials(acc, m, l_sum, o_part_ptr, lse_part_ptr, first, count, g_mask, offs_d, HEAD_DIM: tl.constexpr):
+    """A result so far (acc: its values weighted by 2^(score - m), m: the largest score in log2 units,
+    l_sum: the weights' sum; per query head) merged with the partials in count slots from first (per
+    head), as online softmax merges tiles. Loads bypass L1: the partials were written by other programs."""
+    for i in range(count):
+        lse = tl.load(lse_part_ptr + first + i, mask=g_mask, other=0.0, cache_modifier=".cg")
+        o = tl.load(o_part_ptr + (first + i)[:, None] * HEAD_DIM + offs_d[None, :], mask=g_mask[:, None],
                     other=0.0, cache_modifier=".cg")
         m_new = tl.maximum(m, lse)
         alpha, w = tl.exp2(m - m_new), tl.exp2(lse - m_new)
         acc = acc * alpha[:, None] + o * w[:, None]
         l_sum = l_sum * alpha + w
         m = m_new
-    return acc / l_sum[:, None]
+    return acc, m, l_sum
 
 
 @triton.jit
-def _merge_prefix(out, lse, o_part_ptr, lse_part_ptr, slot, g_mask, offs_d, HEAD_DIM: tl.constexpr):
-    """out (lse: its log2-sum-exp) merged with the shared prefix's partial in slot (per head)."""
-    prefix_lse = tl.load(lse_part_ptr + slot, mask=g_mask, other=0.0, cache_modifier=".cg")
-    prefix_out = tl.load(o_part_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], mask=g_mask[:, None],
-                         other=0.0, cache_modifier=".cg")
-    m = tl.maximum(lse, prefix_lse)
-    w, prefix_w = tl.exp2(lse - m), tl.exp2(prefix_lse - m)
-    return (out * w[:, None] + prefix_out * prefix_w[:, None]) / (w + prefix_w)[:, None]
-
-
-@triton.jit
-def _split_len(seq_len, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Context tokens per split: seq_len over NUM_SPLITS, at least MIN_SPLIT, a multiple of BLOCK_N."""
-    return tl.cdiv(tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), MIN_SPLIT), BLOCK_N) * BLOCK_N
+def _split_len(seq_len, num_splits, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Context tokens per split: seq_len over num_splits, at least MIN_SPLIT, a multiple of BLOCK_N."""
+    return tl.cdiv(tl.maximum(tl.cdiv(seq_len, num_splits), MIN_SPLIT), BLOCK_N) * BLOCK_N
 
 
 @triton.jit
@@ -273,23 +281,29 @@ def _decode_merge_kernel(o_part_ptr, lse_part_ptr, seq_lens_ptr, out_ptr, stride
 
 
 # (do_not_specialize: as the split kernel's; the tiles' count does not change the kernel)
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "splits", "slots"])
 def _shared_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, tiles_ptr, o_part_ptr, lse_part_ptr,
-                          scale, stride_qt, stride_qh, stride_bt, stride_cb, stride_cr, stride_ch,
-                          SLOTS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One tile of consecutive sequences that begin with the same prefix_len tokens (tiles_ptr:
-    [num_tiles, 3] of (first sequence, sequences, prefix_len)) and one KV head: the prefix read once
-    for the tile's queries (rows: sequence by sequence, GROUP query heads each), each query's
-    partial result written to the last slot of o_part / lse_part."""
-    tile, kv_head = tl.program_id(0), tl.program_id(1)
+                          scale, splits, slots, stride_qt, stride_qh, stride_bt, stride_cb, stride_cr, stride_ch,
+                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """One part of the prefix of a tile of consecutive sequences that begin with the same prefix_len
+    tokens (tiles_ptr: [num_tiles, 3] of (first sequence, sequences, prefix_len)), for one KV head:
+    read once for the tile's queries (rows: sequence by sequence, GROUP query heads each). The
+    prefix is cut into at most `splits` parts as the split kernel cuts a context (_split_len); each
+    query's partial result for part i goes to slot slots - splits + i of o_part / lse_part."""
+    tile, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
+    prefix_len = tl.load(tiles_ptr + tile * 3 + 2)
+    part_len = _split_len(prefix_len, splits, MIN_SPLIT, BLOCK_N)
+    start = part * part_len
+    end = tl.minimum(start + part_len, prefix_len)
     first_seq = tl.load(tiles_ptr + tile * 3)
     num_rows = tl.load(tiles_ptr + tile * 3 + 1) * GROUP
-    prefix_len = tl.load(tiles_ptr + tile * 3 + 2)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    m_mask = offs_m < num_rows
+    # an unused part, or an unused tile of a CUDA graph, loads and stores nothing (an early return
+    # instead took 196 registers, not 158, for an fp8 cache: 2 programs an SM, not 3)
+    m_mask = (offs_m < num_rows) & (start < prefix_len)
     seqs = first_seq + offs_m // GROUP
     heads = kv_head * GROUP + offs_m % GROUP
     q = tl.load(q_ptr + seqs[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
@@ -301,15 +315,15 @@ def _shared_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, til
     qk_scale = scale * 1.4426950408889634
 
     table = block_tables_ptr + first_seq * stride_bt      # (the tile's sequences share these pages)
-    page = tl.load(table)
-    for n_start in range(0, prefix_len, BLOCK_N):         # whole pages: whole tiles, no masks
+    page = tl.load(table + start // PAGE, mask=start < end, other=0)
+    for n_start in range(start, end, BLOCK_N):            # whole pages, parts of whole tiles: no masks
         offs_n = n_start + tl.arange(0, BLOCK_N)
         rows = _tile_rows(page, offs_n, kv_head, stride_cb, stride_cr, stride_ch, PAGE)
         m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, rows, None, None, offs_d, m_i, l_i, acc, qk_scale,
                                      MASKED=False)
-        page = _next_page(table, n_start, prefix_len, PAGE, BLOCK_N)
+        page = _next_page(table, n_start, end, PAGE, BLOCK_N)
 
-    slot = (seqs * num_heads + heads) * SLOTS + SLOTS - 1
+    slot = (seqs * num_heads + heads) * slots + slots - splits + part
     tl.store(o_part_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None], mask=m_mask[:, None])
     tl.store(lse_part_ptr + slot, m_i + tl.log2(l_i), mask=m_mask)
 
@@ -317,6 +331,14 @@ def _shared_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, til
 def shared_prefix_tile_rows(num_heads: int, num_kv_heads: int) -> int:
     """Sequences in one tile of _shared_prefix_kernel: SHARED_PREFIX_ROWS query rows."""
     return max(1, SHARED_PREFIX_ROWS // (num_heads // num_kv_heads))
+
+
+def shared_prefix_splits(num_tiles: int, num_kv_heads: int, num_sms: int) -> int:
+    """The most parts _shared_prefix_kernel cuts a tile's prefix into (a program each): enough for
+    SHARED_PREFIX_PROGRAMS_PER_SM programs an SM, at most MAX_PREFIX_SPLITS. A part is at least
+    MIN_PREFIX_SPLIT tokens, so a short prefix takes fewer."""
+    programs = max(1, num_tiles * num_kv_heads)
+    return max(1, min(MAX_PREFIX_SPLITS, SHARED_PREFIX_PROGRAMS_PER_SM * num_sms // programs))
 
 
 def decode_split_config(num_seqs: int, num_kv_heads: int, num_sms: int, max_model_len: int) -> tuple[int, int]:
@@ -355,14 +377,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      num_splits: int = 16, min_split: int = 64, block_n: int = 64, num_stages: int | None = None,
                      num_warps: int = 4, max_registers: int | None = None,
                      fuse_merge: bool | None = None, out: torch.Tensor | None = None,
-                     shared_prefixes: "SharedPrefixes | None" = None) -> torch.Tensor:
+                     shared_prefixes: "SharedPrefixes | None" = None,
+                     min_prefix_split: int = MIN_PREFIX_SPLIT) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim], one query per sequence at position seq_lens - 1.
     A context is split into ceil(seq_len / split_len) parts, split_len = max(seq_len / num_splits,
     min_split) rounded up to block_n. A sequence with seq_len 0 (padding) gets zeros.
     fuse_merge: the last split of each (sequence, KV head) merges them (kernels/counters.py), instead
     of a second kernel; None: fused_merge_for's choice. out: where to write (q's shape, rows and heads at
     any stride); a new tensor when None. shared_prefixes: runs of sequences whose contexts begin with
-    the same pages, read once a tile of them (engine/shared_prefix.py); the splits cover the rest."""
+    the same pages, read once a tile of them (engine/shared_prefix.py) in up to shared_prefixes.splits
+    parts of at least min_prefix_split tokens; the splits cover the rest."""
     num_seqs, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -375,7 +399,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if out is None:
         out = torch.empty_like(q)
     shared = shared_prefixes
-    slots = num_splits + (shared is not None)    # a partial slot a split, then the shared prefix's
+    prefix_splits = 0 if shared is None else shared.splits
+    slots = num_splits + prefix_splits    # a partial slot a split, then one a part of the shared prefix
     o_part = lse_part = count = out    # (not touched by the kernel unless there are partials / a fused merge)
     if slots > 1:
         o_part = torch.empty(num_seqs, num_heads, slots, head_dim, dtype=torch.float32, device=q.device)
@@ -383,11 +408,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if shared is not None:      # the prefixes' partials first; the split programs merge them in (fused)
         assert num_seqs * num_kv_heads <= NUM_COUNTERS
         fuse_merge = True
-        launch(_shared_prefix_kernel, (shared.num_tiles, num_kv_heads),
-            q, k_cache, v_cache, block_tables, shared.tiles, o_part, lse_part, scale,
+        launch(_shared_prefix_kernel, (shared.num_tiles, num_kv_heads, prefix_splits),
+            q, k_cache, v_cache, block_tables, shared.tiles, o_part, lse_part, scale, prefix_splits, slots,
             q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            SLOTS=slots, GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=SHARED_PREFIX_ROWS, BLOCK_N=block_n,
-            num_warps=4, num_stages=num_stages)
+            GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=SHARED_PREFIX_ROWS, BLOCK_N=block_n,
+            MIN_SPLIT=min_prefix_split, num_warps=4, num_stages=num_stages)
     else:
         if fuse_merge is None:
             fuse_merge = fused_merge_for(num_seqs)
@@ -396,12 +421,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         count = arrival_counters(q.device)
     launch(_decode_split_kernel, (num_seqs, num_kv_heads, num_splits),
         q, k_cache, v_cache, block_tables, seq_lens, seq_lens if shared is None else shared.prefix_lens,
-        out, o_part, lse_part, count, scale,
+        out, o_part, lse_part, count, scale, prefix_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_SPLITS=num_splits, MIN_SPLIT=min_split, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n, FUSE_MERGE=fuse_merge, SHARED_PREFIX=shared is not None,
-        num_warps=num_warps, num_stages=num_stages, maxnreg=max_registers, **pdl.launch_options(num_seqs))
+        MIN_PREFIX_SPLIT=min_prefix_split, num_warps=num_warps, num_stages=num_stages, maxnreg=max_registers,
+        **pdl.launch_options(num_seqs))
     if num_splits == 1 or fuse_merge:
         return out
     launch(_decode_merge_kernel, (num_seqs, num_heads),

@@ -45,6 +45,7 @@ class SharedPrefixes:
     prefix_lens: torch.Tensor       # [num_seqs] int32: each sequence's tokens read by its run's tiles (0: none)
     tiles: torch.Tensor             # [num_tiles, 3] int32: (first sequence, sequences, shared tokens)
     num_tiles: int
+    splits: int = 1                 # the most parts a tile's prefix is read in (a program each)
 
 
 @dataclass
