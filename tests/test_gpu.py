@@ -112,19 +112,24 @@ def test_shared_prefix_decodes_close_to_hf(gpu_model_dir, variant, monkeypatch):
     """PROMPTS 8-15 share 70- and 48-token prefixes in runs of four: with 16-token pages (and plans
     that save a quarter of the reads) their decode steps read the shared pages once a run
     (engine/shared_prefix.py, cascade attention), and stay close to HF; in the graphs variant those
-    steps run in the pieces, the others in decode graphs."""
+    steps replay the decode graphs captured with the shared-prefix kernel."""
     monkeypatch.setattr("nanovllm.engine.shared_prefix.MIN_SAVED_SHARE", 0.25)
     llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, block_size=16,
               enforce_eager=variant == "eager")
     runner = llm.llm_engine.model_runner
     plans, plan = [], runner.plan_shared_prefixes
     runner.plan_shared_prefixes = lambda batch: plans.append(plan(batch)) or plans[-1]
+    replayed = []
+    if runner.graphs is not None:
+        graphs_run = runner.graphs.run
+        runner.graphs.run = lambda *args: replayed.append(args[-1] is not None) or graphs_run(*args)
     ours, _ = run(llm)
     full = check_logprobs_close(ours, hf_reference(gpu_model_dir))
     assert full >= len(PROMPTS) // 2, f"only {full} of {len(PROMPTS)} sequences matched HF fully"
     planned = [p for p in plans if p is not None]
     assert len(planned) >= MAX_TOKENS - 2, len(planned)       # (every decode step of the run)
     assert planned[0].prefix_lens.tolist()[-8:] == [64] * 4 + [48] * 4
+    assert (sum(replayed) >= MAX_TOKENS - 2) == (variant == "graphs"), replayed
 
 
 def test_steps_that_admit_requests_mid_decode_run_in_pieces_close_to_hf(gpu_model_dir):

@@ -2,7 +2,7 @@
 which pages, in what tiles. Pages of 16 tokens."""
 import numpy as np
 
-from nanovllm.engine.shared_prefix import plan_shared_prefixes
+from nanovllm.engine.shared_prefix import max_tiles, plan_shared_prefixes
 
 
 def plan(tables, seq_lens, seqs_per_tile=8, min_saved_share=0.0):
@@ -47,3 +47,21 @@ def test_no_plan_where_sharing_saves_too_little():
     assert plan(tables, [40, 40], min_saved_share=0.25) is None
     assert plan(tables, [40, 40], min_saved_share=0.2).prefix_lens.tolist() == [16, 16]
     assert plan([[1, 2]], [20]) is None          # one sequence
+
+
+def test_plans_fit_the_tiles_a_graph_is_captured_for():
+    """max_tiles bounds every plan of that many sequences (runs of random lengths, tiles of 1-5)."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        num_seqs, seqs_per_tile = int(rng.integers(2, 40)), int(rng.integers(1, 6))
+        tables, page = [], 100
+        while len(tables) < num_seqs:       # runs of 1-7 sequences sharing 1-3 pages
+            run, shared = int(rng.integers(1, 8)), [page + i for i in range(int(rng.integers(1, 4)))]
+            page += 10
+            tables += [shared + [page + i] for i in range(run)]
+            page += 10
+        tables = tables[:num_seqs]
+        p = plan(tables, [16 * len(t) - 3 for t in tables], seqs_per_tile)
+        if p is not None:
+            assert len(p.tiles) <= max_tiles(num_seqs, seqs_per_tile)
+    assert [max_tiles(n, 32) for n in (2, 3, 16, 256, 512)] == [2, 2, 9, 136, 272]

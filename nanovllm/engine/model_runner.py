@@ -142,7 +142,9 @@ class ModelRunner:
         cfg = self.config
         return DecodeGraphs(self.model, min(cfg.max_num_seqs, MAX_GRAPH_BATCH_SIZE), self.max_blocks_per_seq,
                             cfg.hf_config.hidden_size, cfg.torch_dtype, self.device, self.decode_split,
-                            pool=None if self.pieces is None else self.pieces.pool)
+                            pool=None if self.pieces is None else self.pieces.pool,
+                            shared_prefix_tile_seqs=self.shared_prefix_tile_seqs,
+                            shared_prefix_splits_for=self.shared_prefix_splits)
 
     def _add_compile_ahead(self, seconds: float | None):
         """Counts a dry pass's seconds (None: none ran) into the start-up's compile_ahead_s."""
@@ -408,13 +410,12 @@ class ModelRunner:
         batch = step.batch
         num_seqs = len(batch.seq_lens)
         pending = (step.pending_rows, step.pending_sources) if step.pending_rows else None
-        # A decode step with shared prefixes runs its attention eagerly (in the pieces' gaps)
         shared = self.plan_shared_prefixes(batch)
         from_graph = (self.graphs is not None and len(batch.input_ids) == num_seqs
-                      and num_seqs <= self.graphs.max_batch_size and shared is None)
+                      and num_seqs <= self.graphs.max_batch_size)
         if from_graph:
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
-                                     batch.block_tables, pending, self.last_sampled)
+                                     batch.block_tables, pending, self.last_sampled, shared)
         elif self.pieces is not None and len(batch.input_ids) <= self.pieces.max_tokens:
             hidden = self.pieces.run(*self._device_inputs(batch, pending, shared))
         else:

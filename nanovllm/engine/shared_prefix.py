@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# A plan is made only where it saves at least this share of the step's context reads: a step that
-# would save less runs as before, in a decode CUDA graph, while a planned step runs its attention
-# eagerly, between the piecewise graphs, with ~3-4 ms more host work a step. On the H200 a shared
-# 2,048-token system prompt (bench.py --workload prefix, ~90% of the reads) ran faster so, the n = 8
-# completions of 64 requests (~45%, which L2 already served once per request's page) slower
-# (docs/perf_notes.md row 109).
+# A plan is made only where it saves at least this share of the step's context reads. Measured on
+# the H200 with planned steps run eagerly between the piecewise graphs (~3-4 ms more host work a
+# step; docs/perf_notes.md row 109): a shared 2,048-token system prompt (bench.py --workload prefix,
+# ~90% of the reads) ran faster, the n = 8 completions of 64 requests (~45%, which L2 already served
+# once per request's page) slower. Planned steps now replay decode graphs of their own (row 110);
+# whether plans that save less pay there is not measured yet.
 MIN_SAVED_SHARE = 0.5
 
 
@@ -31,6 +31,13 @@ MIN_SAVED_SHARE = 0.5
 class SharedPrefixPlan:
     prefix_lens: np.ndarray     # [num_seqs] int32: tokens of each sequence's context its run shares (0: none)
     tiles: np.ndarray           # [num_tiles, 3] int32: (first sequence, sequences, shared tokens)
+
+
+def max_tiles(num_seqs: int, seqs_per_tile: int) -> int:
+    """The most tiles a plan of num_seqs sequences can have (a CUDA graph's shared-prefix kernel is
+    captured for that many): runs of two or more sequences, at most num_seqs // 2 of them, each one
+    partial tile beyond its share of num_seqs / seqs_per_tile full ones."""
+    return min(num_seqs, num_seqs // 2 + -(-num_seqs // seqs_per_tile))
 
 
 def plan_shared_prefixes(block_tables: np.ndarray, seq_lens: list[int], page: int, seqs_per_tile: int,
