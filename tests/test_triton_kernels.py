@@ -136,13 +136,16 @@ def test_decode_attention_with_shared_prefixes(num_kv_heads, group, head_dim, pa
     plan = plan_shared_prefixes(tables.numpy(), seq_lens[:-1] + [1], page, seqs_per_tile=3, min_saved_share=0)
     assert plan.prefix_lens.tolist() == [4 * page] * 5 + [2 * page] * 2 + [0, 0]
     assert plan.tiles.tolist() == [[0, 3, 4 * page], [3, 2, 4 * page], [5, 2, 2 * page]]
+    # as a CUDA graph has them: rows for more tiles than are in use (these would overwrite partials of seq 0)
+    tiles = torch.tensor(plan.tiles.tolist() + [[0, 1, 2 * page]] * 2, dtype=torch.int32, device=DEVICE)
+    tile_count = torch.tensor([len(plan.tiles)], dtype=torch.int32, device=DEVICE)
     # the prefixes whole, in parts of 16 tokens (page 16: four parts, the most of any shape), in up to
     # three parts (page 256: 384 + 384 + 256 tokens), in more parts than some prefixes fill
     for num_splits, min_split, prefix_splits, min_prefix_split in ((1, 64, 1, 256), (4, 64, 1, 256),
                                                                     (16, 256, 1, 256), (1, 64, 4, 16),
                                                                     (16, 64, 3, 16), (4, 64, 16, 16)):
-        shared = SharedPrefixes(torch.from_numpy(plan.prefix_lens).to(DEVICE),
-                                torch.from_numpy(plan.tiles).to(DEVICE), len(plan.tiles), prefix_splits)
+        shared = SharedPrefixes(torch.from_numpy(plan.prefix_lens).to(DEVICE), tiles, tile_count, len(tiles),
+                                prefix_splits)
         out = triton_attention.decode_attention(
             q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE),
             torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), scale, num_splits, min_split,

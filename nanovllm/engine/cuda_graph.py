@@ -9,7 +9,7 @@ the captures, a dry pass over the buckets compiles their Triton kernels side by 
 
 With a backend that reads shared prefixes once a run (engine/shared_prefix.py), each bucket of two
 or more sequences has a second graph for the steps that have a plan: its shared-prefix kernel is
-captured for the most tiles a plan of that many sequences can have, the unused ones empty.
+captured for the most tiles a plan of that many sequences can have, and reads how many are in use.
 """
 import bisect
 
@@ -50,7 +50,7 @@ class DecodeGraphs:
             self.hidden = torch.zeros(n, hidden_size, dtype=dtype)
             if self.tile_seqs is not None:   # a plan's arrays, staged as the rows' (zeros: no prefix, no tile)
                 self.staged_plan = torch.zeros(packed_offsets(self._plan_arrays(n))[1], dtype=torch.uint8)
-                self.prefix_lens, self.tiles = views(self.staged_plan, self._plan_arrays(n))
+                self.prefix_lens, self.tiles, self.tile_count = views(self.staged_plan, self._plan_arrays(n))
         self.uploaded_tables: np.ndarray | None = None   # what block_tables holds (rows, width)
         self.inputs: dict[int, list[torch.Tensor]] = {}   # bucket -> its views of staged
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}   # (bucket, with shared prefixes)
@@ -74,12 +74,14 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def _plan_arrays(self, n: int, plan: SharedPrefixPlan | None = None) -> list[np.ndarray]:
-        """prefix_lens [n] and tiles [max_tiles(n), 3], plan's values first, zeros after (padding rows
-        read no prefix, unused tiles no sequence)."""
+        """prefix_lens [n], tiles [max_tiles(n), 3] and the tiles' count [1]: plan's values first, zeros
+        after (padding rows read no prefix; tiles past the count are not read)."""
         prefix_lens, tiles = np.zeros(n, np.int32), np.zeros((max_tiles(n, self.tile_seqs), 3), np.int32)
+        count = np.zeros(1, np.int32)
         if plan is not None:
             prefix_lens[:len(plan.prefix_lens)], tiles[:len(plan.tiles)] = plan.prefix_lens, plan.tiles
-        return [prefix_lens, tiles]
+            count[0] = len(plan.tiles)
+        return [prefix_lens, tiles, count]
 
     def _bucket_inputs(self, bs: int, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The bucket's views of the staged inputs, set to the padding rows' values (step_arrays)
@@ -92,7 +94,7 @@ class DecodeGraphs:
             decode_split=self.decode_split_for(bs))
         if shared:
             tiles = max_tiles(bs, self.tile_seqs)
-            meta.shared_prefixes = SharedPrefixes(self.prefix_lens[:bs], self.tiles[:tiles], tiles,
+            meta.shared_prefixes = SharedPrefixes(self.prefix_lens[:bs], self.tiles[:tiles], self.tile_count, tiles,
                                                   self.shared_prefix_splits_for(bs))
         return input_ids, positions, meta
 

@@ -325,14 +325,15 @@ class ModelRunner:
                   np.asarray(rows, np.int64), np.asarray(sources, np.int64),
                   np.asarray(gathered, np.int64), np.asarray([qsl[i] for i in gathered], np.int64)]
         if shared is not None:
-            arrays += [shared.prefix_lens, shared.tiles]
+            arrays += [shared.prefix_lens, shared.tiles, np.array([len(shared.tiles)], np.int32)]
         if self.backend.needs_cu_seqlens_k:
             arrays.append(np.concatenate([[0], np.cumsum(batch.seq_lens)]).astype(np.int32))
         (input_ids, positions, slot_mapping, block_tables, query_start_loc, seq_lens, rows, sources, decode_seqs_t,
          decode_rows, *rest) = upload(arrays, self.device)
         if shared is not None:
-            prefix_lens, tiles, *rest = rest
-            shared = SharedPrefixes(prefix_lens, tiles, len(tiles), self.shared_prefix_splits(len(batch.seq_lens)))
+            prefix_lens, tiles, tile_count, *rest = rest
+            shared = SharedPrefixes(prefix_lens, tiles, tile_count, len(tiles),
+                                    self.shared_prefix_splits(len(batch.seq_lens)))
         cu_seqlens_k = rest
         if pending:
             input_ids[rows] = self.last_sampled[sources]

@@ -19,6 +19,7 @@ lives in page block_table[t // block_size] at row t % block_size.
 - prefill_attention: causal, variable-length queries over the cached prefix plus themselves;
   serves prefill, chunked prefill and prefix-cache hits alike.
 """
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -280,52 +281,62 @@ def _decode_merge_kernel(o_part_ptr, lse_part_ptr, seq_lens_ptr, out_ptr, stride
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-# (do_not_specialize: as the split kernel's; the tiles' count does not change the kernel)
+# (do_not_specialize: as the split kernel's)
 @triton.jit(do_not_specialize=["stride_bt", "splits", "slots"])
-def _shared_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, tiles_ptr, o_part_ptr, lse_part_ptr,
-                          scale, splits, slots, stride_qt, stride_qh, stride_bt, stride_cb, stride_cr, stride_ch,
-                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
-    """One part of the prefix of a tile of consecutive sequences that begin with the same prefix_len
-    tokens (tiles_ptr: [num_tiles, 3] of (first sequence, sequences, prefix_len)), for one KV head:
-    read once for the tile's queries (rows: sequence by sequence, GROUP query heads each). The
-    prefix is cut into at most `splits` parts as the split kernel cuts a context (_split_len); each
-    query's partial result for part i goes to slot slots - splits + i of o_part / lse_part."""
-    tile, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    num_heads = tl.num_programs(1) * GROUP
-    prefix_len = tl.load(tiles_ptr + tile * 3 + 2)
-    part_len = _split_len(prefix_len, splits, MIN_SPLIT, BLOCK_N)
-    start = part * part_len
-    end = tl.minimum(start + part_len, prefix_len)
-    first_seq = tl.load(tiles_ptr + tile * 3)
-    num_rows = tl.load(tiles_ptr + tile * 3 + 1) * GROUP
+def _shared_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, tiles_ptr, tile_count_ptr, o_part_ptr,
+                          lse_part_ptr, scale, splits, slots, stride_qt, stride_qh, stride_bt, stride_cb, stride_cr,
+                          stride_ch, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """Tiles of consecutive sequences that begin with the same prefix_len tokens (tiles_ptr: rows of
+    (first sequence, sequences, prefix_len), the first tile_count in use): each prefix read once for
+    its tile's queries (rows: sequence by sequence, GROUP query heads each). The work items, one
+    (tile, KV head, part of the prefix) each, are taken in turn by a fixed number of programs, so a
+    CUDA graph captured for the most tiles a plan may have launches no program for the tiles it does
+    not use. A prefix is cut into at most `splits` parts as the split kernel cuts a context
+    (_split_len); each query's partial result for part i goes to slot slots - splits + i."""
+    num_heads = NUM_KV_HEADS * GROUP
+    items = tl.load(tile_count_ptr) * NUM_KV_HEADS * splits
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    # an unused part, or an unused tile of a CUDA graph, loads and stores nothing (an early return
-    # instead took 196 registers, not 158, for an fp8 cache: 2 programs an SM, not 3)
-    m_mask = (offs_m < num_rows) & (start < prefix_len)
-    seqs = first_seq + offs_m // GROUP
-    heads = kv_head * GROUP + offs_m % GROUP
-    q = tl.load(q_ptr + seqs[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=m_mask[:, None], other=0.0)
-    q = _in_compute_dtype(q, k_cache_ptr)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     qk_scale = scale * 1.4426950408889634
+    for item in range(tl.program_id(0), items, tl.num_programs(0)):
+        part = item % splits
+        kv_head = (item // splits) % NUM_KV_HEADS
+        tile = item // (splits * NUM_KV_HEADS)
+        prefix_len = tl.load(tiles_ptr + tile * 3 + 2)
+        part_len = _split_len(prefix_len, splits, MIN_SPLIT, BLOCK_N)
+        start = part * part_len
+        end = tl.minimum(start + part_len, prefix_len)
+        first_seq = tl.load(tiles_ptr + tile * 3)
+        num_rows = tl.load(tiles_ptr + tile * 3 + 1) * GROUP
+        m_mask = (offs_m < num_rows) & (start < prefix_len)    # an unused part loads and stores nothing
+        seqs = first_seq + offs_m // GROUP
+        heads = kv_head * GROUP + offs_m % GROUP
+        q = tl.load(q_ptr + seqs[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=m_mask[:, None], other=0.0)
+        q = _in_compute_dtype(q, k_cache_ptr)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
-    table = block_tables_ptr + first_seq * stride_bt      # (the tile's sequences share these pages)
-    page = tl.load(table + start // PAGE, mask=start < end, other=0)
-    for n_start in range(start, end, BLOCK_N):            # whole pages, parts of whole tiles: no masks
-        offs_n = n_start + tl.arange(0, BLOCK_N)
-        rows = _tile_rows(page, offs_n, kv_head, stride_cb, stride_cr, stride_ch, PAGE)
-        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, rows, None, None, offs_d, m_i, l_i, acc, qk_scale,
-                                     MASKED=False)
-        page = _next_page(table, n_start, end, PAGE, BLOCK_N)
+        table = block_tables_ptr + first_seq * stride_bt      # (the tile's sequences share these pages)
+        page = tl.load(table + start // PAGE, mask=start < end, other=0)
+        for n_start in range(start, end, BLOCK_N):            # whole pages, parts of whole tiles: no masks
+            offs_n = n_start + tl.arange(0, BLOCK_N)
+            rows = _tile_rows(page, offs_n, kv_head, stride_cb, stride_cr, stride_ch, PAGE)
+            m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, rows, None, None, offs_d, m_i, l_i, acc,
+                                         qk_scale, MASKED=False)
+            page = _next_page(table, n_start, end, PAGE, BLOCK_N)
 
-    slot = (seqs * num_heads + heads) * slots + slots - splits + part
-    tl.store(o_part_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None], mask=m_mask[:, None])
-    tl.store(lse_part_ptr + slot, m_i + tl.log2(l_i), mask=m_mask)
+        slot = (seqs * num_heads + heads) * slots + slots - splits + part
+        tl.store(o_part_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None], mask=m_mask[:, None])
+        tl.store(lse_part_ptr + slot, m_i + tl.log2(l_i), mask=m_mask)
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """The device's SMs (2 for the CPU's Triton interpreter: a grid smaller than the work)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
 
 
 def shared_prefix_tile_rows(num_heads: int, num_kv_heads: int) -> int:
@@ -408,10 +419,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if shared is not None:      # the prefixes' partials first; the split programs merge them in (fused)
         assert num_seqs * num_kv_heads <= NUM_COUNTERS
         fuse_merge = True
-        launch(_shared_prefix_kernel, (shared.num_tiles, num_kv_heads, prefix_splits),
-            q, k_cache, v_cache, block_tables, shared.tiles, o_part, lse_part, scale, prefix_splits, slots,
-            q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=SHARED_PREFIX_ROWS, BLOCK_N=block_n,
+        items = shared.num_tiles * num_kv_heads * prefix_splits     # (at most: tile_count <= num_tiles)
+        launch(_shared_prefix_kernel, (min(items, SHARED_PREFIX_PROGRAMS_PER_SM * num_sms(q.device)),),
+            q, k_cache, v_cache, block_tables, shared.tiles, shared.tile_count, o_part, lse_part, scale,
+            prefix_splits, slots, q.stride(0), q.stride(1), block_tables.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=SHARED_PREFIX_ROWS, BLOCK_N=block_n,
             MIN_SPLIT=min_prefix_split, num_warps=4, num_stages=num_stages)
     else:
         if fuse_merge is None:

@@ -44,6 +44,7 @@ class SharedPrefixes:
     """engine/shared_prefix.py's plan on the device."""
     prefix_lens: torch.Tensor       # [num_seqs] int32: each sequence's tokens read by its run's tiles (0: none)
     tiles: torch.Tensor             # [num_tiles, 3] int32: (first sequence, sequences, shared tokens)
+    tile_count: torch.Tensor        # [1] int32: the tiles in use (a CUDA graph's plan may use fewer)
     num_tiles: int
     splits: int = 1                 # the most parts a tile's prefix is read in (a program each)
 
