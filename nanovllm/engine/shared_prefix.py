@@ -22,8 +22,9 @@ import numpy as np
 # the H200 with planned steps run eagerly between the piecewise graphs (~3-4 ms more host work a
 # step; docs/perf_notes.md row 109): a shared 2,048-token system prompt (bench.py --workload prefix,
 # ~90% of the reads) ran faster, the n = 8 completions of 64 requests (~45%, which L2 already served
-# once per request's page) slower. Planned steps now replay decode graphs of their own (row 110);
-# whether plans that save less pay there is not measured yet.
+# once per request's page) slower. Planned steps now replay decode graphs of their own (rows 110-111),
+# where plans from a quarter of the reads saved still did not pay for the n = 8 run (7.04-7.08 against
+# 7.02 s).
 MIN_SAVED_SHARE = 0.5
 
 
