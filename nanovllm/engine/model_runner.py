@@ -24,7 +24,7 @@ from nanovllm.engine.shared_prefix import SharedPrefixPlan, plan_shared_prefixes
 from nanovllm.engine.step_inputs import HostBatch, StepInputs, build_step, mixed_step_decodes, prompt_spans
 from nanovllm.engine.structured_output import BitmaskFiller
 from nanovllm.engine.upload import upload
-from nanovllm.kernels import compile_ahead
+from nanovllm.kernels import compile_ahead, device as device_info
 from nanovllm.kernels.counters import NUM_COUNTERS
 from nanovllm.layers.attention import Attention, AttentionMetadata, MixedDecodes, SharedPrefixes, select_backend
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -92,8 +92,7 @@ class ModelRunner:
             from nanovllm.kernels.triton_attention import shared_prefix_tile_rows
             layer = self.attention_layers[0]
             self.shared_prefix_tile_seqs = shared_prefix_tile_rows(layer.num_heads, layer.num_kv_heads)
-        self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
-                        if self.device.type == "cuda" else 1)
+        self.num_sms = device_info.num_sms(self.device) if self.device.type == "cuda" else 1
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed)) if tp.rank == 0 else None
         self.penalty_counts = PenaltyCounts(self.vocab_size, self.device, config.max_num_seqs) if tp.rank == 0 else None
         self.bitmask_filler = BitmaskFiller() if tp.rank == 0 else None

@@ -19,7 +19,6 @@ lives in page block_table[t // block_size] at row t % block_size.
 - prefill_attention: causal, variable-length queries over the cached prefix plus themselves;
   serves prefill, chunked prefill and prefix-cache hits alike.
 """
-import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -27,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels import pdl
+from nanovllm.kernels import device as device_info, pdl
 from nanovllm.kernels.compile_ahead import launch
 from nanovllm.kernels.counters import NUM_COUNTERS, counters as arrival_counters
 
@@ -333,12 +332,6 @@ def _shared_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, til
         tl.store(lse_part_ptr + slot, m_i + tl.log2(l_i), mask=m_mask)
 
 
-@functools.cache
-def num_sms(device: torch.device) -> int:
-    """The device's SMs (2 for the CPU's Triton interpreter: a grid smaller than the work)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-
-
 def shared_prefix_tile_rows(num_heads: int, num_kv_heads: int) -> int:
     """Sequences in one tile of _shared_prefix_kernel: SHARED_PREFIX_ROWS query rows."""
     return max(1, SHARED_PREFIX_ROWS // (num_heads // num_kv_heads))
@@ -420,7 +413,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         assert num_seqs * num_kv_heads <= NUM_COUNTERS
         fuse_merge = True
         items = shared.num_tiles * num_kv_heads * prefix_splits     # (at most: tile_count <= num_tiles)
-        launch(_shared_prefix_kernel, (min(items, SHARED_PREFIX_PROGRAMS_PER_SM * num_sms(q.device)),),
+        # (the CPU's Triton interpreter: as if on 2 SMs, so that the tests' programs each walk several items)
+        sms = device_info.num_sms(q.device) if q.is_cuda else 2
+        launch(_shared_prefix_kernel, (min(items, SHARED_PREFIX_PROGRAMS_PER_SM * sms),),
             q, k_cache, v_cache, block_tables, shared.tiles, shared.tile_count, o_part, lse_part, scale,
             prefix_splits, slots, q.stride(0), q.stride(1), block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=SHARED_PREFIX_ROWS, BLOCK_N=block_n,

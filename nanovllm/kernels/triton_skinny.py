@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels import pdl
+from nanovllm.kernels import device as device_info, pdl
 from nanovllm.kernels.compile_ahead import launch
 from nanovllm.kernels.counters import counters as arrival_counters
 from nanovllm.kernels.triton_fused import silu_mul
@@ -131,16 +131,6 @@ def prefetch_lines(programs: int, rows: int, lines: int, num_sms: int, l2_bytes:
     return lines if lines <= fit else 1 << (fit.bit_length() - 1) if fit else 0
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.cache
-def _l2_bytes(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).L2_cache_size
-
-
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   out: torch.Tensor | None = None, split_k: int | None = None, block_n: int = BLOCK_N,
                   block_k: int = BLOCK_K, num_stages: int = NUM_STAGES, num_warps: int = 4,
@@ -156,7 +146,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if silu_mul:
         assert bias is None and n % 2 == 0 and split_k in (None, 1)
         n, split_k = n // 2, 1
-    num_sms, l2_bytes = (_num_sms(x.device), _l2_bytes(x.device)) if x.is_cuda else (INTERPRETER_SMS, INTERPRETER_L2)
+    num_sms, l2_bytes = ((device_info.num_sms(x.device), device_info.l2_bytes(x.device)) if x.is_cuda
+                         else (INTERPRETER_SMS, INTERPRETER_L2))
     if split_k is None:
         split_k = split_k_for(n, k, num_sms, block_n, block_k)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
