@@ -104,6 +104,8 @@ class BlockManager:
                       + num_new_tokens)
         num_new_blocks = (self.num_blocks_for(num_tokens) - len(seq.block_table)
                           - len(computed_blocks))
+        if num_new_blocks <= 0 and not computed_blocks:
+            return True   # (most decode steps: the token fits the last block)
         # A hit on a block nobody holds takes it out of the free queue, too.
         num_reused_free = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
         if max(num_new_blocks, 0) + num_reused_free > self.num_free_blocks:
@@ -134,11 +136,13 @@ class BlockManager:
         Called when those tokens are scheduled, before they are computed: in a step, every layer
         writes all new K/V before any attention reads them, so a later sequence of the same
         batch can already share the blocks."""
-        if not self.enable_prefix_caching:
-            return
+        num_full = min(num_tokens, seq.num_resolved_tokens) // self.block_size
+        if (not self.enable_prefix_caching or num_full == 0
+                or self.blocks[seq.block_table[num_full - 1]].block_hash is not None):
+            return   # no full block, or the last is registered and so is every one before it
         self._hash_full_blocks(seq)
         bs = self.block_size
-        for i in reversed(range(min(num_tokens, seq.num_resolved_tokens) // bs)):
+        for i in reversed(range(num_full)):
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is not None:
                 break   # this one and all before it were registered earlier
