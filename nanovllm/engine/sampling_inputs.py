@@ -35,13 +35,14 @@ def host_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids:
     bitmask: a host tensor (pinned if pin_memory), which xgrammar fills in place."""
     params = [seq.sampling_params for seq in seqs]
     vocab = vocab_size
-    all_greedy = all(p.is_greedy for p in params)
+    greedy = [p.is_greedy for p in params]
+    all_greedy = all(greedy)
     md = SamplingMetadata(   # an all-greedy batch takes the argmax: no temperatures
-        temperatures=None if all_greedy else np.asarray([1.0 if p.is_greedy else p.temperature for p in params],
+        temperatures=None if all_greedy else np.asarray([1.0 if g else p.temperature for g, p in zip(greedy, params)],
                                                         np.float32),
-        is_greedy=None if all_greedy else np.asarray([p.is_greedy for p in params], np.bool_),
+        is_greedy=None if all_greedy else np.asarray(greedy, np.bool_),
         all_greedy=all_greedy,
-        any_greedy=any(p.is_greedy for p in params),
+        any_greedy=any(greedy),
         top_k=None, max_top_k=None, top_p=None, min_p=None, row_seeds=[], banned_rows=None, banned_tokens=None,
     )
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]   # a top_k >= vocab keeps every token: none
