@@ -5,7 +5,12 @@ bookkeeping a GPU run does between its launches: scheduling, the block tables, t
 arrays, the sampling settings, reading the sampled tokens (docs/perf_notes.md Next 6d).
 
     PYTHONPATH=. python3 tests/bench_host.py [--num-seqs 256] [--scale 4] [--runs 3] [--cprofile 30]
-        [--logprobs 20 [--flat-logprobs]] [--tokenizer synthetic]
+        [--logprobs 20 [--flat-logprobs]] [--tokenizer synthetic] [--prompt-logprobs 1] [--max-tokens 1]
+
+With --prompt-logprobs the prompt rows' scores are random too (the scoring kernels left out), so a
+loglikelihood-like run (`--num-seqs 1024 --scale 1 --max-tokens 1 --prompt-logprobs 1`, bench.py's
+`--prompt-logprobs 1 --num-seqs 1024 --min-output-len 1 --max-output-len 1`) times the host's part of
+its 16k-token scoring steps.
 """
 import argparse
 import cProfile
@@ -24,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import tokenizer_options
 from conftest import VOCAB_SIZE, build_model_dir, build_tokenizer
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine import prompt_logprobs
 from nanovllm.layers.sampler import SamplerOutput
 from nanovllm.utils.heap import fewer_collections
 
@@ -41,6 +47,16 @@ def sample(rows: int, vocab_size: int, num_logprobs: int | None) -> SamplerOutpu
     return out
 
 
+def score(logits: torch.Tensor, targets: torch.Tensor, num_top: int) -> SamplerOutput:
+    """As prompt_logprobs._score, with random logprobs and ranks and num_top random best."""
+    rows = len(targets)
+    out = SamplerOutput(token_ids=targets, logprobs=-10 * torch.rand(rows), ranks=torch.randint(1, 100, (rows,)))
+    if num_top:
+        out.top_ids = torch.randint(0, VOCAB_SIZE, (rows, num_top))
+        out.top_logprobs = (-10 * torch.rand(rows, num_top)).sort(1, descending=True).values
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--num-seqs", type=int, default=256)
@@ -51,6 +67,9 @@ def main():
                                                               "tokens and logprobs sampled, Qwen3's vocabulary)")
     p.add_argument("--flat-logprobs", action="store_true")
     p.add_argument("--tokenizer", default=None, help="as bench.py's: 'synthetic' detokenizes the outputs")
+    p.add_argument("--prompt-logprobs", type=int, default=None, help="SamplingParams.prompt_logprobs of every "
+                                                                     "request (random scores)")
+    p.add_argument("--max-tokens", type=int, default=None, help="every request's, in place of bench.py's draw")
     args = p.parse_args()
     vocab_size = 151936 if args.logprobs is not None or args.tokenizer else VOCAB_SIZE
     path = build_model_dir(tempfile.mkdtemp(), "qwen3", build_tokenizer(), max_position_embeddings=4096,
@@ -58,12 +77,16 @@ def main():
     llm = LLM(path, max_model_len=4096, **tokenizer_options(args.tokenizer))
     engine = llm.llm_engine
     runner = engine.model_runner
-    runner.run_step = lambda step: (torch.zeros(step.num_sampling, 1) if step.num_sampling else None, [])
+    runner.run_step = lambda step: (torch.zeros(step.num_sampling, 1) if step.num_sampling else None,
+                                    [torch.zeros(len(step.prompt_rows), 1)] if step.prompt_rows else [])
     runner.sampler = lambda logits, metadata: sample(len(logits), vocab_size, args.logprobs)
-    options = dict(logprobs=args.logprobs, flat_logprobs=args.flat_logprobs) if args.logprobs is not None else {}
+    prompt_logprobs._score = score
+    options = dict(logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs, flat_logprobs=args.flat_logprobs)
     random.seed(0)   # bench.py's draws, in its order
     requests = [([random.randint(0, 300) for _ in range(random.randint(100, 1024) // args.scale)],
                  random.randint(100, 1024) // args.scale) for _ in range(args.num_seqs)]
+    if args.max_tokens is not None:
+        requests = [(ids, args.max_tokens) for ids, _ in requests]
     for run in range(args.runs):
         for ids, max_tokens in requests:
             engine.add_tokens(None, ids, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens,
