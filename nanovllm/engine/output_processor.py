@@ -98,16 +98,24 @@ class OutputProcessor:
         A step's positions are thousands of entries (256 rows x 21 with logprobs=20; a scoring step's
         16k prompt tokens), so the loops are kept plain."""
         positions = range(1, num_top + 1)      # the ranks of a top ranked by position
-        if type(logprobs) is FlatLogprobs:
+        if type(logprobs) is FlatLogprobs:     # straight into its columns: no lists a position
+            starts, ends, ids, lps, rks = (logprobs.start_indices, logprobs.end_indices, logprobs.token_ids,
+                                           logprobs.logprobs, logprobs.ranks)
+            first = len(ids)
             for token_id, logprob, rank, top in zip(token_ids, values, ranks, tops):
-                ids, lps, rks = [token_id], [logprob], [rank]
+                starts.append(len(ids))
+                ids.append(token_id)
+                lps.append(logprob)
+                rks.append(rank)
                 if top:
                     for r, tid, lp in zip(top[2][:num_top] if len(top) == 3 else positions, top[0], top[1]):
                         if tid != token_id:
                             ids.append(tid)
                             lps.append(lp)
                             rks.append(r)
-                logprobs.append_position(ids, lps, rks, [None] * len(ids) if texts is None else [texts[t] for t in ids])
+                ends.append(len(ids))
+            new_ids = ids[first:]
+            logprobs.decoded_tokens += [None] * len(new_ids) if texts is None else map(texts.__getitem__, new_ids)
             return
         for token_id, logprob, rank, top in zip(token_ids, values, ranks, tops):
             entry = {token_id: Logprob(logprob, rank, None if texts is None else texts[token_id])}
