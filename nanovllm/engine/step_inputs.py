@@ -8,6 +8,7 @@ input_ids, positions and slot_mapping.
     | row 0 |         | row 1 | row 2 | row 3 |     | row 4 |        query_start_loc = [0, 1, 4, 5]
 """
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 
@@ -41,25 +42,24 @@ class StepInputs:
 
 
 def host_batch(out: SchedulerOutput, block_size: int) -> HostBatch:
-    """Flatten the scheduled tokens of all sequences into one batch."""
+    """Flatten the scheduled tokens of all sequences into one batch: token t of a sequence sits at
+    slot block_table[t // block_size] * block_size + t % block_size."""
     bs = block_size
-    input_ids, positions, slots = [], [], []
-    query_start_loc, seq_lens = [0], []
-    for seq, n in zip(out.seqs, out.num_scheduled_tokens):
-        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-        input_ids.extend(seq.token_ids[start:end])
-        if n == 1:
-            positions.append(start)
-            slots.append(seq.block_table[start // bs] * bs + start % bs)
-        else:   # (Python ints in the lists: numpy scalars would make np.asarray below slow)
-            pos = np.arange(start, end)
-            positions.extend(range(start, end))
-            slots.extend((np.asarray(seq.block_table, np.int64)[pos // bs] * bs + pos % bs).tolist())
-        query_start_loc.append(query_start_loc[-1] + n)
-        seq_lens.append(end)
-    return HostBatch(np.asarray(input_ids, np.int64), np.asarray(positions, np.int64),
-                     np.asarray(slots, np.int64), padded([seq.block_table for seq in out.seqs], 0, np.int32),
-                     query_start_loc, seq_lens)
+    seqs, counts = out.seqs, out.num_scheduled_tokens
+    starts = [seq.num_computed_tokens for seq in seqs]
+    seq_lens = [start + n for start, n in zip(starts, counts)]
+    query_start_loc = [0, *accumulate(counts)]
+    input_ids = []
+    for seq, start, end in zip(seqs, starts, seq_lens):
+        input_ids += seq.token_ids[start:end]
+    block_tables = padded([seq.block_table for seq in seqs], 0, np.int32)
+    if len(input_ids) == len(seqs):   # one token a sequence, a decode step (each schedules at least one)
+        rows, positions = np.arange(len(seqs)), np.asarray(starts, np.int64)
+    else:                             # each token's sequence and position
+        rows = np.repeat(np.arange(len(seqs)), counts)
+        positions = np.arange(len(input_ids)) + np.repeat(np.asarray(starts) - query_start_loc[:-1], counts)
+    slots = block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+    return HostBatch(np.asarray(input_ids, np.int64), positions, slots, block_tables, query_start_loc, seq_lens)
 
 
 def build_step(out: SchedulerOutput, sampling_seqs: list[Sequence], pending: dict[int, int] | None,
