@@ -2,7 +2,7 @@
 which pages, in what tiles. Pages of 16 tokens."""
 import numpy as np
 
-from nanovllm.engine.shared_prefix import max_tiles, plan_shared_prefixes
+from nanovllm.engine.shared_prefix import max_tiles, plan_arrays, plan_shared_prefixes
 
 
 def plan(tables, seq_lens, seqs_per_tile=8, min_saved_share=0.0):
@@ -65,3 +65,16 @@ def test_plans_fit_the_tiles_a_graph_is_captured_for():
         if p is not None:
             assert len(p.tiles) <= max_tiles(num_seqs, seqs_per_tile)
     assert [max_tiles(n, 32) for n in (2, 3, 16, 256, 512)] == [2, 2, 9, 136, 272]
+
+
+def test_plan_arrays_pad_with_rows_and_tiles_that_read_nothing():
+    """What the kernels read: the plan's prefix lengths and tiles, then zeros up to the sizes asked
+    for (a graph bucket's rows, its most tiles), and the count of tiles in use; no plan: zeros."""
+    p = plan([[5, 6, 7, 8], [5, 6, 7, 9, 10], [5, 6, 7, 11], [1, 2]], [60, 70, 60, 20])
+    prefix_lens, tiles, count = plan_arrays(p, 6, 3)
+    assert prefix_lens.tolist() == [48, 48, 48, 0, 0, 0] and prefix_lens.dtype == np.int32
+    assert tiles.tolist() == [[0, 3, 48], [0, 0, 0], [0, 0, 0]] and tiles.dtype == np.int32
+    assert count.tolist() == [1] and count.dtype == np.int32
+    exact = plan_arrays(p, 4, 1)
+    assert [a.tolist() for a in exact] == [[48, 48, 48, 0], [[0, 3, 48]], [1]]
+    assert [a.tolist() for a in plan_arrays(None, 2, 1)] == [[0, 0], [[0, 0, 0]], [0]]

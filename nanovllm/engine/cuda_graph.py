@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from nanovllm.engine.shared_prefix import SharedPrefixPlan, max_tiles
+from nanovllm.engine.shared_prefix import SharedPrefixPlan, max_tiles, plan_arrays
 from nanovllm.engine.upload import packed_offsets, upload, views
 from nanovllm.kernels import compile_ahead
 from nanovllm.layers.attention import AttentionMetadata, SharedPrefixes
@@ -74,14 +74,8 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def _plan_arrays(self, n: int, plan: SharedPrefixPlan | None = None) -> list[np.ndarray]:
-        """prefix_lens [n], tiles [max_tiles(n), 3] and the tiles' count [1]: plan's values first, zeros
-        after (padding rows read no prefix; tiles past the count are not read)."""
-        prefix_lens, tiles = np.zeros(n, np.int32), np.zeros((max_tiles(n, self.tile_seqs), 3), np.int32)
-        count = np.zeros(1, np.int32)
-        if plan is not None:
-            prefix_lens[:len(plan.prefix_lens)], tiles[:len(plan.tiles)] = plan.prefix_lens, plan.tiles
-            count[0] = len(plan.tiles)
-        return [prefix_lens, tiles, count]
+        """plan_arrays sized for n rows and the most tiles a plan of n sequences can have."""
+        return plan_arrays(plan, n, max_tiles(n, self.tile_seqs))
 
     def _bucket_inputs(self, bs: int, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The bucket's views of the staged inputs, set to the padding rows' values (step_arrays)

@@ -20,7 +20,7 @@ from nanovllm.engine.sampling_inputs import build_sampling_metadata
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sleep import SLEEP_TAGS, ArenaMemory, Hibernation, Storages
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.shared_prefix import SharedPrefixPlan, plan_shared_prefixes
+from nanovllm.engine.shared_prefix import SharedPrefixPlan, plan_arrays, plan_shared_prefixes
 from nanovllm.engine.step_inputs import HostBatch, StepInputs, build_step, mixed_step_decodes, prompt_spans
 from nanovllm.engine.structured_output import BitmaskFiller
 from nanovllm.engine.upload import upload
@@ -324,7 +324,7 @@ class ModelRunner:
                   np.asarray(rows, np.int64), np.asarray(sources, np.int64),
                   np.asarray(gathered, np.int64), np.asarray([qsl[i] for i in gathered], np.int64)]
         if shared is not None:
-            arrays += [shared.prefix_lens, shared.tiles, np.array([len(shared.tiles)], np.int32)]
+            arrays += plan_arrays(shared, len(shared.prefix_lens), len(shared.tiles))
         if self.backend.needs_cu_seqlens_k:
             arrays.append(np.concatenate([[0], np.cumsum(batch.seq_lens)]).astype(np.int32))
         (input_ids, positions, slot_mapping, block_tables, query_start_loc, seq_lens, rows, sources, decode_seqs_t,

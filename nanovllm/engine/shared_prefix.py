@@ -41,6 +41,17 @@ def max_tiles(num_seqs: int, seqs_per_tile: int) -> int:
     return min(num_seqs, num_seqs // 2 + -(-num_seqs // seqs_per_tile))
 
 
+def plan_arrays(plan: SharedPrefixPlan | None, num_seqs: int, num_tiles: int) -> list[np.ndarray]:
+    """What the kernels read of a plan, int32: prefix_lens [num_seqs], tiles [num_tiles, 3] and the
+    tiles' count [1]; the plan's values first, zeros after (a CUDA graph's inputs are sized for its
+    bucket: padding rows read no prefix, tiles past the count are not read). None: all zeros."""
+    prefix_lens, tiles, count = np.zeros(num_seqs, np.int32), np.zeros((num_tiles, 3), np.int32), np.zeros(1, np.int32)
+    if plan is not None:
+        prefix_lens[:len(plan.prefix_lens)], tiles[:len(plan.tiles)] = plan.prefix_lens, plan.tiles
+        count[0] = len(plan.tiles)
+    return [prefix_lens, tiles, count]
+
+
 def plan_shared_prefixes(block_tables: np.ndarray, seq_lens: list[int], page: int, seqs_per_tile: int,
                          min_saved_share: float | None = None) -> SharedPrefixPlan | None:
     """block_tables: [num_seqs, max_pages] (padded), seq_lens: the decode step's context lengths,

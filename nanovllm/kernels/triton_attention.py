@@ -418,8 +418,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         launch(_shared_prefix_kernel, (min(items, SHARED_PREFIX_PROGRAMS_PER_SM * sms),),
             q, k_cache, v_cache, block_tables, shared.tiles, shared.tile_count, o_part, lse_part, scale,
             prefix_splits, slots, q.stride(0), q.stride(1), block_tables.stride(0),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=SHARED_PREFIX_ROWS, BLOCK_N=block_n,
-            MIN_SPLIT=min_prefix_split, num_warps=4, num_stages=num_stages)
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), NUM_KV_HEADS=num_kv_heads, GROUP=group,
+            HEAD_DIM=head_dim, PAGE=page, BLOCK_M=SHARED_PREFIX_ROWS, BLOCK_N=block_n, MIN_SPLIT=min_prefix_split,
+            num_warps=4, num_stages=num_stages)
     else:
         if fuse_merge is None:
             fuse_merge = fused_merge_for(num_seqs)
