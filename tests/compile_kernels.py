@@ -66,8 +66,7 @@ def report(label: str, compiled, num_warps: int) -> str:
 
 def main():
     prefix_types = {"q_ptr": "*bf16", "block_tables_ptr": "*i32", "tiles_ptr": "*i32", "tile_count_ptr": "*i32",
-                    "o_part_ptr": "*fp32",
-                    "lse_part_ptr": "*fp32", "scale": "fp32", "splits": "i32", "slots": "i32"}
+                    "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "scale": "fp32", "splits": "i32", "slots": "i32"}
     prefix_constants = dict(NUM_KV_HEADS=8, GROUP=2, HEAD_DIM=128, PAGE=256, BLOCK_M=ta.SHARED_PREFIX_ROWS, BLOCK_N=64,
                             MIN_SPLIT=ta.MIN_PREFIX_SPLIT)
     print("decode (block_n, stages, warps, max registers):")
