@@ -751,6 +751,38 @@ def test_flat_logprobs_gives_the_same_per_token_dicts(llm):
         assert list(flat.prompt_logprobs)[1:] == plain.prompt_logprobs[1:] and len(flat.prompt_logprobs) == 6
 
 
+def test_prompt_scores_give_the_same_entries_flat_and_as_dicts():
+    """A step's prompt scores go into FlatLogprobs column by column and into dicts position by
+    position: the same entries, for sequences asking fewer top tokens than the step scored (0 too),
+    and with a token in its own top (listed once, at its own rank)."""
+    from nanovllm.engine.prompt_logprobs import PromptScores
+    from nanovllm.layers.sampler import SamplerOutput
+    rng = np.random.default_rng(0)
+    rows = 3 + 5 + 4
+    token_ids = rng.integers(0, 50, rows)
+    top_ids = np.stack([rng.permutation(50)[:3] for _ in range(rows)])
+    ranks = rng.integers(4, 9, rows)
+    top_ids[[1, 6, 9], [0, 2, 1]], ranks[[1, 6, 9]] = token_ids[[1, 6, 9]], [1, 3, 2]
+    scores = SamplerOutput(*(torch.tensor(a) for a in (token_ids, -rng.random(rows, np.float32), ranks,
+                                                        top_ids, -np.sort(rng.random((rows, 3), np.float32), 1))))
+    outs = []
+    for flat in (False, True):
+        seqs = [Sequence("r", 0, list(range(9)), SamplingParams(prompt_logprobs=k, flat_logprobs=flat)) for k in (2, 0, 3)]
+        tokens = iter(token_ids.tolist())
+        for seq, n in zip(seqs, (3, 5, 4)):
+            seq.token_ids[1:1 + n] = [next(tokens) for _ in range(n)]
+        spans = [(seq, 1, list(range(n))) for seq, n in zip(seqs, (3, 5, 4))]
+        for chunk in PromptScores(spans, scores, None).chunks():
+            OutputProcessor(None, set(), 100).append_prompt_logprobs(chunk)
+        outs.append([list(seq.prompt_logprobs)[1:] for seq in seqs])
+    assert outs[0] == outs[1]
+    first = outs[0][0]
+    assert len(first) == 3 and list(first[1]) == [token_ids[1]] + [t for t in top_ids[1, :2] if t != token_ids[1]]
+    assert first[1][token_ids[1]].rank == 1 and len(first[1]) == 2   # its own top: listed once
+    assert [len(p) for p in outs[0][1]] == [1] * 5 and [len(p) for p in outs[0][2]] == [4, 3, 4, 4]
+    assert first[0][token_ids[0]].logprob == scores.logprobs[0].item()
+
+
 def test_flat_logprobs_reads_as_a_list_of_dicts():
     """FlatLogprobs by itself: positions appended as columns or as dicts (None: {}), read by index
     (negative too), slice (a FlatLogprobs of those positions), iteration and len; no writes."""

@@ -2,6 +2,8 @@
 when each sequence stops (EOS, stop token, stop string, max_tokens, max_model_len, a repetition)."""
 from itertools import repeat
 
+import numpy as np
+
 from nanovllm.engine.sequence import Sequence
 from nanovllm.logprobs import FlatLogprobs, Logprob
 
@@ -81,10 +83,35 @@ class OutputProcessor:
         step scores ~16k prompt tokens, all through one _record call a chunk)."""
         seq, sp = chunk.seq, chunk.seq.sampling_params
         assert chunk.first == len(seq.prompt_logprobs)
-        tokens = seq.token_ids[chunk.first:chunk.first + len(chunk.logprobs)]
-        tops = zip(chunk.top_ids, chunk.top_logprobs) if chunk.top_ids else repeat(())
-        self._record(seq.prompt_logprobs, tokens, chunk.logprobs, chunk.ranks, tops, sp.prompt_logprobs,
-                     self._texts(sp))
+        top = chunk.top_ids is not None and sp.prompt_logprobs > 0
+        if type(seq.prompt_logprobs) is FlatLogprobs:
+            self._record_columns(seq.prompt_logprobs, chunk, sp.prompt_logprobs if top else 0, self._texts(sp))
+            return
+        tops = zip(chunk.top_ids.tolist(), chunk.top_logprobs.tolist()) if top else repeat(())
+        self._record(seq.prompt_logprobs, chunk.token_ids.tolist(), chunk.logprobs.tolist(), chunk.ranks.tolist(),
+                     tops, sp.prompt_logprobs, self._texts(sp))
+
+    @staticmethod
+    def _record_columns(flat: FlatLogprobs, chunk, num_top: int, texts: TokenTexts | None):
+        """As _record, for a chunk's prompt tokens into FlatLogprobs: whole columns at once (a position's
+        entries are its token, then the first num_top of its top that are not that token)."""
+        ids, values, ranks = chunk.token_ids[:, None], chunk.logprobs[:, None], chunk.ranks[:, None]
+        counts = np.ones(len(ids), np.int64)
+        if num_top:
+            top_ids = chunk.top_ids[:, :num_top]
+            keep = np.concatenate([np.ones_like(ids, bool), top_ids != ids], 1)
+            ids = np.concatenate([ids, top_ids], 1)[keep]
+            values = np.concatenate([values, chunk.top_logprobs[:, :num_top]], 1)[keep]
+            ranks = np.concatenate([ranks, np.broadcast_to(np.arange(1, num_top + 1), top_ids.shape)], 1)[keep]
+            counts = keep.sum(1)
+        ends = np.cumsum(counts) + len(flat.token_ids)
+        new_ids = ids.ravel().tolist()
+        flat.start_indices += (ends - counts).tolist()
+        flat.end_indices += ends.tolist()
+        flat.token_ids += new_ids
+        flat.logprobs += values.ravel().tolist()
+        flat.ranks += ranks.ravel().tolist()
+        flat.decoded_tokens += [None] * len(new_ids) if texts is None else map(texts.__getitem__, new_ids)
 
     def _texts(self, sp) -> TokenTexts | None:
         """The table of single-token texts, or None where the request's entries carry no text."""

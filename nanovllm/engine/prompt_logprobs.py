@@ -16,14 +16,15 @@ from nanovllm.layers.sampler import SamplerOutput, kernel_token_logprobs, token_
 
 @dataclass
 class PromptLogprobsChunk:
-    """Prompt tokens first, first + 1, ... of one sequence, scored in one step (host values),
-    each given the tokens before it."""
+    """Prompt tokens first, first + 1, ... of one sequence, scored in one step (host arrays, a row a
+    token), each given the tokens before it."""
     seq: Sequence
     first: int
-    logprobs: list[float]
-    ranks: list[int]
-    top_ids: list[list[int]] | None   # per token, best first
-    top_logprobs: list[list[float]] | None
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    ranks: np.ndarray
+    top_ids: np.ndarray | None   # [tokens, the step's top N], best first
+    top_logprobs: np.ndarray | None
 
 
 @dataclass
@@ -37,15 +38,12 @@ class PromptScores:
     def chunks(self) -> list[PromptLogprobsChunk]:
         """One chunk a span, from the host copy (after event)."""
         scores = self.scores
-        logprobs, ranks = scores.logprobs.tolist(), scores.ranks.tolist()
-        top_ids = top_logprobs = None
-        if scores.top_ids is not None:
-            top_ids, top_logprobs = scores.top_ids.tolist(), scores.top_logprobs.tolist()
+        columns = [None if t is None else t.numpy() for t in
+                   (scores.token_ids, scores.logprobs, scores.ranks, scores.top_ids, scores.top_logprobs)]
         chunks, start = [], 0
         for seq, first, rows in self.spans:
             end = start + len(rows)
-            top = (None, None) if top_ids is None else (top_ids[start:end], top_logprobs[start:end])
-            chunks.append(PromptLogprobsChunk(seq, first, logprobs[start:end], ranks[start:end], *top))
+            chunks.append(PromptLogprobsChunk(seq, first, *(None if c is None else c[start:end] for c in columns)))
             start = end
         return chunks
 
