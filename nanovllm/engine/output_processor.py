@@ -80,7 +80,7 @@ class OutputProcessor:
 
     def append_prompt_logprobs(self, chunk):
         """chunk: a PromptLogprobsChunk; its tokens follow the ones already scored (a loglikelihood run's
-        step scores ~16k prompt tokens, all through one _record call a chunk)."""
+        step scores ~16k prompt tokens: one _record call a chunk for dicts, whole columns for FlatLogprobs)."""
         seq, sp = chunk.seq, chunk.seq.sampling_params
         assert chunk.first == len(seq.prompt_logprobs)
         top = chunk.top_ids is not None and sp.prompt_logprobs > 0
