@@ -767,7 +767,8 @@ def test_prompt_scores_give_the_same_entries_flat_and_as_dicts():
                                                         top_ids, -np.sort(rng.random((rows, 3), np.float32), 1))))
     outs = []
     for flat in (False, True):
-        seqs = [Sequence("r", 0, list(range(9)), SamplingParams(prompt_logprobs=k, flat_logprobs=flat)) for k in (2, 0, 3)]
+        seqs = [Sequence("r", 0, list(range(9)), SamplingParams(prompt_logprobs=k, flat_logprobs=flat))
+                for k in (2, 0, 3)]
         tokens = iter(token_ids.tolist())
         for seq, n in zip(seqs, (3, 5, 4)):
             seq.token_ids[1:1 + n] = [next(tokens) for _ in range(n)]
