@@ -210,6 +210,15 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     @property
+    def samples_by_temperature_alone(self) -> bool:
+        """No top-k, top-p or min-p, seed, min_tokens, token bans, edits or penalties, logprobs, thinking
+        budget or grammar: a row that needs nothing from the host's sampling metadata but its temperature."""
+        return (self.top_k == 0 and self.top_p == 1.0 and self.min_p == 0.0 and self.seed is None
+                and self.min_tokens == 0 and not self.bad_words and self.allowed_token_ids is None
+                and not self.logit_bias and not self.has_penalties and self.num_logprobs is None
+                and self.thinking_token_budget is None and self.structured_outputs is None)
+
+    @property
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)

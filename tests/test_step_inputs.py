@@ -92,3 +92,27 @@ def test_sampling_metadata_top_k_fields_for_a_batch_with_and_without_top_k():
     assert (md.max_top_k, md.max_set_top_k) == (20, 20)
     md = host_sampling_metadata(seqs[1:4], vocab_size=1_000, eos_token_ids=[0])
     assert (md.top_k, md.max_top_k, md.max_set_top_k) == (None, None, None)
+
+
+def test_sampling_metadata_of_rows_sampled_by_temperature_alone():
+    """A batch whose every row samples by its temperature alone skips the passes for the other fields,
+    with the metadata those passes would have made; a row with any of those fields set is not such a row."""
+    from dataclasses import fields
+
+    from nanovllm.engine.sampling_inputs import host_sampling_metadata
+    seqs = [Sequence(str(i), 0, [1, 2, 3], SamplingParams(temperature=t, top_k=k, max_tokens=5))
+            for i, (t, k) in enumerate([(0.0, 3), (0.6, 0), (1.0, -1)])]   # (a greedy row's top_k is dropped)
+    assert all(seq.samples_by_temperature_alone for seq in seqs)
+    fast = host_sampling_metadata(seqs, vocab_size=1_000, eos_token_ids=[0])
+    for seq in seqs:
+        seq.samples_by_temperature_alone = False
+    slow = host_sampling_metadata(seqs, vocab_size=1_000, eos_token_ids=[0])
+    for f in fields(fast):
+        a, b = getattr(fast, f.name), getattr(slow, f.name)
+        assert (a == b).all() if isinstance(a, np.ndarray) else a == b, f.name
+    for options in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1), dict(seed=1), dict(min_tokens=2),
+                    dict(bad_words=["x"]), dict(allowed_token_ids=[1]), dict(logit_bias={1: 1.0}),
+                    dict(presence_penalty=0.5), dict(frequency_penalty=0.5), dict(repetition_penalty=1.1),
+                    dict(logprobs=0), dict(logprob_token_ids=[1]), dict(thinking_token_budget=4),
+                    dict(structured_outputs={"regex": "a+"})):
+        assert not SamplingParams(temperature=0.6, **options).samples_by_temperature_alone, options

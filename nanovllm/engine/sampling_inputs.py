@@ -45,6 +45,8 @@ def host_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids:
         any_greedy=any(greedy),
         top_k=None, max_top_k=None, top_p=None, min_p=None, row_seeds=[], banned_rows=None, banned_tokens=None,
     )
+    if all(seq.samples_by_temperature_alone for seq in seqs):   # (most steps: the passes below find nothing)
+        return md
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]   # a top_k >= vocab keeps every token: none
     if any(top_k):
         md.top_k = np.asarray([k or vocab for k in top_k], np.int64)

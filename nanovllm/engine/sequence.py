@@ -42,6 +42,7 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
+        self.samples_by_temperature_alone = sampling_params.samples_by_temperature_alone   # (read every step)
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0               # prefix-cache hit at the first admission
