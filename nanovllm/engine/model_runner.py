@@ -258,9 +258,6 @@ class ModelRunner:
             steps += [self._device_inputs(b, shared=SharedPrefixPlan(np.zeros(len(b.seq_lens), np.int32),
                                                                      np.zeros((1, 3), np.int32)))
                       for b in decodes]
-        self._add_compile_ahead(compile_ahead.dry_run(lambda: [self.model(*step) for step in steps]))
-        hidden = self.model(*inputs)
-        logits = self.model.compute_logits(hidden[torch.tensor(batch.query_start_loc[1:]) - 1])
         # top_k without max_top_k or max_set_top_k sorts every row: the sampler's largest path; and
         # logprob_token_ids keep the whole log_softmax (the logprobs' largest path)
         md = SamplingMetadata(
@@ -272,9 +269,20 @@ class ModelRunner:
             row_seeds=[], banned_rows=None, banned_tokens=None, max_num_logprobs=cfg.logprobs_cap,
             logprob_rows=torch.zeros(1, dtype=torch.int64, device=self.device),
             logprob_token_ids=torch.zeros(1, 1, dtype=torch.int64, device=self.device))
-        if self.sampler is not None:
-            self.sampler(logits, md)
-        del hidden, logits
+        last_tokens = torch.tensor(batch.query_start_loc[1:], device=self.device) - 1
+
+        def largest_step():
+            logits = self.model.compute_logits(self.model(*inputs)[last_tokens])
+            if self.sampler is not None:
+                self.sampler(logits, md)
+
+        def dry_steps():   # (the sampler's kernels too: they compile beside the model's)
+            largest_step()
+            for step in steps[1:]:
+                self.model(*step)
+
+        self._add_compile_ahead(compile_ahead.dry_run(dry_steps))
+        largest_step()
         kv_cache.release(self.attention_layers)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device)

@@ -8,7 +8,8 @@ asynchronous compile mode) and returns. So one dry pass of the model's forward p
 queues every variant, the pool compiles them at once (most of a compile is ptxas, a process of
 its own, and C++ passes), and the real warm-ups after it find them compiled. The outputs the
 skipped kernels would have written are left as allocated, so a dry pass must neither read them on
-the host nor index with them (the model's forward does neither; the sampler would).
+the host nor index with them. The model's forward does neither; in the sampler, only the sampled
+token ids are indices, and gumbel_argmax zeroes them in a dry pass (`in_dry_run()`).
 """
 import os
 import time
@@ -32,6 +33,11 @@ def launch(kernel, grid, *args, **kwargs):
             return
         _queued.add(key)
     kernel.run(*args, grid=grid, warmup=_queued is not None, **kwargs)
+
+
+def in_dry_run() -> bool:
+    """Whether launches now only queue their compiles (inside dry_run)."""
+    return _queued is not None
 
 
 def _specialized_on(arg):

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.compile_ahead import launch
+
 BLOCK = 2048
 
 
@@ -41,7 +43,7 @@ def penalize(logits: torch.Tensor, rows: torch.Tensor, table: torch.Tensor, tabl
     ([P]; the table [R, >= V] int32), with [P] presence, frequency and repetition penalties."""
     assert logits.dtype == torch.float32 and logits.stride(1) == 1 and table.stride(1) == 1
     vocab_size = logits.shape[1]
-    _penalties_kernel[(rows.shape[0], triton.cdiv(vocab_size, BLOCK))](
+    launch(_penalties_kernel, (rows.shape[0], triton.cdiv(vocab_size, BLOCK)),
         logits, table, rows, table_rows, presence, frequency, repetition, vocab_size, logits.stride(0),
         table.stride(0), BLOCK=BLOCK, num_warps=4)
 
@@ -63,5 +65,5 @@ def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tenso
     ceil(V / 32)] int32) get -inf."""
     assert logits.stride(1) == 1 and bitmask.stride(1) == 1
     vocab_size = logits.shape[1]
-    _bitmask_kernel[(rows.shape[0], triton.cdiv(vocab_size, BLOCK))](
+    launch(_bitmask_kernel, (rows.shape[0], triton.cdiv(vocab_size, BLOCK)),
         logits, bitmask, rows, vocab_size, logits.stride(0), bitmask.stride(0), BLOCK=BLOCK, num_warps=4)

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.compile_ahead import launch
+
 from nanovllm.kernels.triton_top_k import _from_sort_key, _sort_key
 
 BLOCK = 2048
@@ -76,8 +78,8 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
     num_chunks = triton.cdiv(vocab_size, BLOCK)
     stats = torch.empty(rows, num_chunks, 2, dtype=torch.float32, device=logits.device)
     above = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
-    _stats_kernel[(rows, num_chunks)](logits, logits.stride(0), token_ids, vocab_size, stats, above, BLOCK=BLOCK,
-                                      num_warps=4)
+    launch(_stats_kernel, (rows, num_chunks), logits, logits.stride(0), token_ids, vocab_size, stats, above,
+           BLOCK=BLOCK, num_warps=4)
     largest, mass = stats.unbind(-1)
     row_max = largest.max(1, keepdim=True).values
     log_mass = (mass * (largest - row_max).exp()).sum(1, keepdim=True).log()
@@ -89,8 +91,8 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
               torch.full((rows,), float("-inf"), device=logits.device))
     top_values = torch.full((rows, num_chunks, num_top), float("-inf"), device=logits.device)
     top_ids = torch.full((rows, num_chunks, num_top), -1, dtype=torch.int64, device=logits.device)
-    _best_kernel[(rows, num_chunks)](logits, logits.stride(0), vocab_size, num_top, stats, floors, top_values,
-                                     top_ids, BLOCK=BLOCK, num_warps=4)
+    launch(_best_kernel, (rows, num_chunks), logits, logits.stride(0), vocab_size, num_top, stats, floors,
+           top_values, top_ids, BLOCK=BLOCK, num_warps=4)
     # The slots left empty are id -1: ranked below every logit, -inf ones included
     top_values, top_ids = top_values.view(rows, -1), top_ids.view(rows, -1)
     keys = torch.where(top_ids < 0, float("-inf"), top_values.clamp_min(torch.finfo(torch.float32).min))

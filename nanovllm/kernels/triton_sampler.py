@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.compile_ahead import in_dry_run, launch
+
 GROUP = 1024    # vocab ids per group: 149 groups for a 152k vocab
 
 
@@ -98,13 +100,13 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, is_greedy: t
     top = torch.empty(batch, num_groups, dtype=torch.float32, device=logits.device)
     mass = torch.empty_like(top)
     arg = torch.empty(batch, num_groups, dtype=torch.int32, device=logits.device)
-    tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    # (zeros in a dry pass, where the kernels do not run: the caller indexes with the tokens)
+    tokens = (torch.zeros if in_dry_run() else torch.empty)(batch, dtype=torch.int64, device=logits.device)
     cut_or_any = cut if cut is not None else temperatures
     # two warps a group: the fastest of seven shapes at 16-256 sampled rows (perf_notes row 47)
-    _group_stats_kernel[(batch, num_groups)](logits, logits.stride(0), temperatures, is_greedy, cut_or_any, top,
-                                             mass, arg, vocab_size, num_groups, HAS_CUT=cut is not None,
-                                             GROUP=GROUP, num_warps=2)
-    _draw_kernel[(batch,)](logits, logits.stride(0), temperatures, is_greedy, seeds, cut_or_any, top, mass, arg,
-                           tokens, vocab_size, num_groups, HAS_CUT=cut is not None, GROUP=GROUP,
-                           GROUPS=triton.next_power_of_2(num_groups), num_warps=4)
+    launch(_group_stats_kernel, (batch, num_groups), logits, logits.stride(0), temperatures, is_greedy, cut_or_any,
+           top, mass, arg, vocab_size, num_groups, HAS_CUT=cut is not None, GROUP=GROUP, num_warps=2)
+    launch(_draw_kernel, (batch,), logits, logits.stride(0), temperatures, is_greedy, seeds, cut_or_any, top, mass,
+           arg, tokens, vocab_size, num_groups, HAS_CUT=cut is not None, GROUP=GROUP,
+           GROUPS=triton.next_power_of_2(num_groups), num_warps=4)
     return tokens

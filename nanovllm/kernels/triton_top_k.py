@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.compile_ahead import launch
+
 BLOCK = 4096           # logits per load
 SUB = 128              # logits per sub-block maximum
 MAX_CAP = 4096         # the most candidates a row keeps (4 x top_k, at least 256); more: radix fallback
@@ -250,24 +252,23 @@ def top_k_top_p_cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
         maxima = torch.empty(batch, num_sub_pad, dtype=torch.float32, device=device)
         floor = torch.empty(batch, dtype=torch.float32, device=device)
         candidates = torch.empty(batch, cap, dtype=torch.float32, device=device)
-        _sub_block_maxima_kernel[grid](logits, stride, maxima, vocab_size, chunk_size, NUM_SUB_PAD=num_sub_pad,
-                                       BLOCK=BLOCK, SUB=SUB, num_warps=4)
-        _candidate_floor_kernel[(batch,)](maxima, top_k, floor, num_sub, NUM_SUB_PAD=num_sub_pad, num_warps=4)
-        _gather_candidates_kernel[grid](logits, stride, floor, candidates, num_candidates, vocab_size, chunk_size,
-                                        CAP=cap, BLOCK=BLOCK, num_warps=4)
-        _cut_from_candidates_kernel[(batch,)](top_k, top_p, temperatures, candidates, num_candidates, cut,
-                                              HAS_TOP_P=has_top_p, CAP=cap, num_warps=8)
+        launch(_sub_block_maxima_kernel, grid, logits, stride, maxima, vocab_size, chunk_size,
+               NUM_SUB_PAD=num_sub_pad, BLOCK=BLOCK, SUB=SUB, num_warps=4)
+        launch(_candidate_floor_kernel, (batch,), maxima, top_k, floor, num_sub, NUM_SUB_PAD=num_sub_pad, num_warps=4)
+        launch(_gather_candidates_kernel, grid, logits, stride, floor, candidates, num_candidates, vocab_size,
+               chunk_size, CAP=cap, BLOCK=BLOCK, num_warps=4)
+        launch(_cut_from_candidates_kernel, (batch,), top_k, top_p, temperatures, candidates, num_candidates, cut,
+               HAS_TOP_P=has_top_p, CAP=cap, num_warps=8)
     else:
         num_candidates.fill_(cap + 1)
     k_cap = triton.next_power_of_2(max_top_k)
     best = torch.empty(batch, k_cap, dtype=torch.float32, device=device) if has_top_p else cut   # read with top_p
     for p in range(num_passes):
-        _histogram_kernel[grid](logits, stride, top_k, num_candidates, counts, vocab_size, chunk_size, PASS=p,
-                                CAP=cap, BLOCK=BLOCK, num_warps=4)
+        launch(_histogram_kernel, grid, logits, stride, top_k, num_candidates, counts, vocab_size, chunk_size,
+               PASS=p, CAP=cap, BLOCK=BLOCK, num_warps=4)
     if has_top_p:
-        _gather_above_kernel[grid](logits, stride, top_k, num_candidates, counts, num_above, best, vocab_size,
-                                   chunk_size, NUM_PASSES=num_passes, K_CAP=k_cap, CAP=cap, BLOCK=BLOCK,
-                                   num_warps=4)
-    _radix_cut_kernel[(batch,)](top_k, top_p, temperatures, num_candidates, counts, num_above, best, cut,
-                                HAS_TOP_P=has_top_p, NUM_PASSES=num_passes, K_CAP=k_cap, CAP=cap, num_warps=4)
+        launch(_gather_above_kernel, grid, logits, stride, top_k, num_candidates, counts, num_above, best,
+               vocab_size, chunk_size, NUM_PASSES=num_passes, K_CAP=k_cap, CAP=cap, BLOCK=BLOCK, num_warps=4)
+    launch(_radix_cut_kernel, (batch,), top_k, top_p, temperatures, num_candidates, counts, num_above, best, cut,
+           HAS_TOP_P=has_top_p, NUM_PASSES=num_passes, K_CAP=k_cap, CAP=cap, num_warps=4)
     return cut

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.compile_ahead import launch
 from nanovllm.kernels.triton_top_k import _from_key_prefix, _load_chunk, _sort_key
 
 BLOCK = 512            # candidates per load: a [16, BLOCK] float32 accumulator, 64 values a thread at 4 warps
@@ -192,12 +193,14 @@ def top_p_cut(logits: torch.Tensor, top_p: torch.Tensor, temperatures: torch.Ten
     candidates = torch.empty(batch, vocab_size, dtype=logits.dtype, device=device)
     counts = torch.empty(batch, num_chunks, dtype=torch.int32, device=device)
     masses = torch.empty(num_passes, batch, num_chunks, NUM_BINS.value, dtype=torch.float32, device=device)
-    _stats_kernel[grid](logits, stride, top_p, temperatures, stats, vocab_size, chunk_size, BLOCK=2048, num_warps=4)
-    _gather_kernel[grid](logits, stride, top_p, temperatures, stats, candidates, counts, vocab_size, chunk_size,
-                         BLOCK=2048, num_warps=4)
+    launch(_stats_kernel, grid, logits, stride, top_p, temperatures, stats, vocab_size, chunk_size, BLOCK=2048,
+           num_warps=4)
+    launch(_gather_kernel, grid, logits, stride, top_p, temperatures, stats, candidates, counts, vocab_size,
+           chunk_size, BLOCK=2048, num_warps=4)
     for p in range(num_passes):
-        _mass_kernel[grid](candidates, counts, top_p, temperatures, stats, masses, vocab_size, chunk_size,
-                           PASS=p, BLOCK=block, num_warps=num_warps)
+        launch(_mass_kernel, grid, candidates, counts, top_p, temperatures, stats, masses, vocab_size, chunk_size,
+               PASS=p, BLOCK=block, num_warps=num_warps)
     cut = torch.empty(batch, dtype=torch.float32, device=device)
-    _cut_kernel[(batch,)](top_p, temperatures, stats, masses, cut, num_chunks, NUM_PASSES=num_passes, num_warps=4)
+    launch(_cut_kernel, (batch,), top_p, temperatures, stats, masses, cut, num_chunks, NUM_PASSES=num_passes,
+           num_warps=4)
     return cut

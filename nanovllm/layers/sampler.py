@@ -235,28 +235,36 @@ class Sampler:
         machine, ~0.05 s once Triton's cache holds them). Each batch is sampled twice: as it
         comes, in the model's dtype, and with its first row penalised and held to an all-allowing
         grammar bitmask, for the logit-edit kernels (after which the batch is float32; perf_notes
-        row 84); each with one logprob a row (the logprobs kernels, on the raw logits). The
+        row 84); each with one logprob a row (the logprobs kernels, on the raw logits). A dry pass
+        over the same batches first queues every kernel variant's compile at once
+        (kernels/compile_ahead.py), so that they compile side by side rather than one by one. The
         noise generator is left as it was. -> False if there is nothing to compile (the CPU path)."""
         if not self.fused:
             return False
         device, state = self.generator.device, self.generator.get_state()
-        values = torch.Generator(device=device).manual_seed(0)
         one = lambda value, kind=None: torch.full((1,), value, dtype=kind, device=device)
         edits = dict(penalty_rows=one(0, torch.int64), penalty_table_rows=one(0, torch.int64),
                      penalty_table=torch.zeros(1, vocab_size + 1, dtype=torch.int32, device=device),
                      presence_penalties=one(0.5), frequency_penalties=one(0.5), repetition_penalties=one(1.2),
                      grammar_rows=one(0, torch.int64),
                      grammar_bitmask=torch.full((1, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device))
-        for rows in sorted({1, max_rows}):
-            full = lambda value, kind=None: torch.full((rows,), value, dtype=kind, device=device)
-            for row_edits in ({}, edits):
-                md = SamplingMetadata(temperatures=full(0.6), is_greedy=full(False), all_greedy=False,
-                                      any_greedy=False, top_k=full(top_k, torch.int64) if top_k > 0 else None,
-                                      max_top_k=top_k if top_k > 0 else None,
-                                      top_p=full(top_p) if top_p < 1.0 else None, min_p=None,
-                                      row_seeds=[], banned_rows=None, banned_tokens=None, max_num_logprobs=1,
-                                      **row_edits)
-                self(torch.randn(rows, vocab_size, generator=values, device=device, dtype=dtype), md)
+
+        def sample_each_batch():
+            values = torch.Generator(device=device).manual_seed(0)
+            for rows in sorted({1, max_rows}):
+                full = lambda value, kind=None: torch.full((rows,), value, dtype=kind, device=device)
+                for row_edits in ({}, edits):
+                    md = SamplingMetadata(temperatures=full(0.6), is_greedy=full(False), all_greedy=False,
+                                          any_greedy=False, top_k=full(top_k, torch.int64) if top_k > 0 else None,
+                                          max_top_k=top_k if top_k > 0 else None,
+                                          top_p=full(top_p) if top_p < 1.0 else None, min_p=None,
+                                          row_seeds=[], banned_rows=None, banned_tokens=None, max_num_logprobs=1,
+                                          **row_edits)
+                    self(torch.randn(rows, vocab_size, generator=values, device=device, dtype=dtype), md)
+
+        from nanovllm.kernels import compile_ahead
+        compile_ahead.dry_run(sample_each_batch)
+        sample_each_batch()
         self.generator.set_state(state)
         return True
 
