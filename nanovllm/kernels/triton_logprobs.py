@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.compile_ahead import launch
-
 from nanovllm.kernels.triton_top_k import _from_sort_key, _sort_key
 
 BLOCK = 2048
