@@ -243,21 +243,21 @@ class ModelRunner:
                              query_start_loc=np.concatenate([[0], np.cumsum(lens)]).tolist(), seq_lens=lens)
         batch = host_batch(lens)
         inputs = self._device_inputs(batch)
-        # Its kernels compiled first, those of a step of short prompts (kernels chosen by length),
-        # those of a step of each power of two below it (kernels chosen by the step's tokens: the
-        # small-batch products' rows, the MoE blocks' rows), so that prompt steps of other sizes find
-        # them, and those of a decode step of each decode-kernel variant (chosen by the batch size; the
-        # decode graphs' dry pass meets them again, an eager engine's steps would not).
+        # Its kernels compiled first, with the sampler's, then those of a step of short prompts (kernels
+        # chosen by length), those of a step of each power of two below it (kernels chosen by the step's
+        # tokens: the small-batch products' rows, the MoE blocks' rows), so that prompt steps of other
+        # sizes find them, and those of a decode step of each decode-kernel variant (chosen by the batch
+        # size; the decode graphs' dry pass meets them again, an eager engine's steps would not).
         from nanovllm.kernels.triton_attention import decode_variant_sizes
         short = host_batch(kv_cache.even_split(num_tokens, num_seqs))
         powers_of_two = [1 << i for i in range((num_tokens - 1).bit_length())]
         smaller = [host_batch(kv_cache.even_split(n, -(-n // max(lens)))) for n in powers_of_two]
         decodes = [host_batch([1] * n) for n in decode_variant_sizes(cfg.max_num_seqs, self.decode_split)]
-        steps = [inputs] + [self._device_inputs(b) for b in [short, *smaller, *decodes]]
+        other_steps = [self._device_inputs(b) for b in [short, *smaller, *decodes]]
         if self.backend.supports_shared_prefixes:   # and each variant's kernels with shared prefixes
-            steps += [self._device_inputs(b, shared=SharedPrefixPlan(np.zeros(len(b.seq_lens), np.int32),
-                                                                     np.zeros((1, 3), np.int32)))
-                      for b in decodes]
+            other_steps += [self._device_inputs(b, shared=SharedPrefixPlan(np.zeros(len(b.seq_lens), np.int32),
+                                                                           np.zeros((1, 3), np.int32)))
+                            for b in decodes]
         # top_k without max_top_k or max_set_top_k sorts every row: the sampler's largest path; and
         # logprob_token_ids keep the whole log_softmax (the logprobs' largest path)
         md = SamplingMetadata(
@@ -276,9 +276,9 @@ class ModelRunner:
             if self.sampler is not None:
                 self.sampler(logits, md)
 
-        def dry_steps():   # (the sampler's kernels too: they compile beside the model's)
+        def dry_steps():
             largest_step()
-            for step in steps[1:]:
+            for step in other_steps:
                 self.model(*step)
 
         self._add_compile_ahead(compile_ahead.dry_run(dry_steps))
