@@ -1,4 +1,5 @@
 """Config: every engine setting in one place, validated up front (vLLM's names and defaults)."""
+import difflib
 import os
 import random
 from dataclasses import dataclass, field, fields
@@ -10,8 +11,10 @@ from nanovllm.engine.profiler import ProfilerConfig
 from nanovllm.engine.reasoning import ReasoningConfig, reasoning_markers
 from nanovllm.engine.structured_output import StructuredOutputsConfig
 from nanovllm.layers.rotary import max_positions, rope_settings
+from nanovllm.logger import init_logger
 from nanovllm.utils.hub import check_directory_or_hub_id, resolve_model_path
 from nanovllm.utils.validation import check_field_types
+from nanovllm.vllm_only_arguments import IDLE_ARGUMENTS, IGNORED_ARGUMENTS
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
                            "LlamaForCausalLM", "MistralForCausalLM")
@@ -29,26 +32,7 @@ DEFAULT_BLOCK_SIZE = 256
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
                    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
-# vLLM 0.26's LLM() arguments for what nanovllm does not do, accepted only at the value that asks
-# for nothing (vLLM's default): name -> (that value, what nanovllm lacks).
-IDLE_ARGUMENTS = {
-    "convert": ("auto", "nanovllm runs a model as the generative model it is"),
-    "data_parallel_size": (1, "tensor parallelism only"),
-    "offload_group_size": (0, "no CPU offloading"), "offload_num_in_group": (1, "no CPU offloading"),
-    "offload_prefetch_step": (1, "no CPU offloading"), "offload_params": (None, "no CPU offloading"),
-    "enable_return_routed_experts": (False, "MoE routing is not returned"),
-    "enable_prompt_embeds": (False, "a prompt is text or token ids, not embeddings"),
-    "mm_processor_kwargs": (None, "text-only models"), "allowed_local_media_path": ("", "text-only models"),
-    "allowed_media_domains": (None, "text-only models"), "pooler_config": (None, "no pooling models"),
-    "attention_config": (None, "choose the kernels with attention_backend"),
-    "compilation_config": (None, "the engine compiles and captures CUDA graphs its own way; enforce_eager=True "
-                                 "turns the graphs off"),
-    "quantization_config": (None, "checkpoints are loaded unquantized"),
-    "logits_processors": (None, "no custom logits processors"),
-    "reasoning_parser_plugin": (None, "the reasoning parsers are engine/reasoning.py's"),
-    "spec_method": (None, "no speculative decoding"), "spec_model": (None, "no speculative decoding"),
-    "spec_tokens": (None, "no speculative decoding"),
-}
+logger = init_logger(__name__)
 
 
 def batch_defaults(device: str) -> tuple[int, int]:
@@ -98,15 +82,19 @@ class Config:
     device: str = "auto"
     seed: int | None = 0                    # None: a random seed (vLLM's meaning)
     max_model_len: int | None = None
+    # True: a sliding-window model attends to its whole context, max_model_len capped at the window
+    # (vLLM's meaning; nanovllm has no sliding-window attention, so it caps max_model_len either way)
+    disable_sliding_window: bool = False
+    served_model_name: str | list[str] | None = None   # the metrics' model_name (None: the model argument)
     # None: vLLM's defaults for an offline LLM (batch_defaults): 1,024 sequences and 16,384 tokens a step
     # on a GPU of at least 70 GiB that is not an A100, else 256 and 8,192
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True     # False: a prompt is computed in one step or waits
+    enable_chunked_prefill: bool | None = True   # False: a prompt is computed in one step or waits (None: True)
     scheduling_policy: str = "fcfs"         # "fcfs" | "priority": generate(..., priority=[...]), lower first
     block_size: int | None = None               # None: 256 tokens a KV-cache block
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool | None = True   # None: True
+    gpu_memory_utilization: float = 0.92
     kv_cache_memory_bytes: int | None = None   # the KV cache per GPU, instead of sizing it from the above
     num_kvcache_blocks: int | None = None
     num_gpu_blocks_override: int | None = None   # vLLM's name for num_kvcache_blocks
@@ -131,7 +119,7 @@ class Config:
     disable_custom_all_reduce: bool = False
     load_format: str = "auto"
     max_logprobs: int = 20
-    attention_backend: str = "auto"     # "auto" | "triton" | "flash_attn" | "torch"
+    attention_backend: str | None = "auto"   # "auto" (or None) | "triton" | "flash_attn" | "torch"
     kv_cache_dtype: str = "auto"        # "auto" (the model's dtype) | "bfloat16" | "fp8" | "fp8_e4m3" | "fp8_e5m2"
     async_scheduling: bool | None = None   # None: on with CUDA (overlaps host work with the GPU)
     disable_log_stats: bool = True         # False: log throughput, queues and cache use every 5 s
@@ -144,14 +132,20 @@ class Config:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":
+        """Config from LLM()'s keyword arguments: vLLM's names, with those nanovllm has no use for
+        (vllm_only_arguments.py) taken out first."""
         for name, (idle, lack) in IDLE_ARGUMENTS.items():
-            if name in kwargs and kwargs.pop(name) != idle:
+            if name in kwargs and not _asks_nothing(kwargs.pop(name), idle):
                 raise ValueError(f"{name} is not supported ({lack}); leave it at {idle!r}.")
+        for name in sorted(IGNORED_ARGUMENTS.keys() & kwargs.keys()):
+            logger.info(f"{name}={kwargs.pop(name)!r:.80} is not used: {IGNORED_ARGUMENTS[name]}.")
         names = {f.name for f in fields(cls) if f.init}
-        unknown = sorted(set(kwargs) - names)
-        if unknown:
-            raise ValueError(f"LLM() got unexpected keyword argument(s): {', '.join(unknown)}. "
-                            f"Accepted: {', '.join(sorted(names - {'model'}))}.")
+        for name in sorted(set(kwargs) - names):
+            known = names | IDLE_ARGUMENTS.keys() | IGNORED_ARGUMENTS.keys()
+            guess = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+            raise ValueError(f"LLM() got an unexpected keyword argument {name!r}{hint}: it is not one of "
+                             f"vLLM's engine arguments.")
         return cls(model=model, **kwargs)
 
     def __post_init__(self):
@@ -168,6 +162,10 @@ class Config:
             self.seed = random.randrange(2**31)
         if self.block_size is None:
             self.block_size = DEFAULT_BLOCK_SIZE
+        for name, default in (("enable_chunked_prefill", True), ("enable_prefix_caching", True),
+                              ("attention_backend", "auto")):   # vLLM's None: the engine's choice
+            if getattr(self, name) is None:
+                setattr(self, name, default)
         self._validate_scalars()
         self.profiler_config = ProfilerConfig.parse(self.profiler_config)
         self.reasoning_config = ReasoningConfig.parse(self.reasoning_config)
@@ -210,6 +208,7 @@ class Config:
         self.kv_cache_torch_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
         rope_settings(self.hf_config)   # an unsupported RoPE variant refused here, before any worker starts
         max_len = max_positions(self.hf_config)
+        explicit_len = self.max_model_len is not None
         if self.max_model_len is None:
             self.max_model_len = max_len
         elif self.max_model_len > max_len:
@@ -217,7 +216,11 @@ class Config:
             raise ValueError(f"max_model_len ({self.max_model_len}) is greater than the model's "
                              f"max_position_embeddings ({max_len}{scaled}).")
         window = getattr(self.hf_config, "sliding_window", None)
-        if getattr(self.hf_config, "use_sliding_window", True) and window and self.max_model_len > window:
+        if not getattr(self.hf_config, "use_sliding_window", True):
+            window = None
+        if window and self.disable_sliding_window and not explicit_len:
+            self.max_model_len = min(self.max_model_len, window)
+        if window and self.max_model_len > window:
             raise ValueError(f"the model attends within a sliding window of {window} tokens, which nanovllm does "
                              f"not implement; up to the window it equals full attention: set max_model_len "
                              f"<= {window} (got {self.max_model_len}).")
@@ -345,6 +348,13 @@ class Config:
         return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+def _asks_nothing(value, idle) -> bool:
+    """Whether an argument's value is vLLM's default, None and an empty container counting alike."""
+    def empty(v):
+        return v is None or (isinstance(v, (dict, list, set, tuple)) and not v)
+    return value == idle or (empty(value) and empty(idle))
+
+
 def load_chat_template(template: str) -> str:
     """A chat template given as a file path (read) or as the Jinja text itself (as vLLM takes it)."""
     if os.path.isfile(template):
@@ -354,3 +364,66 @@ def load_chat_template(template: str) -> str:
         return template
     raise ValueError(f"chat_template must be a Jinja template or the path of a file holding one; "
                      f"{template!r:.80} is neither (no such file).")
+
+
+class ModelConfig:
+    """vLLM's LLM.model_config and LLMEngine.model_config, read-only: the model's settings by
+    vLLM's names (e.g. lm-eval reads llm.llm_engine.model_config.max_model_len). Config's fields
+    read through (model, tokenizer, max_model_len, hf_config, seed, max_logprobs, ...); dtype is
+    the resolved torch dtype, as vLLM's."""
+    runner_type = "generate"
+    is_multimodal_model = False
+    is_encoder_decoder = False
+
+    def __init__(self, config: Config):
+        self._config = config
+
+    def __getattr__(self, name: str):
+        return getattr(self._config, name)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._config.torch_dtype
+
+    @property
+    def hf_text_config(self) -> PretrainedConfig:
+        return self._config.hf_config
+
+    @property
+    def served_model_name(self) -> str:
+        name = self._config.served_model_name
+        return (name[0] if isinstance(name, list) else name) or self._config.model
+
+    @property
+    def architecture(self) -> str:
+        return self._config.hf_config.architectures[0]
+
+    def get_vocab_size(self) -> int:
+        return self._config.hf_config.vocab_size
+
+    def get_hidden_size(self) -> int:
+        return self._config.hf_config.hidden_size
+
+    def get_head_size(self) -> int:
+        hf = self._config.hf_config
+        return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+
+    def get_total_num_kv_heads(self) -> int:
+        return self._config.hf_config.num_key_value_heads
+
+    def get_num_kv_heads(self, parallel_config=None) -> int:
+        """KV heads per tensor-parallel rank (parallel_config, vLLM's argument, is not needed here)."""
+        return max(1, self.get_total_num_kv_heads() // self._config.tensor_parallel_size)
+
+    def get_num_attention_heads(self, parallel_config=None) -> int:
+        return self._config.hf_config.num_attention_heads // self._config.tensor_parallel_size
+
+    def get_total_num_hidden_layers(self) -> int:
+        return self._config.hf_config.num_hidden_layers
+
+    def get_num_layers(self, parallel_config=None) -> int:
+        return self.get_total_num_hidden_layers()   # no pipeline parallelism: every rank runs every layer
+
+    def get_sliding_window(self) -> int | None:
+        hf = self._config.hf_config
+        return getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None

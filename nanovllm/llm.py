@@ -19,6 +19,7 @@ class LLM:
 
     def __init__(self, model: str, **kwargs):
         self.llm_engine = LLMEngine(Config.from_kwargs(model, **kwargs))
+        self.model_config = self.llm_engine.model_config
         # Tensor-parallel workers end with this object: close(), `with`, `del`, or interpreter exit.
         self._finalizer = weakref.finalize(self, self.llm_engine.close)
         self.closed = False

@@ -1,6 +1,7 @@
 """Fixtures: tiny random Qwen3 / Qwen2 checkpoints (real architecture, small sizes) with a small
 byte-level BPE tokenizer saved beside them, and HF transformers as the reference."""
 import contextlib
+import logging
 import math
 
 import pytest
@@ -125,6 +126,21 @@ def make_prompts(seed: int = 0, num: int = 16) -> list[list[int]]:
     shared2 = rand(48)
     prompts += [shared2 + rand(n) for n in (3, 9, 20, 31)]
     return prompts[:num]
+
+
+@contextlib.contextmanager
+def log_lines(logger_name: str):
+    """Yields the list of messages logged under logger_name inside the block (nanovllm's logger
+    does not propagate to pytest's caplog)."""
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger(logger_name)
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
 
 
 @contextlib.contextmanager

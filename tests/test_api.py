@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import VOCAB_SIZE, make_prompts
+from conftest import VOCAB_SIZE, log_lines, make_prompts
 from nanovllm import LLM, BeamSearchParams, RequestOutput, SamplingParams
-from nanovllm.config import IDLE_ARGUMENTS, Config, batch_defaults
+from nanovllm.config import Config, batch_defaults
+from nanovllm.vllm_only_arguments import IDLE_ARGUMENTS, IGNORED_ARGUMENTS
 from nanovllm.engine.output_processor import OutputProcessor, TokenTexts
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import RequestOutputKind
@@ -982,7 +983,9 @@ def test_generate_collects_garbage_less_often_and_restores_the_thresholds(llm, m
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization must be in (0, 1], got 1.5."),
     (dict(dtype="int3"), "dtype must be 'auto' or one of"),
     (dict(max_model_len=100000), "max_model_len (100000) is greater than the model's max_position_embeddings (512)."),
-    (dict(no_such_option=1), "unexpected keyword argument(s): no_such_option"),
+    (dict(no_such_option=1), "LLM() got an unexpected keyword argument 'no_such_option': it is not one of vLLM's "
+                             "engine arguments."),
+    (dict(max_num_seq=8), "unexpected keyword argument 'max_num_seq' (did you mean 'max_num_seqs'?)"),
     (dict(load_format="pickle"), "load_format must be 'auto', 'safetensors' or 'dummy', got 'pickle'."),
     (dict(kv_cache_dtype="int4"), "kv_cache_dtype must be one of 'auto', 'bfloat16', 'fp8', 'fp8_e4m3', "
                                   "'fp8_e5m2', got 'int4'."),
@@ -1021,7 +1024,12 @@ def test_generate_collects_garbage_less_often_and_restores_the_thresholds(llm, m
     (dict(compilation_config={"cudagraph_capture_sizes": [1, 2]}),
      "compilation_config is not supported (the engine compiles and captures CUDA graphs its own way; "
      "enforce_eager=True turns the graphs off); leave it at None."),
-    (dict(data_parallel_size=2), "data_parallel_size is not supported (tensor parallelism only); leave it at 1."),
+    (dict(data_parallel_size=2), "data_parallel_size is not supported (tensor parallelism on one host only); "
+                                 "leave it at 1."),
+    (dict(limit_mm_per_prompt={"image": 1}), "limit_mm_per_prompt is not supported (text-only models); leave it at "
+                                             "None."),
+    (dict(optimization_level=0), "optimization_level is not supported (the engine compiles and captures CUDA graphs "
+                                 "its own way; enforce_eager=True turns the graphs off); leave it at 2."),
     (dict(enable_prompt_embeds=True), "enable_prompt_embeds is not supported (a prompt is text or token ids, not "
                                       "embeddings); leave it at False."),
     (dict(spec_method="ngram"), "spec_method is not supported (no speculative decoding); leave it at None."),
@@ -1040,6 +1048,29 @@ def test_bad_engine_arguments(qwen3_dir, kwargs, message):
     with pytest.raises(ValueError) as e:
         LLM(qwen3_dir, **kwargs)
     assert message in str(e.value)
+
+
+def test_model_config_reads_as_vllms(qwen3_dir):
+    """LLM.model_config and LLMEngine.model_config: the settings vLLM scripts read (lm-eval takes
+    llm.llm_engine.model_config.max_model_len), with dtype resolved; served_model_name names the
+    metrics' model (the first of a list, as vLLM's)."""
+    llm = LLM(qwen3_dir, max_model_len=128, num_kvcache_blocks=4, seed=7, served_model_name=["tiny", "alias"],
+              disable_log_stats=False)
+    config = llm.llm_engine.model_config
+    assert llm.model_config is config
+    assert (config.model, config.max_model_len, config.dtype, config.seed, config.max_logprobs) == (
+        qwen3_dir, 128, torch.float32, 7, 20)
+    assert (config.runner_type, config.is_multimodal_model, config.architecture, config.served_model_name) == (
+        "generate", False, "Qwen3ForCausalLM", "tiny")
+    assert config.hf_text_config is config.hf_config and config.hf_config.vocab_size == 384
+    assert (config.get_vocab_size(), config.get_hidden_size(), config.get_head_size(), config.get_total_num_kv_heads(),
+            config.get_num_kv_heads(None), config.get_num_attention_heads(None), config.get_num_layers(None),
+            config.get_sliding_window()) == (384, 64, 16, 2, 2, 4, 2, None)
+    llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert {m.labels["model_name"] for m in llm.get_metrics()} == {"tiny"}
+    assert LLM(qwen3_dir, num_kvcache_blocks=4).model_config.served_model_name == qwen3_dir
+    with pytest.raises(AttributeError):
+        config.no_such_setting
 
 
 def test_seed_none_draws_a_random_seed(qwen3_dir):
@@ -1201,14 +1232,28 @@ def test_fp8_cache_keeps_auto_off_flash_attn(monkeypatch):
 
 
 def test_vllm_engine_arguments_that_mean_our_behaviour_are_accepted(qwen3_dir):
-    """A vLLM script's usual LLM() arguments run unchanged where their value is what we do anyway;
+    """A vLLM script's usual LLM() arguments run unchanged where their value is what we do anyway
+    (every vLLM 0.26 engine argument nanovllm has no use for at vLLM's default; those that leave the
+    outputs as they are, e.g. lm-eval's max_lora_rank=16, at any value, each logged as not used);
     num_gpu_blocks_override (vLLM's name for num_kvcache_blocks) sizes the cache."""
-    llm = LLM(qwen3_dir, tokenizer_mode="slow", quantization=None, swap_space=8, cpu_offload_gb=0,
-              pipeline_parallel_size=1, distributed_executor_backend="mp", disable_log_stats=True,
-              enable_lora=False, speculative_config=None, runner="generate", model_impl="vllm",
-              enable_expert_parallel=False, enable_sleep_mode=False, logprobs_mode="raw_logprobs", hf_token=None,
-              block_size=16, num_gpu_blocks_override=16, **{name: idle for name, (idle, _) in IDLE_ARGUMENTS.items()})
+    ignored = {name: object() for name in IGNORED_ARGUMENTS}
+    with log_lines("nanovllm.config") as lines:
+        llm = LLM(qwen3_dir, tokenizer_mode="slow", quantization=None, swap_space=8, cpu_offload_gb=0,
+                  pipeline_parallel_size=1, distributed_executor_backend="mp", disable_log_stats=True,
+                  enable_lora=False, speculative_config=None, runner="generate", model_impl="vllm",
+                  enable_expert_parallel=False, enable_sleep_mode=False, logprobs_mode="raw_logprobs", hf_token=None,
+                  enable_prefix_caching=None, enable_chunked_prefill=None, attention_backend=None,
+                  block_size=16, num_gpu_blocks_override=16, **ignored,
+                  **{name: idle for name, (idle, _) in IDLE_ARGUMENTS.items()})
+    assert len(lines) == len(IGNORED_ARGUMENTS) and all(" is not used: " in line for line in lines)
+    assert any(line.startswith("max_lora_rank=<object object at ") and line.endswith(" is not used: no LoRA "
+                                                                                     "(enable_lora=False).")
+               for line in lines)
+    config = llm.llm_engine.config   # vLLM's None: the engine's choice
+    assert (config.enable_prefix_caching, config.enable_chunked_prefill, config.attention_backend) == (True, True, "auto")
     assert llm.llm_engine.block_manager.num_blocks == 16
+    # vLLM's defaults are idle too where they are empty containers: None and {} alike
+    LLM(qwen3_dir, num_kvcache_blocks=4, limit_mm_per_prompt={}, media_io_kwargs=None, cpu_offload_params=set())
     defaults = LLM(qwen3_dir, block_size=None, max_num_batched_tokens=None, max_num_seqs=None,
                    num_kvcache_blocks=4).llm_engine.config
     # vLLM's None: its defaults off a large GPU (batch_defaults), our block size
@@ -1291,20 +1336,12 @@ def test_quantized_checkpoint_is_refused(qwen3_dir, tmp_path):
 
 def test_stats_are_logged_when_asked(qwen3_dir):
     """disable_log_stats=False: vLLM's periodic line (here after every step: interval 0)."""
-    import logging
-    lines = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("nanovllm.engine.stat_logger")
-    logger.addHandler(handler)
-    try:
+    with log_lines("nanovllm.engine.stat_logger") as lines:
         llm = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=64, disable_log_stats=False)
         llm.llm_engine.stat_logger.interval_s = 0.0
         prompt = {"prompt_token_ids": PROMPTS[-1]}
         llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
         llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
-    finally:
-        logger.removeHandler(handler)
     assert lines and all(line.startswith("Avg prompt throughput: ") for line in lines)
     assert "Running: 1 reqs, Waiting: 0 reqs" in lines[0] and lines[0].endswith("Prefix cache hit rate: 0.0%")
     num_tokens, num_cached = len(PROMPTS[-1]), (len(PROMPTS[-1]) - 1) // 16 * 16

@@ -111,6 +111,11 @@ def test_mistral_within_its_sliding_window(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="sliding window of 64 tokens.*set max_model_len <= 64 \\(got 512\\)"):
         LLM(path)
     llm = LLM(path, dtype="float32", block_size=16, num_kvcache_blocks=64, max_model_len=64)
+    # vLLM's disable_sliding_window=True: full attention, max_model_len capped at the window
+    capped = LLM(path, dtype="float32", block_size=16, num_kvcache_blocks=4, disable_sliding_window=True)
+    assert capped.model_config.max_model_len == 64 and capped.model_config.get_sliding_window() == 64
+    with pytest.raises(ValueError, match="sliding window of 64 tokens.*\\(got 128\\)"):
+        LLM(path, disable_sliding_window=True, max_model_len=128)
     prompts = [p for p in PROMPTS if len(p) + MAX_TOKENS <= 64]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert len(prompts) >= 6 and [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, MAX_TOKENS)

@@ -163,10 +163,10 @@ def test_bad_requests_and_aborts_leave_the_engine_usable(engine):
 
 def test_engine_args_read_as_config_defaults_and_are_checked(qwen3_dir):
     args = EngineArgs(model=qwen3_dir, max_num_seqs=8)
-    assert (args.model, args.max_num_seqs, args.gpu_memory_utilization) == (qwen3_dir, 8, 0.9)
+    assert (args.model, args.max_num_seqs, args.gpu_memory_utilization) == (qwen3_dir, 8, 0.92)
     with pytest.raises(AttributeError, match="EngineArgs has no argument 'no_such_arg'"):
         args.no_such_arg
-    with pytest.raises(ValueError, match="unexpected keyword argument\\(s\\): max_num_seq\\b"):
+    with pytest.raises(ValueError, match="unexpected keyword argument 'max_num_seq' \\(did you mean 'max_num_seqs'"):
         LLMEngine.from_engine_args(EngineArgs(model=qwen3_dir, max_num_seq=8))
     assert EngineArgs().model == "Qwen/Qwen3-0.6B"
 

@@ -6,7 +6,7 @@ from itertools import count
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from nanovllm.config import GENERATION_FIELDS, Config
+from nanovllm.config import GENERATION_FIELDS, Config, ModelConfig
 from nanovllm.distributed import SINGLE
 from nanovllm.engine.arg_utils import EngineArgs
 from nanovllm.engine.block_manager import BlockManager
@@ -64,6 +64,7 @@ class StepStats:
 class LLMEngine:
     def __init__(self, config: Config):
         self.config = config
+        self.model_config = ModelConfig(config)   # vLLM's view of the model's settings
         tokenizer = (None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(
             config.tokenizer, revision=config.tokenizer_revision, trust_remote_code=config.trust_remote_code,
             use_fast=config.tokenizer_mode != "slow", token=config.hf_token))
@@ -97,7 +98,8 @@ class LLMEngine:
                                    config.max_model_len, config.enable_chunked_prefill, config.scheduling_policy)
         self.async_scheduling = config.async_scheduling
         self.stat_logger = None if config.disable_log_stats else StatLogger()
-        self.metrics = None if config.disable_log_stats else EngineMetrics(config.model, config.max_model_len)
+        self.metrics = None if config.disable_log_stats else EngineMetrics(self.model_config.served_model_name,
+                                                                              config.max_model_len)
         self.in_flight: InFlightStep | None = None
         self.input_processor = InputProcessor(config, tokenizer, self.block_manager.num_blocks * config.block_size)
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, config.max_model_len)
