@@ -81,11 +81,16 @@ class LLM:
         with vLLM's names and labels). Kept only with LLM(..., disable_log_stats=False)."""
         return self.llm_engine.get_metrics()
 
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """vLLM's sleep mode, with LLM(enable_sleep_mode=True): free the GPU memory of the weights
         and the KV cache until wake_up(); level 1 keeps the weights in host memory, level 2 forgets
-        them. Requests cannot run meanwhile; the prefix cache is emptied."""
-        self.llm_engine.sleep(level)
+        them. Requests cannot run meanwhile; the prefix cache is emptied. Enqueued requests not yet
+        run are aborted (mode "abort"), run to their end first, their outputs kept for
+        wait_for_completion() ("wait"), or kept to run after wake_up() ("keep")."""
+        self.llm_engine.check_sleep(level, mode)
+        if mode == "wait" and not self.llm_engine.is_sleeping():
+            self._unclaimed.update(self._run_engine(use_tqdm=False))
+        self.llm_engine.sleep(level, mode)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """vLLM's: allocate "weights" and/or "kv_cache" again (None: both). After a level-2 sleep:

@@ -262,7 +262,7 @@ def test_sleep_and_wake_up(qwen3_dir):
     wake_up() brings them back and the same tokens follow; level 2 forgets the weights, which
     collective_rpc("reload_weights") loads again. The prefix cache is emptied; while asleep no
     request is taken; wake_up(tags) wakes one kind of memory at a time. Bad levels and tags are
-    ValueErrors; sleeping with unfinished requests, or without enable_sleep_mode, RuntimeErrors."""
+    ValueErrors; sleeping without enable_sleep_mode a RuntimeError."""
     llm = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=32, enable_sleep_mode=True)
     engine, runner = llm.llm_engine, llm.llm_engine.model_runner
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -306,10 +306,27 @@ def test_sleep_and_wake_up(qwen3_dir):
 
     with pytest.raises(ValueError, match="level must be 1 or 2, got 3."):
         llm.sleep(level=3)
+    with pytest.raises(ValueError, match="mode must be one of 'abort', 'wait', 'keep', got 'pause'."):
+        llm.sleep(mode="pause")
+    # what becomes of enqueued requests: "abort" (vLLM's default) drops them, "wait" runs them to their
+    # end first (their outputs kept for wait_for_completion), "keep" runs them after wake_up
     llm.enqueue([PROMPTS[0]], params)
-    with pytest.raises(RuntimeError, match=r"cannot sleep with 1 unfinished request\(s\)"):
-        llm.sleep()
-    assert [o.outputs[0].token_ids for o in llm.wait_for_completion()] == expected[:1]
+    llm.sleep()
+    llm.wake_up()
+    assert llm.wait_for_completion() == [] and not engine.requests
+    llm.enqueue(PROMPTS[:2], params)
+    llm.sleep(mode="wait")
+    assert not engine.requests
+    llm.wake_up()
+    assert [o.outputs[0].token_ids for o in llm.wait_for_completion()] == expected[:2]
+    llm.enqueue(PROMPTS[:3], params)
+    engine.step()                                        # the prompts computed: their blocks go with the cache
+    engine.step()
+    llm.sleep(mode="keep")
+    assert len(engine.requests) == 3 and not engine.scheduler.running and engine.block_manager.num_free_blocks == 32
+    llm.wake_up()
+    assert [o.outputs[0].token_ids for o in llm.wait_for_completion()] == expected[:3]
+    assert_idle(llm)
     plain = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=32)
     with pytest.raises(RuntimeError, match="Sleep mode is not enabled: create the LLM with enable_sleep_mode=True."):
         plain.sleep()

@@ -17,7 +17,7 @@ from nanovllm.engine.prompt_logprobs import PromptScores
 from nanovllm.engine.reasoning import REASONING_PARSERS, ThinkingBudget, ThinkingMarkers
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.sleep import SLEEP_TAGS
+from nanovllm.engine.sleep import SLEEP_MODES, SLEEP_TAGS
 from nanovllm.engine.streaming import OutputStreamer
 from nanovllm.engine.stat_logger import StatLogger
 from nanovllm.engine.tp_workers import TPWorkers, resolve_method, run_method
@@ -397,25 +397,39 @@ class LLMEngine:
         return results if number is None else results + results_of_workers
 
     # ---- sleep mode (engine/sleep.py) -----------------------------------------------------
-    def sleep(self, level: int = 1):
+    def sleep(self, level: int = 1, mode: str = "abort"):
         """vLLM's: free the weights' and the KV cache's memory on every rank; level 1 keeps the
         weights in host memory, level 2 forgets them. The prefix cache is emptied, and no request
-        runs until wake_up()."""
-        if not self.config.enable_sleep_mode:
-            raise RuntimeError("Sleep mode is not enabled: create the LLM with enable_sleep_mode=True.")
-        if level not in (1, 2):
-            raise ValueError(f"level must be 1 or 2, got {level!r}.")
+        runs until wake_up(). mode says what becomes of unfinished requests: "abort" ends them
+        (vLLM's default), "keep" keeps them to go on after wake_up() (their KV computed again), "wait"
+        needs none left (LLM.sleep runs them to their end first; here step() them)."""
+        self.check_sleep(level, mode)
         if self.is_sleeping():
             logger.warning("The engine is already sleeping.")
             return
         if self.has_unfinished_requests():
-            raise RuntimeError(f"cannot sleep with {len(self.requests)} unfinished request(s): run them "
-                               f"(LLM.wait_for_completion) or abort them first.")
+            if mode == "wait":
+                raise ValueError(f"mode='wait' with {len(self.requests)} unfinished request(s): step() them to "
+                                 f"their end first, or sleep with mode 'abort' or 'keep'.")
+            if mode == "keep" and self.in_flight is not None:
+                raise ValueError("mode='keep' while a step's tokens are in flight: step() once more first.")
+            if mode == "abort":
+                self.abort_request(list(self.requests))
+            else:   # their blocks go with the KV cache: computed again after wake_up, as after a preemption
+                self.scheduler.preempt_all()
         self.block_manager.reset_prefix_cache()
         start = time.perf_counter()
         freed = self.collective_rpc("sleep", kwargs={"level": level})[0]
         logger.info(f"It took {time.perf_counter() - start:.2f} seconds to fall asleep (level {level}); "
                     f"{freed / 2**30:.2f} GiB of weights and KV cache freed on each rank.")
+
+    def check_sleep(self, level: int, mode: str):
+        if not self.config.enable_sleep_mode:
+            raise RuntimeError("Sleep mode is not enabled: create the LLM with enable_sleep_mode=True.")
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}.")
+        if mode not in SLEEP_MODES:
+            raise ValueError(f"mode must be one of {', '.join(map(repr, SLEEP_MODES))}, got {mode!r}.")
 
     def wake_up(self, tags: list[str] | None = None):
         """vLLM's: allocate the tagged memory again on every rank ("weights", "kv_cache"; None:

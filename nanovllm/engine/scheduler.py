@@ -125,6 +125,11 @@ class Scheduler:
             budget -= num_new
         return out
 
+    def preempt_all(self):
+        """Every running sequence back to waiting, its blocks freed (sleep mode's "keep")."""
+        while self.running:
+            self._preempt(self.running.pop())
+
     def _preempt(self, seq: Sequence):
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0

@@ -15,6 +15,7 @@ import torch
 from nanovllm.utils.cuda_vmm import Arena
 
 SLEEP_TAGS = ("weights", "kv_cache")
+SLEEP_MODES = ("abort", "wait", "keep")   # what sleep() does with unfinished requests (vLLM's)
 
 
 class Storages:
