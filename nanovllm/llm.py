@@ -116,6 +116,22 @@ class LLM:
     def reward(self, *args, **kwargs):
         _refuse_pooling("reward")
 
+    # vLLM's weight transfer from a trainer (RL): it needs weight_transfer_config, which nanovllm lacks
+    def init_weight_transfer_engine(self, *args, **kwargs):
+        _refuse_weight_transfer("init_weight_transfer_engine")
+
+    def start_weight_update(self, *args, **kwargs):
+        _refuse_weight_transfer("start_weight_update")
+
+    def start_draft_weight_update(self, *args, **kwargs):
+        _refuse_weight_transfer("start_draft_weight_update")
+
+    def update_weights(self, *args, **kwargs):
+        _refuse_weight_transfer("update_weights")
+
+    def finish_weight_update(self, *args, **kwargs):
+        _refuse_weight_transfer("finish_weight_update")
+
     # ---- generation ---------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm=True, lora_request=None, priority: list[int] | None = None, *,
@@ -286,3 +302,9 @@ class LLM:
 def _refuse_pooling(method: str):
     raise ValueError(f"LLM.{method}() is for pooling models (embeddings, classifiers, scores); nanovllm runs "
                      f"generative models only: use generate() or chat().")
+
+
+def _refuse_weight_transfer(method: str):
+    raise ValueError(f"LLM.{method}() transfers weights from a trainer, which needs weight_transfer_config; "
+                     f"nanovllm has no weight transfer. Load a checkpoint's weights again with "
+                     f"collective_rpc('reload_weights').")

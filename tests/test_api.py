@@ -352,6 +352,15 @@ def test_pooling_entry_points_say_generative_only(llm, method):
         getattr(llm, method)(["Hello"])
 
 
+@pytest.mark.parametrize("method", ["init_weight_transfer_engine", "start_weight_update", "start_draft_weight_update",
+                                    "update_weights", "finish_weight_update"])
+def test_weight_transfer_is_refused(llm, method):
+    with pytest.raises(ValueError, match=f"LLM.{method}\\(\\) transfers weights from a trainer, which needs "
+                                         f"weight_transfer_config; nanovllm has no weight transfer."):
+        getattr(llm, method)({"update_info": {}})
+    assert llm.generate("Hello", SamplingParams(max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_world_size_and_mm_cache(llm):
     assert llm.get_world_size() == llm.get_world_size(include_dp=False) == 1
     assert llm.reset_mm_cache() is None
