@@ -5,10 +5,16 @@ from dataclasses import dataclass, field, replace
 from dataclasses import fields as dataclass_fields
 from enum import Enum
 
+from nanovllm.logger import init_logger
 from nanovllm.utils.validation import check_field_types
+
+logger = init_logger(__name__)
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
+# A temperature above 0 and below this is raised to it, as vLLM does (its _MAX_TEMP): the logits
+# divided by less could overflow.
+MIN_TEMPERATURE = 1e-2
 MAX_LOGPROB_TOKEN_IDS = 128   # vLLM's limit on logprob_token_ids
 # vLLM 0.26's fields for what nanovllm does not do: name -> (the default, the only value taken; why).
 UNSUPPORTED_FIELDS = {
@@ -158,6 +164,12 @@ class SamplingParams:
                 raise ValueError(f"repetition_detection takes max_pattern_size, min_pattern_size and min_count, "
                                  f"got {self.repetition_detection!r:.120}.") from None
         self._validate()
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning(f"temperature {self.temperature} is less than {MIN_TEMPERATURE}, which may cause "
+                           f"numerical errors nan or inf in tensors. We have maxed it out to {MIN_TEMPERATURE}.")
+            self.temperature = MIN_TEMPERATURE
+        if self.is_greedy and self.n > 1:
+            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
         if isinstance(self.stop, str):
             self.stop_strings = [self.stop]
         else:

@@ -642,6 +642,7 @@ def test_sampler_kernels_warm_up_for_the_models_own_top_k_or_top_p(qwen3_dir, mo
     (dict(min_p=2.0), "min_p must be in [0, 1], got 2.0."),
     (dict(max_tokens=0), "max_tokens must be at least 1, got 0."),
     (dict(n=0), "n must be at least 1, got 0."),
+    (dict(temperature=0.0, n=2), "n must be 1 when using greedy sampling, got 2."),
     (dict(min_tokens=5, max_tokens=2), "min_tokens must be less than or equal to max_tokens=2, got 5."),
     (dict(presence_penalty=3.0), "presence_penalty must be in [-2, 2], got 3.0."),
     (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number greater than zero, got 0.0."),
@@ -682,6 +683,17 @@ def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError) as e:
         SamplingParams(**kwargs)
     assert message in str(e.value)
+
+
+def test_tiny_temperatures_are_raised_as_vllms():
+    """vLLM raises a temperature in (0, 0.01) to 0.01 (with a warning), so it samples, n > 1 too;
+    below 1e-5 it was greedy before that."""
+    with log_lines("nanovllm.sampling_params") as lines:
+        params = SamplingParams(temperature=1e-6, n=2)
+    assert (params.temperature, params.is_greedy, params.n) == (0.01, False, 2)
+    assert lines == ["temperature 1e-06 is less than 0.01, which may cause numerical errors nan or inf in tensors. "
+                     "We have maxed it out to 0.01."]
+    assert SamplingParams(temperature=0.5).temperature == 0.5 and SamplingParams(temperature=0).is_greedy
 
 
 def test_numpy_values_in_sampling_params_become_python_values():
