@@ -83,7 +83,8 @@ class Config:
     seed: int | None = 0                    # None: a random seed (vLLM's meaning)
     max_model_len: int | None = None
     # True: a sliding-window model attends to its whole context, max_model_len capped at the window
-    # (vLLM's meaning; nanovllm has no sliding-window attention, so it caps max_model_len either way)
+    # (vLLM's meaning). nanovllm has no sliding-window attention, so without it a longer max_model_len
+    # is refused.
     disable_sliding_window: bool = False
     served_model_name: str | list[str] | None = None   # the metrics' model_name (None: the model argument)
     # None: vLLM's defaults for an offline LLM (batch_defaults): 1,024 sequences and 16,384 tokens a step
@@ -378,7 +379,9 @@ class ModelConfig:
     def __init__(self, config: Config):
         self._config = config
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str):   # (only for what the class does not define)
+        if name.startswith("_"):   # not _config itself, which copy and pickle ask for before it is set
+            raise AttributeError(name)
         return getattr(self._config, name)
 
     @property

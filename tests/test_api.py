@@ -1,4 +1,5 @@
 """The public API: vLLM's input forms and output shapes, bad input, and recovery after errors."""
+import copy
 import json
 import os
 import random
@@ -1109,6 +1110,7 @@ def test_model_config_reads_as_vllms(qwen3_dir):
     assert LLM(qwen3_dir, num_kvcache_blocks=4).model_config.served_model_name == qwen3_dir
     with pytest.raises(AttributeError):
         config.no_such_setting
+    assert copy.deepcopy(config).max_model_len == 128
 
 
 def test_seed_none_draws_a_random_seed(qwen3_dir):

@@ -412,7 +412,8 @@ class LLMEngine:
                 raise ValueError(f"mode='wait' with {len(self.requests)} unfinished request(s): step() them to "
                                  f"their end first, or sleep with mode 'abort' or 'keep'.")
             if mode == "keep" and self.in_flight is not None:
-                raise ValueError("mode='keep' while a step's tokens are in flight: step() once more first.")
+                raise ValueError("mode='keep' while a launched step's tokens are unread (async scheduling): "
+                                 "step() the requests to their end, or sleep with mode 'abort'.")
             if mode == "abort":
                 self.abort_request(list(self.requests))
             else:   # their blocks go with the KV cache: computed again after wake_up, as after a preemption
