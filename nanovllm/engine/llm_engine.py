@@ -6,7 +6,7 @@ from itertools import count
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from nanovllm.config import GENERATION_FIELDS, Config, ModelConfig
+from nanovllm.config import GENERATION_FIELDS, Config
 from nanovllm.distributed import SINGLE
 from nanovllm.engine.arg_utils import EngineArgs
 from nanovllm.engine.block_manager import BlockManager
@@ -25,6 +25,7 @@ from nanovllm.inputs import PromptType
 from nanovllm.layers.sampler import SamplerOutput
 from nanovllm.logger import init_logger
 from nanovllm.metrics import EngineMetrics, Metric
+from nanovllm.model_config import ModelConfig
 from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 from nanovllm.utils.heap import freeze_heap, unfreeze_heap
