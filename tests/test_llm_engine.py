@@ -1,6 +1,7 @@
 """vLLM's engine API without the LLM facade: EngineArgs (from code or the command line),
 LLMEngine.from_engine_args, add_request(request_id, prompt, params), step() streaming each
 request's outputs as its output_kind asks, abort_request."""
+import re
 import subprocess
 import sys
 import weakref
@@ -159,6 +160,25 @@ def test_bad_requests_and_aborts_leave_the_engine_usable(engine):
     outputs = run_to_end(engine)
     assert {o.request_id for o in outputs} == {"c"} and outputs[-1].finished
     assert_idle(engine)
+
+
+def test_vllm_only_engine_arguments_come_from_the_command_line(qwen3_dir):
+    """vLLM's flags for what nanovllm has no use for parse as vLLM's do: at vLLM's default (or, for
+    those that leave the outputs alone, any value) the engine starts; otherwise the engine's
+    ValueError names the argument. EngineArgs reads them as vLLM's defaults."""
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    idle = ["--data-parallel-size", "1", "--no-enable-dbo", "--limit-mm-per-prompt", "{}", "--worker-cls", "auto",
+            "--kv-transfer-config", "null", "--max-lora-rank", "64", "--prefix-caching-hash-algo", "xxhash"]
+    args = parser.parse_args(["--model", qwen3_dir, "--block-size", "16", "--num-kvcache-blocks", "8", *idle])
+    engine_args = EngineArgs.from_cli_args(args)
+    assert (engine_args.data_parallel_size, engine_args.enable_dbo, engine_args.max_lora_rank) == (1, False, "64")
+    assert LLMEngine.from_engine_args(engine_args).block_manager.num_blocks == 8
+    assert (EngineArgs().data_parallel_size, EngineArgs().worker_cls) == (1, "auto")
+    for flags, message in [(["--data-parallel-size", "2"], "data_parallel_size is not supported"),
+                           (["--mamba-backend", "triton"], "mamba_backend is not supported (no Mamba")]:
+        engine_args = EngineArgs.from_cli_args(parser.parse_args(["--model", qwen3_dir, *flags]))
+        with pytest.raises(ValueError, match=re.escape(message)):
+            LLMEngine.from_engine_args(engine_args)
 
 
 def test_engine_args_read_as_config_defaults_and_are_checked(qwen3_dir):

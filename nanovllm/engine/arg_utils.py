@@ -7,6 +7,7 @@ import types
 from dataclasses import MISSING, fields
 
 from nanovllm.config import Config
+from nanovllm.vllm_only_arguments import IDLE_ARGUMENTS, IGNORED_ARGUMENTS
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"   # vLLM's
 
@@ -14,6 +15,20 @@ DEFAULT_MODEL = "Qwen/Qwen3-0.6B"   # vLLM's
 def _settings() -> dict:
     """Config's settable fields but the model -> their defaults."""
     return {f.name: f.default for f in fields(Config) if f.init and f.name != "model"}
+
+
+def _vllm_only_flags() -> dict:
+    """vLLM's arguments that nanovllm has no use for (vllm_only_arguments.py) -> (argparse options, help):
+    typed as their vLLM default, so that a flag at that default compares equal to it."""
+    flags = {}
+    for name, (idle, lack) in IDLE_ARGUMENTS.items():
+        if not name.startswith("_"):
+            kind = {bool: bool, int: int, float: float, str: str}.get(type(idle))
+            options = _flag_options(kind) if kind else {"type": _json_or_text}
+            flags[name] = (options, f"vLLM's; only {idle!r} here ({lack})")
+    for name, instead in IGNORED_ARGUMENTS.items():
+        flags[name] = ({"type": str}, f"vLLM's; not used ({instead})")
+    return flags
 
 
 class EngineArgs:
@@ -29,6 +44,8 @@ class EngineArgs:
         if name in kwargs:
             return kwargs[name]
         default = _settings().get(name, MISSING)
+        if default is MISSING and name in IDLE_ARGUMENTS:
+            default = IDLE_ARGUMENTS[name][0]
         if default is MISSING:
             raise AttributeError(f"EngineArgs has no argument {name!r}.")
         return default
@@ -45,11 +62,15 @@ class EngineArgs:
             if f.init and f.name != "model":
                 parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=argparse.SUPPRESS,
                                     help=f"default: {f.default!r}", **_flag_options(f.type))
+        for name, (options, text) in _vllm_only_flags().items():
+            parser.add_argument("--" + name.replace("_", "-"), dest=name, default=argparse.SUPPRESS, help=text,
+                                **options)
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
-        given = {name: getattr(args, name) for name in _settings() if hasattr(args, name)}
+        names = [*_settings(), *IDLE_ARGUMENTS, *IGNORED_ARGUMENTS]
+        given = {name: getattr(args, name) for name in names if hasattr(args, name)}
         return cls(model=args.model, **given)
 
 
@@ -63,3 +84,11 @@ def _flag_options(annotation) -> dict:
     if dict in kinds or kinds == {object}:
         return {"type": json.loads}
     return {"type": str}
+
+
+def _json_or_text(text: str):
+    """A flag's value as JSON where it is JSON ('{}', 'null', '[1, 2]'), else as the text itself."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
