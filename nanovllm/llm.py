@@ -65,7 +65,7 @@ class LLM:
     def apply_model(self, func) -> list:
         """vLLM's: func(model) on every rank (the model is this rank's shard) -> the results by rank.
         Return small values: tensors come back through pickling."""
-        return self.collective_rpc("apply_model", args=(func,))
+        return self.llm_engine.apply_model(func)
 
     def start_profile(self, profile_prefix: str | None = None) -> None:
         """vLLM's: start the profiler that LLM(profiler_config=...) set up, on every rank; trace files
@@ -99,6 +99,7 @@ class LLM:
 
     def reset_mm_cache(self) -> None:
         """vLLM's; a text-only engine keeps no multimodal cache, so there is nothing to clear."""
+        self.llm_engine.reset_mm_cache()
 
     # vLLM's pooling-model entry points: not for a generative model
     def encode(self, *args, **kwargs):

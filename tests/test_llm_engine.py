@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 
-from conftest import build_model_dir, make_prompts
+from conftest import build_model_dir, log_lines, make_prompts
 from nanovllm import LLM, EngineArgs, LLMEngine, SamplingParams
 from nanovllm.sampling_params import RequestOutputKind
 from nanovllm.utils.argparse_utils import FlexibleArgumentParser
@@ -179,6 +179,34 @@ def test_vllm_only_engine_arguments_come_from_the_command_line(qwen3_dir):
         engine_args = EngineArgs.from_cli_args(parser.parse_args(["--model", qwen3_dir, *flags]))
         with pytest.raises(ValueError, match=re.escape(message)):
             LLMEngine.from_engine_args(engine_args)
+
+
+def test_engine_methods_as_vllms(qwen3_dir):
+    """vLLM's LLMEngine methods beside the step loop: the supported tasks, the stats line on demand,
+    LoRA calls (no adapters here), cache resets with vLLM's options, apply_model, a token prompt's
+    prompt_text and abort_request's internal flag."""
+    engine = LLMEngine.from_engine_args(EngineArgs(model=qwen3_dir, dtype="float32", block_size=16,
+                                                   num_kvcache_blocks=32, disable_log_stats=False))
+    assert engine.get_supported_tasks() == ("generate",) and engine.list_loras() == set()
+    with log_lines("nanovllm.engine.stat_logger") as lines:
+        engine.do_log_stats()
+        engine.do_log_stats_with_interval()   # (its 5 s have not passed)
+    assert len(lines) == 1 and lines[0].startswith("Avg prompt throughput: 0.0 tokens/s")
+    with pytest.raises(ValueError, match="add_lora is not supported \\(nanovllm runs the base model only\\)"):
+        engine.add_lora(object())
+    for method in (engine.remove_lora, engine.pin_lora):
+        with pytest.raises(ValueError, match="no LoRA adapter 1: nanovllm runs the base model only."):
+            method(1)
+    assert engine.reset_prefix_cache(reset_running_requests=True, reset_connector=True) is True
+    assert engine.reset_mm_cache() is None and engine.reset_encoder_cache() is None
+    assert engine.apply_model(lambda model: type(model).__name__) == ["QwenForCausalLM"]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, params, prompt_text="the prompt")
+    engine.add_request("b", PROMPTS[1], params)
+    engine.abort_request(["b"], internal=True)
+    outputs = run_to_end(engine)
+    assert [(o.request_id, o.prompt) for o in outputs if o.finished] == [("a", "the prompt")]
+    assert_idle(engine)
 
 
 def test_engine_args_read_as_config_defaults_and_are_checked(qwen3_dir):

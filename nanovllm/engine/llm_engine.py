@@ -157,9 +157,10 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None, lora_request=None, tokenization_kwargs: dict | None = None,
-                    trace_headers=None, priority: int = 0) -> str:
+                    trace_headers=None, priority: int = 0, prompt_text: str | None = None) -> str:
         """vLLM's LLMEngine.add_request: one prompt in any of vLLM's forms, under the caller's
-        request id; step() then reports it. A bad request is a ValueError and adds nothing."""
+        request id; step() then reports it. A bad request is a ValueError and adds nothing.
+        prompt_text: the text of a prompt given as token ids, for its outputs' prompt field."""
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {request_id!r:.80}.")
         if request_id in self.requests:
@@ -168,7 +169,8 @@ class LLMEngine:
         self.check_priority(priority)
         [prompt] = self.input_processor.parse_prompts([prompt], tokenization_kwargs)
         prompt = self.input_processor.check_request(0, prompt, params)
-        return self.add_tokens(prompt.text, prompt.token_ids, params, priority, prompt.cache_salt,
+        text = prompt.text if prompt.text is not None else prompt_text
+        return self.add_tokens(text, prompt.token_ids, params, priority, prompt.cache_salt,
                                request_id, arrival_time, streamed=params.output_kind != RequestOutputKind.FINAL_ONLY)
 
     def check_priority(self, priority: int):
@@ -215,9 +217,9 @@ class LLMEngine:
         self.requests[request_id] = request
         return request_id
 
-    def abort_request(self, request_ids: str | list[str]):
+    def abort_request(self, request_ids: str | list[str], internal: bool = False):
         """End these requests (vLLM's takes a list of ids; one id is taken too); unknown ids are
-        skipped. Their outputs are dropped."""
+        skipped. Their outputs are dropped. internal: vLLM's (ids of its own making); the same here."""
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             self._abort(request_id)
         self.streamer.forget(self.requests)
@@ -397,6 +399,11 @@ class LLMEngine:
                 results_of_workers = self.workers.finish_rpc(number, deadline)
         return results if number is None else results + results_of_workers
 
+    def apply_model(self, func) -> list:
+        """vLLM's: func(model) on every rank (the model is this rank's shard) -> the results by rank.
+        Return small values: tensors come back through pickling."""
+        return self.collective_rpc("apply_model", args=(func,))
+
     # ---- sleep mode (engine/sleep.py) -----------------------------------------------------
     def sleep(self, level: int = 1, mode: str = "abort"):
         """vLLM's: free the weights' and the KV cache's memory on every rank; level 1 keeps the
@@ -458,9 +465,41 @@ class LLMEngine:
             raise RuntimeError(f"the engine is sleeping ({' and '.join(self.model_runner.sleeping_tags)} freed); "
                                f"call wake_up() before generating.")
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget the cached prompt blocks; True once done (vLLM's return value). Running requests
+        keep their blocks, and there is no KV connector, so vLLM's two options change nothing here."""
         self.block_manager.reset_prefix_cache()
         return True
+
+    def reset_mm_cache(self):
+        """vLLM's; a text-only engine keeps no multimodal or encoder cache: nothing to clear."""
+
+    reset_encoder_cache = reset_mm_cache
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def do_log_stats(self):
+        """Log the stats line now (vLLM's; with disable_log_stats=False, else nothing)."""
+        if self.stat_logger is not None:
+            self.stat_logger.log(self.scheduler, self.block_manager)
+
+    def do_log_stats_with_interval(self):
+        """Log the stats line if its interval has passed since the last one."""
+        if self.stat_logger is not None:
+            self.stat_logger.record(0, 0, self.scheduler, self.block_manager)
+
+    # vLLM's LoRA adapters: nanovllm runs the base model only
+    def add_lora(self, lora_request) -> bool:
+        raise ValueError(f"add_lora is not supported (nanovllm runs the base model only), got {lora_request!r:.80}.")
+
+    def remove_lora(self, lora_id: int) -> bool:
+        raise ValueError(f"no LoRA adapter {lora_id!r}: nanovllm runs the base model only.")
+
+    pin_lora = remove_lora
+
+    def list_loras(self) -> set[int]:
+        return set()
 
     def start_profile(self, profile_prefix: str | None = None):
         self.collective_rpc("start_profile", args=(profile_prefix,))

@@ -20,10 +20,13 @@ class StatLogger:
         """Count one step's tokens; log a line when interval_s has passed since the last one."""
         self.num_prompt_tokens += num_prompt_tokens
         self.num_generation_tokens += num_generation_tokens
+        if time.monotonic() - self.since >= self.interval_s:
+            self.log(scheduler, block_manager)
+
+    def log(self, scheduler: Scheduler, block_manager: BlockManager):
+        """Log the line now: throughput since the last one, the queues and the caches."""
         now = time.monotonic()
-        elapsed = now - self.since
-        if elapsed < self.interval_s:
-            return
+        elapsed = max(now - self.since, 1e-9)
         used = 1 - block_manager.num_free_blocks / block_manager.num_blocks
         queries = scheduler.num_prefix_cache_queries
         hit_rate = scheduler.num_prefix_cache_hits / queries if queries else 0.0
