@@ -13,6 +13,26 @@ from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 from nanovllm.utils.heap import fewer_collections
 
+POOLING = ("is for pooling models (embeddings, classifiers, scores); nanovllm runs generative models only: use "
+           "generate() or chat().")
+WEIGHT_TRANSFER = ("transfers weights from a trainer, which needs weight_transfer_config; nanovllm has no weight "
+                   "transfer. Load a checkpoint's weights again with collective_rpc('reload_weights').")
+
+
+class _Refused:
+    """An LLM method of vLLM's for what nanovllm does not do: calling it is a ValueError
+    "LLM.<its name>() <why>"."""
+    def __init__(self, why: str):
+        self.why = why
+
+    def __set_name__(self, owner, name: str):
+        self.name = name
+
+    def __get__(self, llm, owner=None):
+        def refuse(*args, **kwargs):
+            raise ValueError(f"LLM.{self.name}() {self.why}")
+        return refuse
+
 
 class LLM:
     """An LLM and its engine. `LLM("Qwen/Qwen3-0.6B")`; keyword arguments are those of Config."""
@@ -101,37 +121,17 @@ class LLM:
         """vLLM's; a text-only engine keeps no multimodal cache, so there is nothing to clear."""
         self.llm_engine.reset_mm_cache()
 
-    # vLLM's pooling-model entry points: not for a generative model
-    def encode(self, *args, **kwargs):
-        _refuse_pooling("encode")
-
-    def embed(self, *args, **kwargs):
-        _refuse_pooling("embed")
-
-    def classify(self, *args, **kwargs):
-        _refuse_pooling("classify")
-
-    def score(self, *args, **kwargs):
-        _refuse_pooling("score")
-
-    def reward(self, *args, **kwargs):
-        _refuse_pooling("reward")
-
-    # vLLM's weight transfer from a trainer (RL): it needs weight_transfer_config, which nanovllm lacks
-    def init_weight_transfer_engine(self, *args, **kwargs):
-        _refuse_weight_transfer("init_weight_transfer_engine")
-
-    def start_weight_update(self, *args, **kwargs):
-        _refuse_weight_transfer("start_weight_update")
-
-    def start_draft_weight_update(self, *args, **kwargs):
-        _refuse_weight_transfer("start_draft_weight_update")
-
-    def update_weights(self, *args, **kwargs):
-        _refuse_weight_transfer("update_weights")
-
-    def finish_weight_update(self, *args, **kwargs):
-        _refuse_weight_transfer("finish_weight_update")
+    # vLLM's entry points for what nanovllm does not do: each a ValueError that names it and says why
+    encode = _Refused(POOLING)
+    embed = _Refused(POOLING)
+    classify = _Refused(POOLING)
+    score = _Refused(POOLING)
+    reward = _Refused(POOLING)
+    init_weight_transfer_engine = _Refused(WEIGHT_TRANSFER)
+    start_weight_update = _Refused(WEIGHT_TRANSFER)
+    start_draft_weight_update = _Refused(WEIGHT_TRANSFER)
+    update_weights = _Refused(WEIGHT_TRANSFER)
+    finish_weight_update = _Refused(WEIGHT_TRANSFER)
 
     # ---- generation ---------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -298,14 +298,3 @@ class LLM:
                               chat_template_kwargs, tokenization.add_special_tokens)
         truncation = {k: v for k, v in (tokenization_kwargs or {}).items() if k != "add_special_tokens"}
         return prompts, truncation
-
-
-def _refuse_pooling(method: str):
-    raise ValueError(f"LLM.{method}() is for pooling models (embeddings, classifiers, scores); nanovllm runs "
-                     f"generative models only: use generate() or chat().")
-
-
-def _refuse_weight_transfer(method: str):
-    raise ValueError(f"LLM.{method}() transfers weights from a trainer, which needs weight_transfer_config; "
-                     f"nanovllm has no weight transfer. Load a checkpoint's weights again with "
-                     f"collective_rpc('reload_weights').")
