@@ -33,7 +33,7 @@ def texts(llm, structured: dict, temperature: float = 0.8, n: int = 1, max_token
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_choice(llm, temperature):
     choices = ["yes", "no", "maybe so"]
-    out = texts(llm, {"choice": choices}, temperature, n=2)
+    out = texts(llm, {"choice": choices}, temperature, n=1 if temperature == 0.0 else 2)   # (greedy: n=1 only)
     assert set(out) <= set(choices)
     assert temperature == 0.0 or len(set(out)) > 1   # sampling picks among them
 
