@@ -102,18 +102,19 @@ class LLM:
         return self.llm_engine.get_metrics()
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        """vLLM's sleep mode, with LLM(enable_sleep_mode=True): free the GPU memory of the weights
-        and the KV cache until wake_up(); level 1 keeps the weights in host memory, level 2 forgets
-        them. Requests cannot run meanwhile; the prefix cache is emptied. Enqueued requests not yet
-        run are aborted (mode "abort"), run to their end first, their outputs kept for
-        wait_for_completion() ("wait"), or kept to run after wake_up() ("keep")."""
+        """vLLM's sleep mode: no request runs until wake_up(). Level 0 only pauses; levels 1-2, with
+        LLM(enable_sleep_mode=True), free the GPU memory of the weights and the KV cache (level 1 keeps
+        the weights in host memory, level 2 forgets them) and empty the prefix cache. Enqueued
+        requests not yet finished are aborted (mode "abort"), run to their end first, their outputs
+        kept for wait_for_completion() ("wait"), or kept to run after wake_up() ("keep")."""
         self.llm_engine.check_sleep(level, mode)
         if mode == "wait" and not self.llm_engine.is_sleeping():
             self._unclaimed.update(self._run_engine(use_tqdm=False))
         self.llm_engine.sleep(level, mode)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """vLLM's: allocate "weights" and/or "kv_cache" again (None: both). After a level-2 sleep:
+        """vLLM's: allocate "weights" and/or "kv_cache" again (None: both; ["scheduling"] after a
+        level-0 sleep); requests run again once nothing is asleep. After a level-2 sleep:
         wake_up(["weights"]), collective_rpc("reload_weights"), then wake_up(["kv_cache"])."""
         self.llm_engine.wake_up(tags)
 
@@ -206,6 +207,8 @@ class LLM:
         far. If a step raises (or on Ctrl-C), every unfinished request is dropped, so that the
         engine is idle and whole for the next call."""
         engine = self.llm_engine
+        if engine.has_unfinished_requests():
+            engine.check_awake()   # (requests kept by sleep(mode="keep") wait for wake_up)
         outputs = {}
         progress_bar = use_tqdm if callable(use_tqdm) else tqdm
         speed = "est. speed input: {:.2f} toks/s, output: {:.2f} toks/s"

@@ -281,7 +281,8 @@ def test_sleep_and_wake_up(qwen3_dir):
     assert not engine.requests
     llm.sleep(level=2)                                   # already asleep: a warning, nothing freed again
     for tags in ("weights", ["weights", "kv"]):
-        with pytest.raises(ValueError, match=re.escape(f"tags must be a list of 'weights', 'kv_cache', got {tags!r}.")):
+        with pytest.raises(ValueError, match=re.escape(f"tags must be a list of 'weights', 'kv_cache', 'scheduling', "
+                                                       f"got {tags!r}.")):
             llm.wake_up(tags)
     llm.wake_up(["weights"])
     assert engine.is_sleeping() and _freed(runner) == (False, True)
@@ -305,7 +306,7 @@ def test_sleep_and_wake_up(qwen3_dir):
     llm.collective_rpc("reload_weights")
     assert tokens() == expected
 
-    with pytest.raises(ValueError, match="level must be 1 or 2, got 3."):
+    with pytest.raises(ValueError, match="level must be 0, 1 or 2, got 3."):
         llm.sleep(level=3)
     with pytest.raises(ValueError, match="mode must be one of 'abort', 'wait', 'keep', got 'pause'."):
         llm.sleep(mode="pause")
@@ -325,12 +326,31 @@ def test_sleep_and_wake_up(qwen3_dir):
     engine.step()
     llm.sleep(mode="keep")
     assert len(engine.requests) == 3 and not engine.scheduler.running and engine.block_manager.num_free_blocks == 32
+    assert engine.step() == []                           # nothing runs while asleep
+    with pytest.raises(RuntimeError, match=r"the engine is sleeping \(weights and kv_cache freed\)"):
+        llm.wait_for_completion()
+    assert len(engine.requests) == 3
     llm.wake_up()
     assert [o.outputs[0].token_ids for o in llm.wait_for_completion()] == expected[:3]
     assert_idle(llm)
     plain = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=32)
     with pytest.raises(RuntimeError, match="Sleep mode is not enabled: create the LLM with enable_sleep_mode=True."):
         plain.sleep()
+
+    # level 0 (no enable_sleep_mode needed): the scheduler paused, memory and prefix cache kept; "keep"
+    # keeps a request's KV as it is
+    plain.enqueue([PROMPTS[0]], params)
+    plain.llm_engine.step()
+    plain.sleep(level=0, mode="keep")
+    assert plain.llm_engine.is_sleeping() and plain.llm_engine.step() == []
+    with pytest.raises(RuntimeError, match=r"the engine is sleeping \(scheduling paused\); call wake_up"):
+        plain.generate(PROMPTS[:1], params, use_tqdm=False)
+    plain.sleep(level=0)                                 # already asleep: a warning
+    plain.wake_up(tags=["scheduling"])
+    assert not plain.llm_engine.is_sleeping()
+    assert [o.outputs[0].token_ids for o in plain.wait_for_completion()] == expected[:1]
+    with pytest.raises(ValueError, match="tags must be a list of 'weights', 'kv_cache', 'scheduling', got"):
+        plain.wake_up(["kv"])
 
 
 def test_enqueue_chat_renders_as_chat(llm):

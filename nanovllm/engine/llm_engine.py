@@ -102,6 +102,7 @@ class LLMEngine:
         self.metrics = None if config.disable_log_stats else EngineMetrics(self.model_config.served_model_name,
                                                                               config.max_model_len)
         self.in_flight: InFlightStep | None = None
+        self.paused = False   # sleep()'s: no step runs until wake_up()
         self.input_processor = InputProcessor(config, tokenizer, self.block_manager.num_blocks * config.block_size)
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, config.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -268,6 +269,8 @@ class LLMEngine:
         count their tokens on the device and need nothing from the host."""
         finished = []
         self.just_finished = []
+        if self.paused:   # (requests that sleep(mode="keep") kept wait for wake_up)
+            return finished, StepStats()
         out = self.scheduler.schedule()
         stats = StepStats()
         if out.is_empty:   # everything left is waiting for its pending token, or just finished
@@ -406,13 +409,14 @@ class LLMEngine:
 
     # ---- sleep mode (engine/sleep.py) -----------------------------------------------------
     def sleep(self, level: int = 1, mode: str = "abort"):
-        """vLLM's: free the weights' and the KV cache's memory on every rank; level 1 keeps the
-        weights in host memory, level 2 forgets them. The prefix cache is emptied, and no request
-        runs until wake_up(). mode says what becomes of unfinished requests: "abort" ends them
-        (vLLM's default), "keep" keeps them to go on after wake_up() (their KV computed again), "wait"
-        needs none left (LLM.sleep runs them to their end first; here step() them)."""
+        """vLLM's: pause the scheduler, and on every rank free the weights' and the KV cache's
+        memory (level 1 keeps the weights in host memory, level 2 forgets them, level 0 frees
+        nothing; levels 1-2 need enable_sleep_mode and empty the prefix cache). No step runs until
+        wake_up(). mode says what becomes of unfinished requests: "abort" ends them (vLLM's
+        default), "keep" keeps them to go on after wake_up() (at levels 1-2 their KV is computed
+        again), "wait" needs none left (LLM.sleep runs them to their end first; here step() them)."""
         self.check_sleep(level, mode)
-        if self.is_sleeping():
+        if self.model_runner.sleeping_tags or (self.paused and level == 0):
             logger.warning("The engine is already sleeping.")
             return
         if self.has_unfinished_requests():
@@ -424,8 +428,11 @@ class LLMEngine:
                                  "step() the requests to their end, or sleep with mode 'abort'.")
             if mode == "abort":
                 self.abort_request(list(self.requests))
-            else:   # their blocks go with the KV cache: computed again after wake_up, as after a preemption
+            elif level > 0:   # their blocks go with the KV cache: computed again after wake_up, as after a preemption
                 self.scheduler.preempt_all()
+        self.paused = True
+        if level == 0:
+            return
         self.block_manager.reset_prefix_cache()
         start = time.perf_counter()
         freed = self.collective_rpc("sleep", kwargs={"level": level})[0]
@@ -433,37 +440,43 @@ class LLMEngine:
                     f"{freed / 2**30:.2f} GiB of weights and KV cache freed on each rank.")
 
     def check_sleep(self, level: int, mode: str):
-        if not self.config.enable_sleep_mode:
+        if level not in (0, 1, 2):
+            raise ValueError(f"level must be 0, 1 or 2, got {level!r}.")
+        if level > 0 and not self.config.enable_sleep_mode:
             raise RuntimeError("Sleep mode is not enabled: create the LLM with enable_sleep_mode=True.")
-        if level not in (1, 2):
-            raise ValueError(f"level must be 1 or 2, got {level!r}.")
         if mode not in SLEEP_MODES:
             raise ValueError(f"mode must be one of {', '.join(map(repr, SLEEP_MODES))}, got {mode!r}.")
 
     def wake_up(self, tags: list[str] | None = None):
         """vLLM's: allocate the tagged memory again on every rank ("weights", "kv_cache"; None:
-        both). After a level-2 sleep, load the weights with collective_rpc("reload_weights")."""
-        if tags is not None and (isinstance(tags, str) or any(tag not in SLEEP_TAGS for tag in tags)):
-            raise ValueError(f"tags must be a list of {', '.join(map(repr, SLEEP_TAGS))}, got {tags!r}.")
-        sleeping = self.model_runner.sleeping_tags
-        if not sleeping:
+        both), and let steps run again once none is asleep ("scheduling" alone: only that). After a
+        level-2 sleep, load the weights with collective_rpc("reload_weights")."""
+        known = (*SLEEP_TAGS, "scheduling")
+        if tags is not None and (isinstance(tags, str) or any(tag not in known for tag in tags)):
+            raise ValueError(f"tags must be a list of {', '.join(map(repr, known))}, got {tags!r}.")
+        if not self.is_sleeping():
             logger.warning("The engine is not sleeping.")
             return
-        awake = [tag for tag in tags or () if tag not in sleeping]
-        if awake:
-            logger.warning(f"Tag {awake[0]!r} is not in the sleeping tags {sleeping}.")
-            return
-        start = time.perf_counter()
-        self.collective_rpc("wake_up", kwargs={"tags": tags})
-        logger.info(f"It took {time.perf_counter() - start:.2f} seconds to wake up {tags or sleeping}.")
+        memory = None if tags is None else [tag for tag in tags if tag != "scheduling"]
+        sleeping = self.model_runner.sleeping_tags
+        if sleeping and memory != []:
+            awake = [tag for tag in memory or () if tag not in sleeping]
+            if awake:
+                logger.warning(f"Tag {awake[0]!r} is not in the sleeping tags {sleeping}.")
+                return
+            start = time.perf_counter()
+            self.collective_rpc("wake_up", kwargs={"tags": memory})
+            logger.info(f"It took {time.perf_counter() - start:.2f} seconds to wake up {memory or sleeping}.")
+        self.paused = bool(self.model_runner.sleeping_tags)   # (vLLM's: steps once all memory is back)
 
     def is_sleeping(self) -> bool:
-        return bool(self.model_runner.sleeping_tags)
+        return self.paused
 
     def check_awake(self):
-        if self.is_sleeping():
-            raise RuntimeError(f"the engine is sleeping ({' and '.join(self.model_runner.sleeping_tags)} freed); "
-                               f"call wake_up() before generating.")
+        if self.paused:
+            sleeping = self.model_runner.sleeping_tags
+            state = f"{' and '.join(sleeping)} freed" if sleeping else "scheduling paused"
+            raise RuntimeError(f"the engine is sleeping ({state}); call wake_up() before generating.")
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Forget the cached prompt blocks; True once done (vLLM's return value). Running requests
