@@ -209,6 +209,31 @@ def test_engine_methods_as_vllms(qwen3_dir):
     assert_idle(engine)
 
 
+def test_sleep_with_a_step_in_flight(qwen3_dir):
+    """With async scheduling a launched step's tokens are read during the next step. sleep() then
+    drops them with the aborted requests (mode "abort"), and refuses mode "keep", which would need
+    them; the engine goes on whole after wake_up."""
+    engine = LLMEngine.from_engine_args(EngineArgs(model=qwen3_dir, dtype="float32", block_size=16,
+                                                   num_kvcache_blocks=32, async_scheduling=True))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(str(i), PROMPTS[i], params)
+    engine.step()
+    engine.step()
+    assert engine.in_flight is not None
+    with pytest.raises(ValueError, match="mode='keep' while a launched step's tokens are unread"):
+        engine.sleep(level=0, mode="keep")
+    engine.sleep(level=0)
+    assert engine.in_flight is None and not engine.requests and engine.is_sleeping()
+    engine.wake_up()
+    engine.add_request("again", PROMPTS[0], params)
+    outputs = run_to_end(engine)
+    expected = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=32).generate(
+        [{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert [o.outputs[0].token_ids for o in outputs if o.finished] == [expected]
+    assert_idle(engine)
+
+
 def test_engine_args_read_as_config_defaults_and_are_checked(qwen3_dir):
     args = EngineArgs(model=qwen3_dir, max_num_seqs=8)
     assert (args.model, args.max_num_seqs, args.gpu_memory_utilization) == (qwen3_dir, 8, 0.92)

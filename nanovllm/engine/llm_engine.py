@@ -426,7 +426,8 @@ class LLMEngine:
             if mode == "keep" and self.in_flight is not None:
                 raise ValueError("mode='keep' while a launched step's tokens are unread (async scheduling): "
                                  "step() the requests to their end, or sleep with mode 'abort'.")
-            if mode == "abort":
+            if mode == "abort":   # (a launched step's tokens, if any, are dropped with their requests)
+                self.abort_in_flight()
                 self.abort_request(list(self.requests))
             elif level > 0:   # their blocks go with the KV cache: computed again after wake_up, as after a preemption
                 self.scheduler.preempt_all()
