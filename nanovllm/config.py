@@ -27,6 +27,8 @@ GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "t
                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 # What block_size=None (vLLM's "the engine's default") means here.
 DEFAULT_BLOCK_SIZE = 256
+# Fields where None (vLLM's default for them) means the field's own default here.
+NONE_MEANS_DEFAULT = ("enable_chunked_prefill", "enable_prefix_caching", "attention_backend")
 # vLLM's kv_cache_dtype values ("auto": the model's dtype). fp8 values are stored unscaled
 # (vLLM's k_scale = v_scale = 1.0 for checkpoints without scales), clamped to the format's range.
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
@@ -163,10 +165,9 @@ class Config:
             self.seed = random.randrange(2**31)
         if self.block_size is None:
             self.block_size = DEFAULT_BLOCK_SIZE
-        for name, default in (("enable_chunked_prefill", True), ("enable_prefix_caching", True),
-                              ("attention_backend", "auto")):   # vLLM's None: the engine's choice
-            if getattr(self, name) is None:
-                setattr(self, name, default)
+        for f in fields(self):   # vLLM's None for these: the engine's choice, i.e. the field's default
+            if f.name in NONE_MEANS_DEFAULT and getattr(self, f.name) is None:
+                setattr(self, f.name, f.default)
         self._validate_scalars()
         self.profiler_config = ProfilerConfig.parse(self.profiler_config)
         self.reasoning_config = ReasoningConfig.parse(self.reasoning_config)
@@ -216,9 +217,7 @@ class Config:
             scaled = ", with its RoPE scaling" if max_len != self.hf_config.max_position_embeddings else ""
             raise ValueError(f"max_model_len ({self.max_model_len}) is greater than the model's "
                              f"max_position_embeddings ({max_len}{scaled}).")
-        window = getattr(self.hf_config, "sliding_window", None)
-        if not getattr(self.hf_config, "use_sliding_window", True):
-            window = None
+        window = sliding_window(self.hf_config)
         if window and self.disable_sliding_window and not explicit_len:
             self.max_model_len = min(self.max_model_len, window)
         if window and self.max_model_len > window:
@@ -347,6 +346,14 @@ class Config:
         if isinstance(config_dtype, str):
             config_dtype = DTYPES.get(config_dtype)
         return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def sliding_window(hf_config: PretrainedConfig) -> int | None:
+    """The window a sliding-window model attends within; None for full attention (Qwen2 and Qwen3
+    configs carry a window with use_sliding_window=False)."""
+    if not getattr(hf_config, "use_sliding_window", True):
+        return None
+    return getattr(hf_config, "sliding_window", None)
 
 
 def _asks_nothing(value, idle) -> bool:

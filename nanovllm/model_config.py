@@ -2,7 +2,7 @@
 import torch
 from transformers import PretrainedConfig
 
-from nanovllm.config import Config
+from nanovllm.config import Config, sliding_window
 
 
 class ModelConfig:
@@ -66,5 +66,4 @@ class ModelConfig:
         return self.get_total_num_hidden_layers()   # no pipeline parallelism: every rank runs every layer
 
     def get_sliding_window(self) -> int | None:
-        hf = self._config.hf_config
-        return getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
+        return sliding_window(self._config.hf_config)
