@@ -209,28 +209,49 @@ def test_engine_methods_as_vllms(qwen3_dir):
     assert_idle(engine)
 
 
-def test_sleep_with_a_step_in_flight(qwen3_dir):
-    """With async scheduling a launched step's tokens are read during the next step. sleep() then
-    drops them with the aborted requests (mode "abort"), and refuses mode "keep", which would need
-    them; the engine goes on whole after wake_up."""
+@pytest.mark.parametrize("level", [0, 1])
+def test_sleep_with_a_step_in_flight(qwen3_dir, level):
+    """With async scheduling a launched step's tokens are read during the next step. sleep(mode="keep")
+    reads them first: the next step() reports them, asleep or not, with the request they finished, and the
+    others go on after wake_up to the tokens of an uninterrupted run. Mode "abort" drops them with the
+    aborted requests, and the engine goes on whole."""
     engine = LLMEngine.from_engine_args(EngineArgs(model=qwen3_dir, dtype="float32", block_size=16,
-                                                   num_kvcache_blocks=32, async_scheduling=True))
+                                                   num_kvcache_blocks=32, async_scheduling=True,
+                                                   enable_sleep_mode=level > 0))
+    lengths = (8, 2, 8)
+    reference = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=32).generate(
+        [{"prompt_token_ids": p} for p in PROMPTS[:3]],
+        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths], use_tqdm=False)
+    for i, n in enumerate(lengths):
+        engine.add_request(str(i), PROMPTS[i], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
+                                                              output_kind=RequestOutputKind.DELTA))
+    outputs = engine.step() + engine.step()
+    assert engine.in_flight is not None and engine.get_num_unfinished_requests() == 3
+    engine.sleep(level=level, mode="keep")
+    assert engine.in_flight is None and engine.is_sleeping() and engine.get_num_unfinished_requests() == 3
+    engine.abort_request("no such request")            # (what was sent of the unreported request is kept)
+    reported = engine.step()
+    assert [(o.request_id, len(o.outputs[0].token_ids), o.finished) for o in reported] == [
+        ("0", 1, False), ("2", 1, False), ("1", 1, True)]
+    assert engine.step() == [] and engine.get_num_unfinished_requests() == 2
+    engine.wake_up()
+    tokens = {}
+    for output in outputs + reported + run_to_end(engine):
+        tokens.setdefault(output.request_id, []).extend(output.outputs[0].token_ids)
+    assert [tokens[str(i)] for i in range(3)] == [o.outputs[0].token_ids for o in reference]
+    assert_idle(engine)
+
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     for i in range(3):
         engine.add_request(str(i), PROMPTS[i], params)
     engine.step()
     engine.step()
-    assert engine.in_flight is not None
-    with pytest.raises(ValueError, match="mode='keep' while a launched step's tokens are unread"):
-        engine.sleep(level=0, mode="keep")
     engine.sleep(level=0)
     assert engine.in_flight is None and not engine.requests and engine.is_sleeping()
     engine.wake_up()
     engine.add_request("again", PROMPTS[0], params)
     outputs = run_to_end(engine)
-    expected = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=32).generate(
-        [{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].outputs[0].token_ids
-    assert [o.outputs[0].token_ids for o in outputs if o.finished] == [expected]
+    assert [o.outputs[0].token_ids for o in outputs if o.finished] == [reference[0].outputs[0].token_ids]
     assert_idle(engine)
 
 

@@ -108,6 +108,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._request_ids = count()
         self.just_finished: list[Request] = []   # the requests the latest step finished
+        self.finished_asleep: list[Request] = []  # those sleep(mode="keep") finished: the next step reports them
         self.streamer = OutputStreamer()   # what step() has sent of each request
         freeze_heap()
 
@@ -223,7 +224,7 @@ class LLMEngine:
         skipped. Their outputs are dropped. internal: vLLM's (ids of its own making); the same here."""
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             self._abort(request_id)
-        self.streamer.forget(self.requests)
+        self.streamer.forget([*self.requests.values(), *self.finished_asleep])   # (those not reported yet)
 
     def _abort(self, request_id: str):
         request = self.requests.pop(request_id, None)
@@ -240,10 +241,10 @@ class LLMEngine:
                                          sum(len(seq.output_token_ids) for seq in request.seqs), request.metrics)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.finished_asleep)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
+        return len(self.requests) + len(self.finished_asleep)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -267,8 +268,8 @@ class LLMEngine:
         step's forward pass first and reads the step before while it runs, then prepares the
         sampling (vLLM's order: the grammar bitmask is filled while the model runs). Penalties
         count their tokens on the device and need nothing from the host."""
-        finished = []
-        self.just_finished = []
+        self.just_finished, self.finished_asleep = self.finished_asleep, []
+        finished = [self._make_output(request) for request in self.just_finished]
         if self.paused:   # (requests that sleep(mode="keep") kept wait for wake_up)
             return finished, StepStats()
         out = self.scheduler.schedule()
@@ -414,18 +415,21 @@ class LLMEngine:
         nothing; levels 1-2 need enable_sleep_mode and empty the prefix cache). No step runs until
         wake_up(). mode says what becomes of unfinished requests: "abort" ends them (vLLM's
         default), "keep" keeps them to go on after wake_up() (at levels 1-2 their KV is computed
-        again), "wait" needs none left (LLM.sleep runs them to their end first; here step() them)."""
+        again; a launched step's tokens are read first, and the next step() reports what they
+        finished), "wait" needs none left (LLM.sleep runs them to their end first; here step() them)."""
         self.check_sleep(level, mode)
         if self.model_runner.sleeping_tags or (self.paused and level == 0):
             logger.warning("The engine is already sleeping.")
             return
         if self.has_unfinished_requests():
             if mode == "wait":
-                raise ValueError(f"mode='wait' with {len(self.requests)} unfinished request(s): step() them to "
+                raise ValueError(f"mode='wait' with {self.get_num_unfinished_requests()} unfinished request(s): step() them to "
                                  f"their end first, or sleep with mode 'abort' or 'keep'.")
-            if mode == "keep" and self.in_flight is not None:
-                raise ValueError("mode='keep' while a launched step's tokens are unread (async scheduling): "
-                                 "step() the requests to their end, or sleep with mode 'abort'.")
+            if mode == "keep" and self.in_flight is not None:   # a launched step's tokens: read them now
+                self.just_finished = []
+                self._resolve(self.in_flight)
+                self.in_flight = None
+                self.finished_asleep += self.just_finished
             if mode == "abort":   # (a launched step's tokens, if any, are dropped with their requests)
                 self.abort_in_flight()
                 self.abort_request(list(self.requests))

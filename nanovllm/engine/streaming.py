@@ -38,11 +38,11 @@ class OutputStreamer:
                 self.sent.pop(seq.seq_id, None)
         return result
 
-    def forget(self, live: dict):
+    def forget(self, live):
         """Drop what was sent for sequences of requests no longer in live (aborted ones)."""
         if not self.sent:
             return
-        alive = {seq.seq_id for request in live.values() for seq in request.seqs}
+        alive = {seq.seq_id for request in live for seq in request.seqs}
         for seq_id in set(self.sent) - alive:
             del self.sent[seq_id]
 
