@@ -205,7 +205,8 @@ def test_sleep_gives_memory_back_and_wakes_up_to_the_same_tokens(gpu_model_dir):
     """Sleep mode on the GPU: sleep(level=1) returns the weights' and the KV cache's memory to the
     driver, and wake_up maps memory again at the same addresses (a tensor allocated meanwhile does
     not take them), so the decode graphs captured at start-up give the same greedy tokens; so does
-    a level-2 sleep followed by reload_weights."""
+    a level-2 sleep followed by reload_weights. Requests kept across a sleep (mode "keep", a launched
+    step unread) end with the tokens of an uninterrupted run."""
     llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
               enable_sleep_mode=True)
     runner = llm.llm_engine.model_runner
@@ -231,6 +232,13 @@ def test_sleep_gives_memory_back_and_wakes_up_to_the_same_tokens(gpu_model_dir):
     llm.collective_rpc("reload_weights")
     llm.wake_up(tags=["kv_cache"])
     assert tokens() == expected and runner.graphs is graphs
+    for level, tags in ((1, None), (0, ["scheduling"])):
+        llm.enqueue([{"prompt_token_ids": p} for p in PROMPTS], sp)
+        llm.llm_engine.step()
+        llm.llm_engine.step()
+        llm.sleep(level=level, mode="keep")
+        llm.wake_up(tags)
+        assert [o.outputs[0].token_ids for o in llm.wait_for_completion(use_tqdm=False)] == expected
 
 
 def test_arena_keeps_its_addresses_and_views_across_release():
