@@ -423,8 +423,8 @@ class LLMEngine:
             return
         if self.has_unfinished_requests():
             if mode == "wait":
-                raise ValueError(f"mode='wait' with {self.get_num_unfinished_requests()} unfinished request(s): step() them to "
-                                 f"their end first, or sleep with mode 'abort' or 'keep'.")
+                raise ValueError(f"mode='wait' with {self.get_num_unfinished_requests()} unfinished request(s): "
+                                 f"step() them to their end first, or sleep with mode 'abort' or 'keep'.")
             if mode == "keep" and self.in_flight is not None:   # a launched step's tokens: read them now
                 self.just_finished = []
                 self._resolve(self.in_flight)
