@@ -227,6 +227,8 @@ def test_sleep_with_a_step_in_flight(qwen3_dir, level):
                                                               output_kind=RequestOutputKind.DELTA))
     outputs = engine.step() + engine.step()
     assert engine.in_flight is not None and engine.get_num_unfinished_requests() == 3
+    with pytest.raises(ValueError, match=re.escape("mode='wait' with 3 unfinished request(s): step() them")):
+        engine.sleep(level=level, mode="wait")
     engine.sleep(level=level, mode="keep")
     assert engine.in_flight is None and engine.is_sleeping() and engine.get_num_unfinished_requests() == 3
     engine.abort_request("no such request")            # (what was sent of the unreported request is kept)
