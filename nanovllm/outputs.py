@@ -1,5 +1,5 @@
 """What `LLM.generate` returns: vLLM's RequestOutput / CompletionOutput shapes."""
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from nanovllm.logprobs import PromptLogprobs, SampleLogprobs
 
@@ -16,15 +16,16 @@ class RequestMetrics:
 
 @dataclass
 class CompletionOutput:
+    """One completion of a request; vLLM's fields, in vLLM's order."""
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
+    routed_experts: None = field(default=None, repr=False)   # vLLM's; MoE routing is not returned
     finish_reason: str | None = None      # "stop" or "length"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it; None for EOS
     lora_request: None = field(default=None, repr=False)     # vLLM's field; no LoRA here
-    routed_experts: None = field(default=None, repr=False)   # vLLM's; MoE routing is not returned
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -32,20 +33,42 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """A request's output; vLLM's fields, the positional ones in vLLM's order. vLLM's fields for what
+    nanovllm does not do (LoRA, encoder-decoder models, multimodal inputs, KV transfer) hold their
+    empty values, so that scripts reading them run."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int = 0            # prompt tokens found in the prefix cache
-    num_cache_creation_tokens: int = 0    # prompt tokens computed and written to the prefix cache
     metrics: RequestMetrics | None = field(default=None, repr=False)
-    # vLLM's fields for what nanovllm does not do (LoRA, encoder-decoder models, multimodal
-    # inputs, KV transfer), at their empty values, so that scripts reading them run
     lora_request: None = field(default=None, repr=False)
     encoder_prompt: None = field(default=None, repr=False)
     encoder_prompt_token_ids: None = field(default=None, repr=False)
-    multi_modal_placeholders: dict = field(default_factory=dict, repr=False)
+    num_cached_tokens: int | None = None            # prompt tokens found in the prefix cache
+    num_cache_creation_tokens: int | None = None    # prompt tokens computed and written to the prefix cache
+    _: KW_ONLY
     kv_transfer_params: None = field(default=None, repr=False)
     ec_transfer_params: None = field(default=None, repr=False)
+    multi_modal_placeholders: dict = field(default_factory=dict, repr=False)   # (vLLM before 0.26)
+
+    def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
+        """vLLM's: merge a later output of this request into this one. Each of its completions
+        replaces the one with its index, or with aggregate (outputs of RequestOutputKind.DELTA)
+        appends its new text, tokens and logprobs to it; a completion of a new index is added."""
+        self.finished |= next_output.finished
+        for new in next_output.outputs:
+            i = next((i for i, old in enumerate(self.outputs) if old.index == new.index), None)
+            if i is None:
+                self.outputs.append(new)
+            elif not aggregate:
+                self.outputs[i] = new
+            else:
+                old = self.outputs[i]
+                old.text += new.text
+                old.token_ids = [*old.token_ids, *new.token_ids]
+                if new.logprobs:
+                    old.logprobs.extend(new.logprobs)
+                old.cumulative_logprob = new.cumulative_logprob
+                old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason

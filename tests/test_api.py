@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from conftest import VOCAB_SIZE, log_lines, make_prompts
-from nanovllm import LLM, BeamSearchParams, RequestOutput, SamplingParams
+from nanovllm import LLM, BeamSearchParams, CompletionOutput, RequestOutput, SamplingParams
 from nanovllm.config import Config, batch_defaults
 from nanovllm.vllm_only_arguments import IDLE_ARGUMENTS, IGNORED_ARGUMENTS
 from nanovllm.engine.output_processor import OutputProcessor, TokenTexts
 from nanovllm.engine.sequence import Sequence
+from nanovllm.outputs import RequestMetrics
 from nanovllm.sampling_params import RequestOutputKind
 
 PROMPTS = make_prompts()
@@ -481,6 +482,18 @@ def test_vllm_output_fields_for_what_nanovllm_does_not_do(llm):
             out.ec_transfer_params) == (None,) * 5
     assert out.multi_modal_placeholders == {}
     assert (out.outputs[0].lora_request, out.outputs[0].routed_experts) == (None, None)
+
+
+def test_outputs_take_vllms_positional_arguments():
+    """Code that builds outputs itself (a test double, say) passes vLLM 0.26's positional order."""
+    completion = CompletionOutput(1, "ab", [5, 6], -0.5, None, None, "stop", "b")
+    assert (completion.index, completion.token_ids, completion.routed_experts, completion.finish_reason,
+            completion.stop_reason, completion.finished()) == (1, [5, 6], None, "stop", "b", True)
+    metrics = RequestMetrics(arrival_time=1.0)
+    out = RequestOutput("r", "p", [1, 2], None, [completion], True, metrics, None, None, None, 16, 0)
+    assert (out.metrics, out.num_cached_tokens, out.num_cache_creation_tokens) == (metrics, 16, 0)
+    with pytest.raises(TypeError):
+        RequestOutput("r", "p", [1, 2], None, [completion], True, metrics, None, None, None, 16, 0, None)
 
 
 def test_prefix_cache_hits_and_writes_per_request(llm):

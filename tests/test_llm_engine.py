@@ -98,6 +98,13 @@ def test_output_kinds_stream_as_in_vllm(engine, flat_logprobs):
     assert [p for o in delta for p in o.outputs[0].logprobs] == list(final[0].outputs[0].logprobs)
     assert all(type(o.outputs[0].logprobs).__name__ == ("FlatLogprobs" if flat_logprobs else "list")
                for o in cumulative + delta + final)
+    merged = delta[0]                                      # vLLM's RequestOutput.add: the deltas add up
+    for output in delta[1:]:
+        merged.add(output, aggregate=True)
+    completion = merged.outputs[0]
+    assert (completion.token_ids, completion.text, completion.finish_reason, merged.finished) == (
+        tokens, text, "length", True)
+    assert list(completion.logprobs) == list(final[0].outputs[0].logprobs)
     assert_idle(engine)
 
 
@@ -133,6 +140,10 @@ def test_n_completions_stream_one_by_one(engine):
     last = {o.outputs[0].index: o.outputs[0].token_ids for o in streamed_outputs}
     assert last == {c.index: c.token_ids for c in together.outputs} and len(last) == 2
     assert streamed_outputs[-1].finished and not streamed_outputs[0].finished
+    merged = streamed_outputs[0]                           # RequestOutput.add: each completion's latest
+    for output in streamed_outputs[1:]:
+        merged.add(output, aggregate=False)
+    assert {c.index: c.token_ids for c in merged.outputs} == last and merged.finished
     assert_idle(engine)
 
 
