@@ -6,6 +6,7 @@ from tqdm.auto import tqdm
 from nanovllm.beam_search import BeamSearchOutput, search
 from nanovllm.chat import render_chat
 from nanovllm.config import Config
+from nanovllm.engine.arg_utils import EngineArgs
 from nanovllm.engine.input_processor import check_no_lora
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.inputs import Tokenization, parse_prompts
@@ -44,6 +45,11 @@ class LLM:
         self._finalizer = weakref.finalize(self, self.llm_engine.close)
         self.closed = False
         self._unclaimed: dict[str, RequestOutput] = {}   # finished enqueued requests not yet returned
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLM":
+        """vLLM's: an LLM of these engine arguments (the ones given; the rest keep their defaults)."""
+        return cls(engine_args.model, **engine_args.kwargs)
 
     def close(self):
         self.closed = True

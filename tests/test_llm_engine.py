@@ -184,6 +184,8 @@ def test_vllm_only_engine_arguments_come_from_the_command_line(qwen3_dir):
     engine_args = EngineArgs.from_cli_args(args)
     assert (engine_args.data_parallel_size, engine_args.enable_dbo, engine_args.max_lora_rank) == (1, False, "64")
     assert LLMEngine.from_engine_args(engine_args).block_manager.num_blocks == 8
+    llm = LLM.from_engine_args(engine_args)              # vLLM's LLM.from_engine_args too
+    assert (llm.llm_engine.config.model, llm.llm_engine.block_manager.num_blocks) == (qwen3_dir, 8)
     assert (EngineArgs().data_parallel_size, EngineArgs().worker_cls) == (1, "auto")
     for flags, message in [(["--data-parallel-size", "2"], "data_parallel_size is not supported"),
                            (["--mamba-backend", "triton"], "mamba_backend is not supported (no Mamba")]:
