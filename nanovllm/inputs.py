@@ -36,7 +36,8 @@ class Prompt(NamedTuple):
 
 PromptType = str | list[int] | TextPrompt | TokensPrompt
 
-# Keys of vLLM's prompt dicts that ask for something nanovllm does not do: refused, not ignored.
+# Keys of vLLM's prompt dicts that ask for something nanovllm does not do: refused, not ignored
+# (but for a value of None).
 UNSUPPORTED_KEYS = {"multi_modal_data": "multimodal inputs (nanovllm runs text-only models)",
                     "mm_processor_kwargs": "multimodal inputs (nanovllm runs text-only models)",
                     "multi_modal_uuids": "multimodal inputs (nanovllm runs text-only models)",
@@ -58,10 +59,11 @@ def parse_prompts(prompts, encode: Callable[[int, str], list[int]]) -> list[Prom
     parsed = []
     for i, p in enumerate(prompts):
         if isinstance(p, dict):
-            for key in p:
+            for key, value in p.items():
                 if key in UNSUPPORTED_KEYS:
-                    raise ValueError(f"prompt {i}: {key!r} is not supported: {UNSUPPORTED_KEYS[key]}.")
-                if key not in KEYS:
+                    if value is not None:   # (None: vLLM's "none given")
+                        raise ValueError(f"prompt {i}: {key!r} is not supported: {UNSUPPORTED_KEYS[key]}.")
+                elif key not in KEYS:
                     raise ValueError(f"prompt {i}: unknown key {key!r}; a prompt dict has 'prompt' and/or "
                                      f"'prompt_token_ids', and may have 'cache_salt'.")
             salt = p.get("cache_salt")

@@ -530,13 +530,16 @@ def test_token_ids_from_numpy_and_torch(llm):
 
 def test_vllm_prompt_types(llm):
     """vLLM's TextPrompt / TokensPrompt import from nanovllm and work; keys asking for what nanovllm
-    does not do (multimodal data, prompt embeddings, encoder-decoder prompts), unknown keys and a bad
-    cache_salt are ValueErrors, not ignored."""
+    does not do (multimodal data, prompt embeddings, encoder-decoder prompts), unless None, unknown keys
+    and a bad cache_salt are ValueErrors, not ignored."""
     from nanovllm import TextPrompt, TokensPrompt
     sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     by_ids = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], sp, use_tqdm=False)[0]
     by_text = llm.generate([TextPrompt(prompt="Hello")], sp, use_tqdm=False)[0]
     assert by_ids.prompt_token_ids == [5, 6, 7] and by_text.prompt == "Hello"
+    none_given = llm.generate([{"prompt_token_ids": [5, 6, 7], "multi_modal_data": None, "mm_processor_kwargs": None}],
+                              sp, use_tqdm=False)[0]
+    assert none_given.outputs[0].token_ids == by_ids.outputs[0].token_ids
     for prompt, message in (
             ({"prompt": "Hi", "multi_modal_data": {"image": None}},
              "prompt 1: 'multi_modal_data' is not supported: multimodal inputs (nanovllm runs text-only models)."),
