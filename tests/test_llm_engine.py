@@ -186,6 +186,10 @@ def test_vllm_only_engine_arguments_come_from_the_command_line(qwen3_dir):
     assert LLMEngine.from_engine_args(engine_args).block_manager.num_blocks == 8
     llm = LLM.from_engine_args(engine_args)              # vLLM's LLM.from_engine_args too
     assert (llm.llm_engine.config.model, llm.llm_engine.block_manager.num_blocks) == (qwen3_dir, 8)
+    config = EngineArgs(model=qwen3_dir, num_kvcache_blocks=8, disable_log_stats=False).create_engine_config()
+    for disable, stats in ((False, True), (True, False)):   # and LLMEngine.from_vllm_config
+        engine = LLMEngine.from_vllm_config(config, disable_log_stats=disable)
+        assert engine.block_manager.num_blocks == 8 and (engine.stat_logger is not None) == stats
     assert (EngineArgs().data_parallel_size, EngineArgs().worker_cls) == (1, "auto")
     for flags, message in [(["--data-parallel-size", "2"], "data_parallel_size is not supported"),
                            (["--mamba-backend", "triton"], "mamba_backend is not supported (no Mamba")]:

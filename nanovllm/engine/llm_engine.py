@@ -118,6 +118,13 @@ class LLMEngine:
         """vLLM's way to make an engine without the LLM facade (then add_request / step)."""
         return cls(engine_args.create_engine_config())
 
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Config, usage_context=None, stat_loggers=None,
+                         disable_log_stats: bool = False) -> "LLMEngine":
+        """vLLM's: an engine of the settings EngineArgs.create_engine_config() made (here a Config);
+        disable_log_stats turns stat logging off whatever the settings say."""
+        return cls(replace(vllm_config, disable_log_stats=True) if disable_log_stats else vllm_config)
+
     def _load_generation_config(self) -> GenerationConfig | None:
         """The model's generation_config.json, or config.generation_config's folder's; None with
         "vllm" or without the file."""
