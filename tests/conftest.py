@@ -161,6 +161,13 @@ def watch_overlap(llm):
         engine.model_runner.execute = execute
 
 
+def tokens_and_tops(outputs) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """check_logprobs_close's form of RequestOutputs: each first completion's tokens and its top-N
+    logprobs a step."""
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in e.items()} for e in o.outputs[0].logprobs])
+            for o in outputs]
+
+
 def check_logprobs_close(ours, ref):
     """As vLLM's check: where the greedy tokens first differ, each side's token must be in the
     other side's top-N; after that the sequences are not compared. Returns how many matched fully."""

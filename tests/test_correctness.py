@@ -5,7 +5,7 @@ import functools
 import pytest
 import torch
 
-from conftest import build_model_dir, check_logprobs_close, hf_greedy, make_prompts
+from conftest import build_model_dir, check_logprobs_close, hf_greedy, make_prompts, tokens_and_tops
 from nanovllm import LLM, SamplingParams
 
 MAX_TOKENS = 12
@@ -95,9 +95,7 @@ def test_fp8_kv_cache(qwen3_dir, kv_cache_dtype):
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5, ignore_eos=True)
 
     def run(llm):
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
-        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in e.items()} for e in o.outputs[0].logprobs])
-                for o in outs]
+        return tokens_and_tops(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False))
 
     full_matches = check_logprobs_close(run(fp8), run(full))   # asserts where the tokens first differ
     if kv_cache_dtype == "fp8":    # e5m2 keeps 2 mantissa bits: this tiny model's near-flat logits flip more

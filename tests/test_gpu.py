@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from conftest import VOCAB_SIZE, build_model_dir, check_logprobs_close, check_within_top_k_top_p, make_prompts
+from conftest import (VOCAB_SIZE, build_model_dir, check_logprobs_close, check_within_top_k_top_p, make_prompts,
+                      tokens_and_tops)
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.attention import has_flash_attn
 
@@ -51,12 +52,6 @@ def hf_reference(path, dtype=torch.bfloat16):
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=NUM_LOGPROBS, ignore_eos=True)
-
-
-def tokens_and_tops(outs) -> list[tuple[list[int], list[dict[int, float]]]]:
-    """check_logprobs_close's form of the outputs: each completion's tokens and top-N logprobs a step."""
-    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in e.items()} for e in o.outputs[0].logprobs])
-            for o in outs]
 
 
 def run(llm):
@@ -153,8 +148,7 @@ def test_steps_that_admit_requests_mid_decode_run_in_pieces_close_to_hf(gpu_mode
     params = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * (i % 4), logprobs=NUM_LOGPROBS, ignore_eos=True)
               for i in range(len(PROMPTS))]
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    ours = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in e.items()} for e in o.outputs[0].logprobs])
-            for o in outs]
+    ours = tokens_and_tops(outs)
     assert [len(tokens) for tokens, _ in ours] == [p.max_tokens for p in params]
     full = check_logprobs_close(ours, hf_reference(gpu_model_dir))
     assert full >= len(PROMPTS) // 2, f"only {full} of {len(PROMPTS)} sequences matched HF fully"
