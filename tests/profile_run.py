@@ -32,7 +32,7 @@ from bench import make_workload, preset_dir, request_options, tokenizer_options,
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.heap import fewer_collections
 
-DECODE_BUCKETS = (1, 8, 32, 64, 128, 192, 256, 512)
+DECODE_BUCKETS = (1, 8, 32, 64, 128, 192, 256, 512, 768, 1024)
 
 
 class EventWaits:
@@ -95,11 +95,14 @@ def timed_step(engine, waits, finished, index, host_profile_steps, dump_dir) -> 
         pstats.Stats(host_profile).sort_stats("tottime").print_stats(14)
         if dump_dir:
             host_profile.dump_stats(os.path.join(dump_dir, f"step{index}.prof"))
-    if stats.num_prefill_tokens:
-        kind = "with prompt tokens"
+    bucket = next((b for b in DECODE_BUCKETS if stats.num_decode_tokens <= b), None)
+    decodes = f"<= {bucket:4}" if bucket else f"> {DECODE_BUCKETS[-1]}"
+    if not stats.num_prefill_tokens:
+        kind = f"decode, batch {decodes}"
+    elif stats.num_decode_tokens:   # a prompt chunk beside running sequences' decodes
+        kind = f"prompt + {decodes} decodes"
     else:
-        bucket = next(b for b in DECODE_BUCKETS if stats.num_decode_tokens <= b)
-        kind = f"decode, batch <= {bucket:3}"
+        kind = "prompt tokens only"
     return kind, elapsed, elapsed - (waits.seconds - waited)
 
 

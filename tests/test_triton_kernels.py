@@ -213,21 +213,24 @@ def test_gluon_prefill_attention_warp_specialized(num_kv_heads, group, head_dim,
 
 
 @pytest.mark.parametrize("num_kv_heads, group, head_dim, page", PREFILL_SHAPES)
-def test_mixed_step_sends_decodes_to_the_decode_kernel(num_kv_heads, group, head_dim, page):
-    """A step of prompt chunks with one-token sequences between them (decodes, as the scheduler
-    mixes them): every prefill kernel with skip_decodes still computes the other rows right; the
-    Triton backend gives the one-token rows to the decode kernel, and the whole output equals the
-    reference's."""
+@pytest.mark.parametrize("decodes_first", [False, True])
+def test_mixed_step_sends_decodes_to_the_decode_kernel(num_kv_heads, group, head_dim, page, decodes_first):
+    """A step of prompt chunks with one-token sequences (decodes, as the scheduler mixes them)
+    between them, or first (the usual order: running sequences are scheduled first): every prefill
+    kernel with skip_decodes still computes the other rows right; the Triton backend gives the
+    one-token rows to the decode kernel (first: as views, the prefill kernel launched over the
+    other sequences only), and the whole output equals the reference's."""
     from nanovllm.kernels import triton_attention
     from nanovllm.layers.attention import AttentionMetadata, MixedDecodes, TritonBackend
-    new = (77, 1, 33, 1, 130, 1)
-    args, ref = prefill_case(num_kv_heads, group, head_dim, page, ctx=(0, 300, 48, 1500, 7, 0), new=new)
+    ctx, new = ((300, 1500, 0, 48, 7, 0), (1, 1, 1, 77, 33, 130)) if decodes_first else \
+        ((0, 300, 48, 1500, 7, 0), (77, 1, 33, 1, 130, 1))
+    args, ref = prefill_case(num_kv_heads, group, head_dim, page, ctx=ctx, new=new)
     q, k_cache, v_cache, tables, qsl, seq_lens, max_query_len, scale = args
     starts = qsl.tolist()
     decodes = [i for i, n in enumerate(new) if n == 1]
-    rows = torch.tensor([starts[i] for i in decodes], device=DEVICE)
+    rows = slice(0, 3) if decodes_first else torch.tensor([starts[i] for i in decodes], device=DEVICE)
     others = torch.ones(q.shape[0], dtype=torch.bool)
-    others[rows.cpu()] = False
+    others[rows if decodes_first else rows.cpu()] = False
 
     prefills = [triton_attention.prefill_attention]
     if HOPPER:

@@ -107,10 +107,15 @@ class TritonBackend:
         if self.gluon_prefill is not None and self.gluon_prefill.supports(q, k_cache):
             longest = meta.max_seq_len if d is None else d.max_prefill_seq_len
             prefill = functools.partial(self.gluon_prefill.prefill_attention, **self.gluon_prefill.config_for(longest))
-        out = prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                      meta.max_query_len, scale, skip_decodes=d is not None, out=out)
-        if d is not None:
-            front = isinstance(d.rows, slice)   # views of q and out: no gather, no scatter
+        tables, starts, lens = meta.block_tables, meta.query_start_loc, meta.seq_lens
+        front = d is not None and isinstance(d.rows, slice)
+        if front:
+            # The decodes are the first sequences: the prefill kernel's grid covers only the others (over
+            # all of them, ~700 decodes gave ~180k programs that return at once: docs/perf_notes.md row 118).
+            tables, starts, lens = tables[d.rows.stop:], starts[d.rows.stop:], lens[d.rows.stop:]
+        out = prefill(q, k_cache, v_cache, tables, starts, lens, meta.max_query_len, scale,
+                      skip_decodes=d is not None, out=out)
+        if d is not None:       # front: views of q and out, no gather, no scatter
             decoded = self.kernels.decode_attention(q[d.rows], k_cache, v_cache, d.block_tables, d.seq_lens,
                                                     scale, *d.split, out=out[d.rows] if front else None)
             if not front:
