@@ -54,8 +54,9 @@ class MixedDecodes:
     """The one-token sequences of a step that also computes prompt tokens. A prefill kernel would
     give each of them a whole query tile (64-128 rows of products for one) and read its context
     once per query head; the decode kernel reads it once per KV head, at the memory's pace."""
-    # Their token rows in the batch: [n] int64, or slice(0, n) where they are its first n rows (the
-    # usual case: running sequences are scheduled before new ones), which q and out are sliced by.
+    # Their token rows in the batch: [n] int64, or slice(0, n) where they are its first n rows and
+    # sequences (the usual case: running sequences are scheduled before new ones), which q and out
+    # are sliced by, and after which the prefill kernel's sequences begin.
     rows: torch.Tensor | slice
     block_tables: torch.Tensor      # [n, max_num_blocks] int32
     seq_lens: torch.Tensor          # [n] int32
