@@ -159,3 +159,46 @@ def test_mixed_step_decodes():
     assert mixed_step_decodes([0, 77, 78, 111, 112], [77, 5000, 81, 3000]) == ([1, 3], 81)
     assert mixed_step_decodes([0, 1, 9], [7, 8]) == ([0], 8)
     assert mixed_step_decodes([0, 4, 9], [4, 6000]) == ([], 6000)
+
+
+@pytest.mark.parametrize("num_decodes, first", [(0, 0), (3, 0), (4, 4), (5, 4), (11, 8)])
+def test_a_mixed_step_with_decodes_first_launches_the_prefill_kernel_from_an_aligned_sequence(num_decodes, first):
+    """Decodes first (the usual order): the prefill kernel gets the sequences from the last multiple of 4 at
+    or before the first prompt (the decodes before it return at once), as views that keep the 16-byte
+    alignment of the uploaded int32 arrays, so that no kernel variant compiles after start-up."""
+    import numpy as np
+    import torch
+    from nanovllm.engine.upload import packed, views
+    from nanovllm.layers.attention import AttentionMetadata, MixedDecodes, TritonBackend
+    q_lens = [1] * num_decodes + [40, 7]
+    seq_lens = [300 + i for i in range(num_decodes)] + [40, 90]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    arrays = [np.arange(len(q_lens) * 3, dtype=np.int32).reshape(len(q_lens), 3), qsl, np.asarray(seq_lens, np.int32)]
+    # as upload() lays a step's arrays out: each at a 16-byte boundary of one buffer
+    tables, starts, lens = views(packed(arrays, pin_memory=False), arrays)
+    launched = {}
+
+    class Kernels:
+        def prefill_attention(self, q, k_cache, v_cache, tables, starts, lens, max_query_len, scale, skip_decodes,
+                              out):
+            launched.update(tables=tables, starts=starts, lens=lens, skip_decodes=skip_decodes)
+            return out
+
+        def decode_attention(self, q, k_cache, v_cache, tables, lens, scale, *split, out):
+            return out
+
+    backend = TritonBackend()
+    backend.kernels, backend.gluon_prefill = Kernels(), None
+    decodes = None if num_decodes == 0 else MixedDecodes(
+        rows=slice(0, num_decodes), block_tables=tables[:num_decodes], seq_lens=lens[:num_decodes], split=(1, 64),
+        max_prefill_seq_len=90)
+    meta = AttentionMetadata(slot_mapping=None, block_tables=tables, query_start_loc=starts, seq_lens=lens,
+                             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens, max_query_len=40,
+                             max_seq_len=max(seq_lens), decodes=decodes)
+    q = torch.zeros(int(qsl[-1]), 2, 16)
+    backend(q, None, None, None, None, meta, 1.0, out=torch.empty_like(q))
+    assert launched["skip_decodes"] == (num_decodes > 0)
+    assert launched["lens"].tolist() == seq_lens[first:]
+    assert launched["starts"].tolist() == qsl[first:].tolist()
+    assert launched["tables"].tolist() == arrays[0][first:].tolist()
+    assert all(t.data_ptr() % 16 == 0 for t in (launched["tables"], launched["starts"], launched["lens"]))

@@ -218,17 +218,18 @@ def test_mixed_step_sends_decodes_to_the_decode_kernel(num_kv_heads, group, head
     """A step of prompt chunks with one-token sequences (decodes, as the scheduler mixes them)
     between them, or first (the usual order: running sequences are scheduled first): every prefill
     kernel with skip_decodes still computes the other rows right; the Triton backend gives the
-    one-token rows to the decode kernel (first: as views, the prefill kernel launched over the
-    other sequences only), and the whole output equals the reference's."""
+    one-token rows to the decode kernel (first: as views, and the prefill kernel launched from the
+    last multiple of 4 sequences before the prompts), and the whole output equals the reference's."""
     from nanovllm.kernels import triton_attention
     from nanovllm.layers.attention import AttentionMetadata, MixedDecodes, TritonBackend
-    ctx, new = ((300, 1500, 0, 48, 7, 0), (1, 1, 1, 77, 33, 130)) if decodes_first else \
+    # (five decodes first: the prefill kernel's grid starts at the fifth, which it skips)
+    ctx, new = ((300, 1500, 0, 9, 700, 48, 7, 0), (1, 1, 1, 1, 1, 77, 33, 130)) if decodes_first else \
         ((0, 300, 48, 1500, 7, 0), (77, 1, 33, 1, 130, 1))
     args, ref = prefill_case(num_kv_heads, group, head_dim, page, ctx=ctx, new=new)
     q, k_cache, v_cache, tables, qsl, seq_lens, max_query_len, scale = args
     starts = qsl.tolist()
     decodes = [i for i, n in enumerate(new) if n == 1]
-    rows = slice(0, 3) if decodes_first else torch.tensor([starts[i] for i in decodes], device=DEVICE)
+    rows = slice(0, 5) if decodes_first else torch.tensor([starts[i] for i in decodes], device=DEVICE)
     others = torch.ones(q.shape[0], dtype=torch.bool)
     others[rows if decodes_first else rows.cpu()] = False
 
@@ -245,7 +246,8 @@ def test_mixed_step_sends_decodes_to_the_decode_kernel(num_kv_heads, group, head
                              query_start_loc_cpu=starts, seq_lens_cpu=seq_lens.tolist(), max_query_len=max_query_len,
                              max_seq_len=max(seq_lens.tolist()),
                              decodes=MixedDecodes(rows=rows, block_tables=tables[decodes], seq_lens=seq_lens[decodes],
-                                                  split=(4, 64), max_prefill_seq_len=137))
+                                                  split=(4, 64),
+                                                  max_prefill_seq_len=max(c + n for c, n in zip(ctx, new) if n > 1)))
     out = TritonBackend()(q, None, None, k_cache, v_cache, meta, scale).cpu()
     assert rel_err(out, ref) < TOL
     assert rel_err(out[~others], ref[~others]) < TOL

@@ -113,7 +113,11 @@ class TritonBackend:
         if front:
             # The decodes are the first sequences: the prefill kernel's grid covers only the others (over
             # all of them, ~700 decodes gave ~180k programs that return at once: docs/perf_notes.md row 118).
-            tables, starts, lens = tables[d.rows.stop:], starts[d.rows.stop:], lens[d.rows.stop:]
+            # Cut at a multiple of 4 sequences, so that these int32 views keep the 16-byte alignment they
+            # were uploaded with: Triton compiles a kernel variant per pointer alignment, which start-up
+            # would not have met. The up to 3 decodes left in the grid return at once.
+            first = d.rows.stop - d.rows.stop % 4
+            tables, starts, lens = tables[first:], starts[first:], lens[first:]
         out = prefill(q, k_cache, v_cache, tables, starts, lens, meta.max_query_len, scale,
                       skip_decodes=d is not None, out=out)
         if d is not None:       # front: views of q and out, no gather, no scatter
