@@ -56,7 +56,7 @@ class MixedDecodes:
     once per query head; the decode kernel reads it once per KV head, at the memory's pace."""
     # Their token rows in the batch: [n] int64, or slice(0, n) where they are its first n rows and
     # sequences (the usual case: running sequences are scheduled before new ones), which q and out
-    # are sliced by, and after which the prefill kernel's sequences begin.
+    # are sliced by; the prefill kernel is then launched from the last multiple of 4 sequences at or before n.
     rows: torch.Tensor | slice
     block_tables: torch.Tensor      # [n, max_num_blocks] int32
     seq_lens: torch.Tensor          # [n] int32
