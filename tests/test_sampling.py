@@ -307,6 +307,21 @@ def test_top_k_top_p_from_the_best_logits_equal_the_full_sort():
     assert (~full[5].isinf()).sum() < 40                            # (the sort cut the run at top-p 0.8)
 
 
+def test_filter_logits_of_a_block_of_rows_equals_those_rows_of_the_whole():
+    """The sorted path filters SORT_ROWS rows at a time on CUDA: filter_logits on rows a:b of the
+    batch, given md's rows a:b, is those rows of the whole batch's result, to the bit."""
+    from nanovllm.layers.sampler import filter_logits
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(7, 500, generator=gen) * 3
+    md = metadata(7, top_k=torch.tensor([1, 500, 30, 499, 200, 7, 500]),
+                  top_p=torch.tensor([0.9, 0.5, 1.0, 0.95, 0.3, 0.8, 0.99]),
+                  min_p=torch.tensor([0.0, 0.1, 0.0, 0.05, 0.2, 0.0, 0.01]))
+    whole = filter_logits(logits, md)
+    blocks = torch.cat([filter_logits(logits[rows], md, rows) for rows in (slice(0, 3), slice(3, 6), slice(6, 9))])
+    assert torch.equal(blocks, whole)
+    assert whole.isinf().any(1).all() and not whole.isinf().all(1).any()   # every row cut, none emptied
+
+
 def test_top_k_and_top_p_sampled_through_the_select_path():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4]])
     md = metadata(2, top_k=torch.tensor([3, 1]), max_top_k=3, top_p=torch.tensor([0.7, 1.0]))

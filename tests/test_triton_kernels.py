@@ -777,6 +777,36 @@ def test_fused_sampler_cuts_draw_what_the_masked_logits_draw(case, monkeypatch):
         assert ours[4] == logits[4].float().argmax()      # top_k 1
 
 
+def test_fused_sampler_sorted_path_in_blocks_of_rows_draws_what_the_whole_filter_draws(monkeypatch):
+    """A top_k above SELECT_TOP_K_MAX: the fused sampler filters its rows SORT_ROWS at a time (here 2,
+    so a partial last block) and draws the same tokens as the Gumbel kernel on the whole batch's
+    filtered logits, with the same seeds."""
+    from nanovllm.layers import sampler as sampler_module
+    from nanovllm.layers.sampler import Sampler, SamplingMetadata, filter_logits
+    monkeypatch.setattr(sampler_module, "SORT_ROWS", 2)
+    gen = torch.Generator().manual_seed(13)
+    batch, vocab = 5, 3_000
+    logits = (torch.randn(batch, vocab, generator=gen) * 2).to(DTYPE)
+    temps = torch.tensor([1.0, 0.5, 2.0, 0.7, 1.0])
+    greedy = torch.tensor([False, False, False, False, True])
+    md = SamplingMetadata(temperatures=temps, is_greedy=greedy, all_greedy=False, any_greedy=True,
+                          top_k=torch.tensor([2_000, vocab, 1_500, 3, vocab]), max_top_k=None, max_set_top_k=2_000,
+                          top_p=torch.tensor([0.9, 0.8, 1.0, 0.5, 0.7]), min_p=torch.tensor([0.0, 0.05, 0.1, 0.0, 0.0]),
+                          row_seeds=[], banned_rows=None, banned_tokens=None)
+    filtered = filter_logits(logits.float() / temps[:, None], md)
+    for name in ("temperatures", "is_greedy", "top_k", "top_p", "min_p"):
+        setattr(md, name, getattr(md, name).to(DEVICE))
+    sampler = Sampler(torch.Generator(device=DEVICE))
+    sampler.fused = True
+    for draw in range(4):
+        seeds = torch.randint(0, 1 << 62, (batch,), generator=gen)
+        monkeypatch.setattr(sampler, "_row_seeds", lambda *args: seeds.to(DEVICE))
+        ours = sampler(logits.to(DEVICE), md).token_ids.cpu()
+        assert ours.tolist() == sample_fused(filtered, torch.ones(batch), greedy, seeds).tolist()
+        assert filtered.gather(-1, ours[:, None]).isfinite().all()
+        assert ours[4] == logits[4].float().argmax()
+
+
 @pytest.mark.parametrize("batch, vocab", [(1, 151_936), (7, 8_193), (5, 1_000)])
 def test_gumbel_argmax_greedy_rows_are_argmax(batch, vocab):
     gen = torch.Generator().manual_seed(vocab)

@@ -160,6 +160,10 @@ def count_sampled(md: SamplingMetadata, token_ids: torch.Tensor):
 # instead of sorting the whole vocabulary: with Qwen3's own defaults (top_k=20, top_p=0.95) a
 # batch of 256 rows x 151,936 logits took a sort of 39M values per step.
 SELECT_TOP_K_MAX = 1024
+# Rows the sorted path filters at a time on CUDA: a sort's values, order, probabilities and
+# cumulative sums are ~6 float32 copies of its rows, and the KV-cache sizing sets aside this
+# path's peak at max_num_seqs rows (1,024 x 151,936: ~3.6 GB in one go, ~0.5 GB by 128 rows).
+SORT_ROWS = 128
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
@@ -210,13 +214,14 @@ def min_p_cut(logits: torch.Tensor, min_p: torch.Tensor, temperatures: torch.Ten
     return logits.amax(-1).float() + temperatures * min_p.log()
 
 
-def filter_logits(scaled: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Top-k, top-p, then min-p on temperature-scaled float32 logits [B, V]: dropped tokens get -inf.
-    min-p keeps p >= min_p * p_max, i.e. logit >= max logit + log(min_p)."""
-    if md.top_k is not None or md.top_p is not None:
-        scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p, md.max_top_k)
-    if md.min_p is not None:
-        floor = scaled.amax(-1, keepdim=True) + md.min_p[:, None].log()
+def filter_logits(scaled: torch.Tensor, md: SamplingMetadata, rows: slice = slice(None)) -> torch.Tensor:
+    """Top-k, top-p, then min-p on temperature-scaled float32 logits [B, V] (md's rows `rows`):
+    dropped tokens get -inf. min-p keeps p >= min_p * p_max, i.e. logit >= max logit + log(min_p)."""
+    top_k, top_p, min_p = (None if t is None else t[rows] for t in (md.top_k, md.top_p, md.min_p))
+    if top_k is not None or top_p is not None:
+        scaled = apply_top_k_top_p(scaled, top_k, top_p, md.max_top_k)
+    if min_p is not None:
+        floor = scaled.amax(-1, keepdim=True) + min_p[:, None].log()
         scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     return scaled
 
@@ -298,9 +303,12 @@ class Sampler:
             return logits.argmax(-1)
         seeds = self._row_seeds(md, logits.shape[0], logits.device)
         if md.top_k is not None and not selects_top_k(md.top_k, md.max_top_k or md.max_set_top_k):
-            # a top_k above SELECT_TOP_K_MAX: sorted
-            logits = filter_logits(logits.float() / md.temperatures[:, None], md)
-            return gumbel_argmax(logits, torch.ones_like(md.temperatures), md.is_greedy, seeds)  # T, min-p applied
+            # a top_k above SELECT_TOP_K_MAX: sorted, SORT_ROWS rows at a time
+            scaled = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+            for start in range(0, len(logits), SORT_ROWS):
+                rows = slice(start, start + SORT_ROWS)
+                scaled[rows] = filter_logits(logits[rows].float() / md.temperatures[rows, None], md, rows)
+            return gumbel_argmax(scaled, torch.ones_like(md.temperatures), md.is_greedy, seeds)  # T, min-p applied
         # The filters as one cut value per row (top_k_top_p_cut's and min_p_cut's values), applied
         # inside the kernel: no [B, V] pass of torch
         from nanovllm.kernels import triton_top_k, triton_top_p
