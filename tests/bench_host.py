@@ -2,7 +2,9 @@
 default workload (256 requests, or --num-seqs, its lengths divided by --scale) through LLMEngine.run_step with the
 model's forward and the sampler left out (zero logits, token 0 sampled), so what is timed is the
 bookkeeping a GPU run does between its launches: scheduling, the block tables, the step's host
-arrays, the sampling settings, reading the sampled tokens (docs/perf_notes.md Next 6d).
+arrays, the sampling settings, reading the sampled tokens (docs/perf_notes.md Next 6d). A run's outputs
+are kept to its end, as generate() keeps them, so the garbage collector's scans of their logprob
+entries are timed too.
 
     PYTHONPATH=. python3 tests/bench_host.py [--num-seqs 256] [--scale 4] [--runs 3] [--cprofile 30]
         [--logprobs 20 [--flat-logprobs]] [--tokenizer synthetic] [--prompt-logprobs 1] [--max-tokens 1]
@@ -92,18 +94,19 @@ def main():
             engine.add_tokens(None, ids, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens,
                                                         **options))
         profile = cProfile.Profile() if args.cprofile and run == args.runs - 1 else None
-        steps, start = 0, time.perf_counter()
+        steps, finished, start = 0, [], time.perf_counter()
         if profile:
             profile.enable()
-        with fewer_collections():   # as generate() runs the loop
-            while engine.has_unfinished_requests():
-                engine.run_step()
+        with fewer_collections():   # as generate() runs the loop, keeping the outputs to its end (with
+            while engine.has_unfinished_requests():   # logprobs, the collector scans their entries meanwhile)
+                finished += engine.run_step()[0]
                 steps += 1
         if profile:
             profile.disable()
         seconds = time.perf_counter() - start
         print(f"run {run + 1}{' (cProfile)' if profile else ''}: {steps} steps in {seconds:.3f} s, "
               f"{seconds / steps * 1000:.3f} ms a step")
+        del finished
         llm.reset_prefix_cache()
     if args.cprofile:
         pstats.Stats(profile).sort_stats("tottime").print_stats(args.cprofile)

@@ -162,7 +162,7 @@ def count_sampled(md: SamplingMetadata, token_ids: torch.Tensor):
 SELECT_TOP_K_MAX = 1024
 # Rows the sorted path filters at a time on CUDA: a sort's values, order, probabilities and
 # cumulative sums are ~6 float32 copies of its rows, and the KV-cache sizing sets aside this
-# path's peak at max_num_seqs rows (1,024 x 151,936: ~3.6 GB in one go, ~0.5 GB by 128 rows).
+# path's peak at max_num_seqs rows (1,024 x 151,936: ~4 GB more KV cache by 128 rows, perf_notes row 120).
 SORT_ROWS = 128
 
 
