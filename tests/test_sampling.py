@@ -322,6 +322,20 @@ def test_filter_logits_of_a_block_of_rows_equals_those_rows_of_the_whole():
     assert whole.isinf().any(1).all() and not whole.isinf().all(1).any()   # every row cut, none emptied
 
 
+def test_token_logprobs_ranks_counted_by_blocks_of_rows(monkeypatch):
+    """token_logprobs counts the ranks SORT_ROWS rows at a time (here 2, so a partial last block):
+    each row's rank is 1 + its logprobs above the token's, ties not counted, whatever the block."""
+    from nanovllm.layers import sampler as sampler_module
+    monkeypatch.setattr(sampler_module, "SORT_ROWS", 2)
+    logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-3.0, -2.0, -1.0], [-2.0, -2.0, -0.5],
+                             [-0.5, -1.5, -2.5], [-1.0, -1.0, -1.0]])
+    out = sampler_module.token_logprobs(logprobs, torch.tensor([2, 2, 1, 1, 0]), num_top=1)
+    assert out.ranks.tolist() == [3, 1, 2, 2, 1]
+    assert out.logprobs.tolist() == [-3.0, -1.0, -2.0, -1.5, -1.0]
+    assert out.top_ids[:, 0].tolist() == [0, 2, 2, 0, 0]
+    assert sampler_module.row_blocks(0) == [slice(0, 2)] and sampler_module.row_blocks(4) == [slice(0, 2), slice(2, 4)]
+
+
 def test_top_k_and_top_p_sampled_through_the_select_path():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4]])
     md = metadata(2, top_k=torch.tensor([3, 1]), max_top_k=3, top_p=torch.tensor([0.7, 1.0]))

@@ -160,10 +160,17 @@ def count_sampled(md: SamplingMetadata, token_ids: torch.Tensor):
 # instead of sorting the whole vocabulary: with Qwen3's own defaults (top_k=20, top_p=0.95) a
 # batch of 256 rows x 151,936 logits took a sort of 39M values per step.
 SELECT_TOP_K_MAX = 1024
-# Rows the sorted path filters at a time on CUDA: a sort's values, order, probabilities and
-# cumulative sums are ~6 float32 copies of its rows, and the KV-cache sizing sets aside this
-# path's peak at max_num_seqs rows (1,024 x 151,936: ~4 GB more KV cache by 128 rows, perf_notes row 120).
+# Rows that the sampler's [rows, V] torch work takes at a time: the sorted path's filter (a sort's
+# values, order, probabilities and cumulative sums are ~6 float32 copies of its rows) and draw, and
+# the torch logprobs' ranks (a sum over bools goes through an int64 copy of them). The KV-cache
+# sizing sets aside these paths' peak at max_num_seqs rows (1,024 x 151,936: ~4.5 GB more KV cache
+# by 128 rows, perf_notes rows 120-122).
 SORT_ROWS = 128
+
+
+def row_blocks(num_rows: int) -> list[slice]:
+    """num_rows rows as blocks of SORT_ROWS (one empty block for none)."""
+    return [slice(start, start + SORT_ROWS) for start in range(0, max(num_rows, 1), SORT_ROWS)]
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
@@ -303,12 +310,14 @@ class Sampler:
             return logits.argmax(-1)
         seeds = self._row_seeds(md, logits.shape[0], logits.device)
         if md.top_k is not None and not selects_top_k(md.top_k, md.max_top_k or md.max_set_top_k):
-            # a top_k above SELECT_TOP_K_MAX: sorted, SORT_ROWS rows at a time
-            scaled = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-            for start in range(0, len(logits), SORT_ROWS):
-                rows = slice(start, start + SORT_ROWS)
-                scaled[rows] = filter_logits(logits[rows].float() / md.temperatures[rows, None], md, rows)
-            return gumbel_argmax(scaled, torch.ones_like(md.temperatures), md.is_greedy, seeds)  # T, min-p applied
+            # a top_k above SELECT_TOP_K_MAX: sorted and drawn SORT_ROWS rows at a time (temperature and
+            # min-p applied in the filtered logits)
+            tokens = torch.empty(len(logits), dtype=torch.int64, device=logits.device)
+            for rows in row_blocks(len(logits)):
+                scaled = filter_logits(logits[rows].float() / md.temperatures[rows, None], md, rows)
+                tokens[rows] = gumbel_argmax(scaled, torch.ones_like(md.temperatures[rows]), md.is_greedy[rows],
+                                             seeds[rows])
+            return tokens
         # The filters as one cut value per row (top_k_top_p_cut's and min_p_cut's values), applied
         # inside the kernel: no [B, V] pass of torch
         from nanovllm.kernels import triton_top_k, triton_top_p
@@ -383,7 +392,8 @@ def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int
     rank (1 = most likely), and the rows' num_top best (none when num_top is 0)."""
     out = SamplerOutput(token_ids)
     out.logprobs = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
-    out.ranks = (logprobs > out.logprobs[:, None]).sum(-1) + 1
+    out.ranks = torch.cat([(logprobs[rows] > out.logprobs[rows, None]).sum(-1) + 1
+                           for rows in row_blocks(len(logprobs))])   # (SORT_ROWS' comment)
     if num_top > 0:
         out.top_logprobs, out.top_ids = logprobs.topk(num_top, -1)
     return out
