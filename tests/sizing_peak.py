@@ -63,7 +63,7 @@ def reporting(cuda_budget):
         out = cuda_budget(device, gpu_memory_utilization, peak)
         free, total = torch.cuda.mem_get_info(device)
         print(f"MEM budget: {total / GIB:.2f} GiB x {gpu_memory_utilization} = "
-              f"{total * gpu_memory_utilization / GIB:.2f}, peak {peak / GIB:.2f}, outside torch "
+              f"{total * gpu_memory_utilization / GIB:.2f}, peak since the last probe {peak / GIB:.2f}, outside torch "
               f"{(total - free - torch.cuda.memory_reserved(device)) / GIB:.2f}: {out / GIB:.2f} GiB", flush=True)
         return out
     return budget
