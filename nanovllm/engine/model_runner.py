@@ -224,8 +224,12 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_kv_budget(self) -> int:
         """Bytes left for the KV cache: run the largest step (max_num_batched_tokens tokens over
-        up to max_num_seqs sequences, then logits and sampling with every option on), measure
-        the peak, and keep gpu_memory_utilization of the card."""
+        up to max_num_seqs sequences, then logits and sampling on the sampler's largest paths:
+        the sorted top-k and the raw log_softmax for logprob_token_ids), measure the peak, and keep
+        gpu_memory_utilization of the card. Logit edits (penalties, logit_bias, allowed_token_ids,
+        min_tokens) on top of those paths also keep a float32 copy of the logits (0.58 GiB at 1,024
+        rows of 151,936); that rare combination, as in vLLM, is left to the rest of the card.
+        tests/sizing_peak.py shows the step's peak call by call."""
         cfg = self.config
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
