@@ -778,9 +778,9 @@ def test_fused_sampler_cuts_draw_what_the_masked_logits_draw(case, monkeypatch):
 
 
 def test_fused_sampler_sorted_path_in_blocks_of_rows_draws_what_the_whole_filter_draws(monkeypatch):
-    """A top_k above SELECT_TOP_K_MAX: the fused sampler filters its rows SORT_ROWS at a time (here 2,
-    so a partial last block) and draws the same tokens as the Gumbel kernel on the whole batch's
-    filtered logits, with the same seeds."""
+    """A top_k above SELECT_TOP_K_MAX: the fused sampler filters and draws its rows SORT_ROWS at a time
+    (here 2, so a partial last block) and gets the same tokens as the Gumbel kernel on the whole
+    batch's filtered logits, with the same seeds."""
     from nanovllm.layers import sampler as sampler_module
     from nanovllm.layers.sampler import Sampler, SamplingMetadata, filter_logits
     monkeypatch.setattr(sampler_module, "SORT_ROWS", 2)
