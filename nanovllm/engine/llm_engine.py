@@ -275,18 +275,14 @@ class LLMEngine:
         step's forward pass first and reads the step before while it runs, then prepares the
         sampling (vLLM's order: the grammar bitmask is filled while the model runs). Penalties
         count their tokens on the device and need nothing from the host."""
-        self.just_finished, self.finished_asleep = self.finished_asleep, []
-        finished = [self._make_output(request) for request in self.just_finished]
+        done, self.finished_asleep = self.finished_asleep, []   # the requests this step finishes
         if self.paused:   # (requests that sleep(mode="keep") kept wait for wake_up)
-            return finished, StepStats()
+            return self._report(done), StepStats()
         out = self.scheduler.schedule()
         stats = StepStats()
         if out.is_empty:   # everything left is waiting for its pending token, or just finished
-            assert self.in_flight is not None or finished, "no sequence could be scheduled"
-            if self.in_flight is not None:
-                finished += self._resolve(self.in_flight)
-                self.in_flight = None
-            return finished, stats
+            assert self.in_flight is not None or done, "no sequence could be scheduled"
+            return self._report(done + self._resolve_in_flight()), stats
         sampling_seqs = out.sampling_seqs
         now = time.time()
         for seq, n in zip(out.seqs, out.num_scheduled_tokens):
@@ -302,7 +298,7 @@ class LLMEngine:
 
         def read_previous():   # (execute calls it while this step's forward pass runs)
             nonlocal previous
-            finished.extend(self._resolve(previous))
+            done.extend(self._resolve(previous))
             previous = None
 
         needs_previous = previous is not None and any(
@@ -320,20 +316,30 @@ class LLMEngine:
         elif prompt_scores is not None:
             self.in_flight = InFlightStep([], None, prompt_scores.event, prompt_scores)
         if previous is not None:   # (not read before sampling)
-            finished += self._resolve(previous)
+            done += self._resolve(previous)
         if self.in_flight is not None and (not self.async_scheduling or (
                 self.in_flight.seqs and all(seq.is_finished for seq in self.in_flight.seqs))):
             # (with async scheduling, a step whose sequences all stopped while it ran: nothing to
             # overlap it with, and the engine is idle after it; one that only scored prompts is
             # followed by the steps that go on with them)
-            finished += self._resolve(self.in_flight)
-            self.in_flight = None
+            done += self._resolve_in_flight()
         if self.stat_logger is not None:
             self.stat_logger.record(stats.num_prefill_tokens, len(sampling_seqs), self.scheduler, self.block_manager)
-        return finished, stats
+        return self._report(done), stats
 
-    def _resolve(self, step: "InFlightStep") -> list[RequestOutput]:
-        """Read a launched step's prompt scores and sampled tokens: replace the placeholders, check stops."""
+    def _report(self, done: list[Request]) -> list[RequestOutput]:
+        """Keep the requests a step finished (step() streams them) -> their final outputs."""
+        self.just_finished = done
+        return [self._make_output(request) for request in done]
+
+    def _resolve_in_flight(self) -> list[Request]:
+        """Read the launched step, if any (_resolve), and forget it -> the requests it finished."""
+        step, self.in_flight = self.in_flight, None
+        return [] if step is None else self._resolve(step)
+
+    def _resolve(self, step: "InFlightStep") -> list[Request]:
+        """Read a launched step's prompt scores and sampled tokens: replace the placeholders, check
+        stops -> the requests it finished."""
         if step.event is not None:
             try:
                 if self.workers is None:
@@ -381,8 +387,7 @@ class LLMEngine:
             if request.is_finished:
                 request.metrics.finished_time = now
                 self._record_finished(request, [s.finish_reason for s in request.seqs])
-                self.just_finished.append(self.requests.pop(seq.request_id))
-                finished.append(self._make_output(request))
+                finished.append(self.requests.pop(seq.request_id))
         return finished
 
     def get_metrics(self) -> list[Metric]:
@@ -432,11 +437,8 @@ class LLMEngine:
             if mode == "wait":
                 raise ValueError(f"mode='wait' with {self.get_num_unfinished_requests()} unfinished request(s): "
                                  f"step() them to their end first, or sleep with mode 'abort' or 'keep'.")
-            if mode == "keep" and self.in_flight is not None:   # a launched step's tokens: read them now
-                self.just_finished = []
-                self._resolve(self.in_flight)
-                self.in_flight = None
-                self.finished_asleep += self.just_finished
+            if mode == "keep":   # a launched step's tokens: read them now
+                self.finished_asleep += self._resolve_in_flight()
             if mode == "abort":   # (a launched step's tokens, if any, are dropped with their requests)
                 self.abort_in_flight()
                 self.abort_request(list(self.requests))
