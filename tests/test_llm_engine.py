@@ -33,6 +33,7 @@ def assert_idle(engine):
     assert not engine.has_unfinished_requests() and engine.get_num_unfinished_requests() == 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert not engine.streamer.sent
+    assert engine.step() == []   # (vLLM's step() with nothing to run)
 
 
 def test_the_vllm_engine_example_runs(qwen3_dir, tokenizer):
@@ -126,8 +127,9 @@ def test_stop_string_is_never_streamed(engine):
 
 
 def test_n_completions_stream_one_by_one(engine):
-    """As in vLLM, with n > 1 each completion streams as its own output (its index tells which);
-    FINAL_ONLY gives them together."""
+    """As in vLLM, with n > 1 each completion streams as its own output (its index tells which),
+    and the request is reported finished once, by its last output, even where its completions end
+    in one step; FINAL_ONLY gives them together."""
     streamed = SamplingParams(n=2, seed=3, temperature=1.0, max_tokens=5, ignore_eos=True)
     engine.add_request("streamed", {"prompt_token_ids": PROMPTS[5]}, streamed)
     engine.add_request("together", {"prompt_token_ids": PROMPTS[5]},
@@ -139,7 +141,7 @@ def test_n_completions_stream_one_by_one(engine):
     assert all(len(o.outputs) == 1 for o in streamed_outputs)
     last = {o.outputs[0].index: o.outputs[0].token_ids for o in streamed_outputs}
     assert last == {c.index: c.token_ids for c in together.outputs} and len(last) == 2
-    assert streamed_outputs[-1].finished and not streamed_outputs[0].finished
+    assert [o.finished for o in streamed_outputs] == [False] * (len(streamed_outputs) - 1) + [True]
     merged = streamed_outputs[0]                           # RequestOutput.add: each completion's latest
     for output in streamed_outputs[1:]:
         merged.add(output, aggregate=False)

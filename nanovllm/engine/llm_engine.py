@@ -280,8 +280,9 @@ class LLMEngine:
             return self._report(done), StepStats()
         out = self.scheduler.schedule()
         stats = StepStats()
-        if out.is_empty:   # everything left is waiting for its pending token, or just finished
-            assert self.in_flight is not None or done, "no sequence could be scheduled"
+        if out.is_empty:   # everything left is waiting for its pending token, or just finished (or none left)
+            assert self.in_flight is not None or done or not self.scheduler.has_unfinished(), \
+                "no sequence could be scheduled"
             return self._report(done + self._resolve_in_flight()), stats
         sampling_seqs = out.sampling_seqs
         now = time.time()

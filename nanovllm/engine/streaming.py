@@ -6,7 +6,8 @@ has new output, as its SamplingParams.output_kind asks.
 - FINAL_ONLY: one output, when the request finishes (what LLM.generate returns).
 
 As in vLLM, a request with n > 1 completions streams each completion as its own RequestOutput
-(outputs=[that completion]); FINAL_ONLY gives all n together. While a completion may still end in
+(outputs=[that completion]), and only the request's last such output says finished=True;
+FINAL_ONLY gives all n together. While a completion may still end in
 a stop string that is not to be included, its last len(longest stop string) - 1 characters are
 held back, so that a streamed text never shows what the stop string later cuts.
 """
@@ -66,6 +67,8 @@ class OutputStreamer:
             result.append(replace(output, outputs=[completion],
                                   prompt_logprobs=output.prompt_logprobs if not delta or first else None))
             self.sent[seq.seq_id] = (num_tokens, visible)
+        # as vLLM's parent request: of completions ending together, only the last out reports the request finished
+        result[:-1] = [replace(output, finished=False) for output in result[:-1]]
         return result
 
 
