@@ -926,6 +926,8 @@ def test_repetition_detection_stops_a_looping_completion(llm):
 
 @pytest.mark.parametrize("prompts, params, message", [
     ([[1, 2], list(range(300))], None, "prompt 1 (length 300) is longer than the maximum model length of 256."),
+    ([[1, 2], list(range(256))], None, "prompt 1 (length 256) plus the number of requested output tokens (at least 1) "
+                                       "is longer than the maximum model length of 256."),
     ([[1, 2], [5, 99999]], None, "prompt 1: token id 99999 is out of vocabulary (vocab_size=384)."),
     ([[1, 2], {"prompt_token_ids": []}], None, "prompt 1 is empty."),
     ([[1, 2]], [SamplingParams(), SamplingParams()], "sampling_params has 2 entries but there are 1 prompts"),

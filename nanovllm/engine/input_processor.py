@@ -64,6 +64,9 @@ class InputProcessor:
         if n > cfg.max_model_len:
             raise ValueError(f"prompt {index} (length {n}) is longer than the maximum model "
                              f"length of {cfg.max_model_len}.")
+        if n == cfg.max_model_len:   # (vLLM's check: no room left for an output token)
+            raise ValueError(f"prompt {index} (length {n}) plus the number of requested output tokens "
+                             f"(at least 1) is longer than the maximum model length of {cfg.max_model_len}.")
         max_len = min(n + (params.max_tokens or cfg.max_model_len), cfg.max_model_len)
         if max_len > self.kv_capacity:
             raise ValueError(f"prompt {index} (length {n}) with max_tokens={params.max_tokens} needs "
