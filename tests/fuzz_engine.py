@@ -3,7 +3,10 @@ tests/test_fuzz.py runs a few seeds in CI).
 
 A seed picks a small engine configuration (KV blocks, max_num_seqs, token budget, prefix caching,
 async scheduling, CUDA graphs) and a random run of requests (random SamplingParams and output
-kinds), aborts and sleeps (levels 0-2, modes "keep" and "abort") between step() calls. Checked:
+kinds), requests it must refuse, aborts and sleeps (levels 0-2, modes "keep" and "abort") between
+step() calls. Checked:
+- a bad request (out-of-vocabulary id, a prompt too long, an unfinished request's id, ...) is a
+  ValueError and changes nothing else;
 - every request that is not aborted is reported finished exactly once; streamed CUMULATIVE
   outputs extend the ones before, DELTA outputs add up to the completion;
 - no completion is longer than max_tokens; logprobs have an entry a token, prompt logprobs one a
@@ -44,6 +47,20 @@ def random_params(rng: random.Random) -> SamplingParams:
     return SamplingParams(**kw)
 
 
+def random_bad_request(rng: random.Random, unfinished: list[str]) -> tuple[list[int], SamplingParams, str]:
+    """A prompt, params and request id of which one is bad (the id of an unfinished request, if any)."""
+    prompt, params, request_id = [1, 2, 3], SamplingParams(max_tokens=4), "bad"
+    bad = rng.choice(["vocabulary", "long", "full", "empty", "logprobs", "logit_bias"] + ["id"] * bool(unfinished))
+    if bad in ("vocabulary", "long", "full", "empty"):
+        prompt = {"vocabulary": [1, VOCAB_SIZE], "long": [1] * (MAX_MODEL_LEN + 1), "full": [1] * MAX_MODEL_LEN,
+                  "empty": []}[bad]
+    elif bad == "id":
+        request_id = rng.choice(unfinished)
+    else:
+        params = SamplingParams(logprobs=21) if bad == "logprobs" else SamplingParams(logit_bias={VOCAB_SIZE: 1.0})
+    return prompt, params, request_id
+
+
 def random_config(rng: random.Random, **engine_kwargs) -> dict:
     return dict(block_size=16, num_kvcache_blocks=rng.choice([12, 24, 64]), max_num_seqs=rng.choice([2, 4, 8]),
                 max_num_batched_tokens=rng.choice([32, 64, 256]), max_model_len=MAX_MODEL_LEN,
@@ -58,6 +75,9 @@ class Run:
     finished: dict = field(default_factory=dict)    # request id -> its finished RequestOutput
     completions: dict = field(default_factory=dict)  # (request id, index) -> (token ids, text) so far
     aborted: set = field(default_factory=set)
+
+    def unfinished(self) -> list[str]:
+        return sorted(set(self.requests) - self.aborted - set(self.finished))
 
     def take(self, output):
         assert output.request_id not in self.aborted, f"{output.request_id}: an output after its abort"
@@ -83,7 +103,7 @@ def run_seed(model: str, seed: int, **engine_kwargs) -> int:
     rng = random.Random(seed)
     config = random_config(rng, **engine_kwargs)
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, **config))
-    run, live = Run(), set()
+    run = Run()
     shared = [rng.randrange(VOCAB_SIZE) for _ in range(60)]   # prompts begin with parts of it (prefix hits)
     for i in range(rng.randint(20, 80)):
         action = rng.random()
@@ -93,18 +113,23 @@ def run_seed(model: str, seed: int, **engine_kwargs) -> int:
             request_id, params = f"r{i}", random_params(rng)
             engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
             run.requests[request_id] = prompt, params
-            live.add(request_id)
-        elif action < 0.33 and live - set(run.finished):
-            request_id = rng.choice(sorted(live - set(run.finished)))
+        elif action < 0.33:   # a request the engine must refuse, with nothing else changed
+            prompt, params, request_id = random_bad_request(rng, run.unfinished())
+            try:
+                engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+            except ValueError:
+                pass
+            else:
+                raise AssertionError(f"{request_id}: a bad request was taken")
+        elif action < 0.36 and run.unfinished():
+            request_id = rng.choice(run.unfinished())
             engine.abort_request([request_id])
-            live.discard(request_id)
             run.aborted.add(request_id)
-        elif action < 0.36:
+        elif action < 0.39:
             level, mode = rng.choice([0, 1, 2]), rng.choice(["keep", "keep", "abort"])
             engine.sleep(level, mode)
             if mode == "abort":
-                run.aborted |= live - set(run.finished)
-                live.clear()
+                run.aborted |= set(run.unfinished())
             engine.wake_up()
             if level == 2:
                 engine.collective_rpc("reload_weights")
@@ -113,7 +138,7 @@ def run_seed(model: str, seed: int, **engine_kwargs) -> int:
     while engine.has_unfinished_requests():
         for output in engine.step():
             run.take(output)
-    assert live <= set(run.finished), f"never reported finished: {sorted(live - set(run.finished))}"
+    assert not run.unfinished(), f"never reported finished: {run.unfinished()}"
     blocks = engine.block_manager
     assert blocks.num_free_blocks == blocks.num_blocks, f"{blocks.num_blocks - blocks.num_free_blocks} blocks leaked"
     assert engine.step() == []

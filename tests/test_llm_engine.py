@@ -251,6 +251,8 @@ def test_sleep_with_a_step_in_flight(qwen3_dir, level):
     engine.sleep(level=level, mode="keep")
     assert engine.in_flight is None and engine.is_sleeping() and engine.get_num_unfinished_requests() == 3
     engine.abort_request("no such request")            # (what was sent of the unreported request is kept)
+    with pytest.raises(ValueError, match="Request id 1 already running."):   # (finished, not yet reported)
+        engine.add_request("1", PROMPTS[1], SamplingParams())
     reported = engine.step()
     assert [(o.request_id, len(o.outputs[0].token_ids), o.finished) for o in reported] == [
         ("0", 1, False), ("2", 1, False), ("1", 1, True)]

@@ -172,8 +172,8 @@ class LLMEngine:
         prompt_text: the text of a prompt given as token ids, for its outputs' prompt field."""
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {request_id!r:.80}.")
-        if request_id in self.requests:
-            raise ValueError(f"Request id {request_id} already running.")
+        if request_id in self.requests or any(request.request_id == request_id for request in self.finished_asleep):
+            raise ValueError(f"Request id {request_id} already running.")   # (or finished, not yet reported)
         check_no_lora(lora_request)
         self.check_priority(priority)
         [prompt] = self.input_processor.parse_prompts([prompt], tokenization_kwargs)
