@@ -2,9 +2,10 @@
 tests/test_fuzz.py runs a few seeds in CI).
 
 A seed picks a small engine configuration (KV blocks, max_num_seqs, token budget, prefix caching,
-async scheduling, CUDA graphs) and a random run of requests (random SamplingParams and output
-kinds), requests it must refuse, aborts and sleeps (levels 0-2, modes "keep" and "abort") between
-step() calls. Checked:
+async scheduling, CUDA graphs, scheduling policy) and a random run of requests (random sampling
+options, among them penalties, stops, bad words, allowed ids, a choice grammar and logprobs;
+output kinds, priorities and cache salts), requests it must refuse, aborts and sleeps (levels 0-2,
+modes "keep" and "abort") between step() calls. Checked:
 - a bad request (out-of-vocabulary id, a prompt too long, an unfinished request's id, ...) is a
   ValueError and changes nothing else;
 - every request that is not aborted is reported finished exactly once; streamed CUMULATIVE
@@ -24,7 +25,7 @@ import random
 from dataclasses import dataclass, field, replace
 
 from nanovllm import EngineArgs, LLMEngine, SamplingParams
-from nanovllm.sampling_params import RequestOutputKind
+from nanovllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
 VOCAB_SIZE = 384   # (the tiny models' vocabulary, tests/conftest.py)
 MAX_MODEL_LEN = 160
@@ -42,8 +43,12 @@ def random_params(rng: random.Random) -> SamplingParams:
     optional = [("min_tokens", rng.randint(0, kw["max_tokens"])), ("presence_penalty", 0.5),
                 ("repetition_penalty", 1.2), ("logprobs", rng.choice([0, 3])), ("prompt_logprobs", rng.choice([0, 2])),
                 ("stop", rng.choice([["o"], ["the", "og"], ["Hello world"]])), ("include_stop_str_in_output", True),
-                ("ignore_eos", True), ("logit_bias", {5: 3.0})]
+                ("ignore_eos", True), ("logit_bias", {5: 3.0}), ("frequency_penalty", 0.3),
+                ("stop_token_ids", [rng.randrange(VOCAB_SIZE)]), ("bad_words", ["the", "fox jumps"]),
+                ("allowed_token_ids", rng.sample(range(VOCAB_SIZE), 40))]
     kw |= {name: value for name, value in optional if rng.random() < 0.2}
+    if "allowed_token_ids" not in kw and rng.random() < 0.05:
+        kw["structured_outputs"] = StructuredOutputsParams(choice=["yes", "no", "the lazy dog"])
     return SamplingParams(**kw)
 
 
@@ -63,6 +68,7 @@ def random_bad_request(rng: random.Random, unfinished: list[str]) -> tuple[list[
 
 def random_config(rng: random.Random, **engine_kwargs) -> dict:
     return dict(block_size=16, num_kvcache_blocks=rng.choice([12, 24, 64]), max_num_seqs=rng.choice([2, 4, 8]),
+                scheduling_policy=rng.choice(["fcfs", "priority"]),
                 max_num_batched_tokens=rng.choice([32, 64, 256]), max_model_len=MAX_MODEL_LEN,
                 enable_prefix_caching=rng.choice([True, False]), async_scheduling=rng.choice([True, False]),
                 enforce_eager=rng.choice([True, False]), enable_sleep_mode=True, **engine_kwargs)
@@ -111,7 +117,9 @@ def run_seed(model: str, seed: int, **engine_kwargs) -> int:
             own = [rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(1, 100))]
             prompt = (shared[:rng.randint(0, 60)] + own)[:120]
             request_id, params = f"r{i}", random_params(rng)
-            engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+            salt = rng.choice([None, None, "a", "b"])
+            priority = rng.randint(-2, 2) if config["scheduling_policy"] == "priority" else 0
+            engine.add_request(request_id, {"prompt_token_ids": prompt, "cache_salt": salt}, params, priority=priority)
             run.requests[request_id] = prompt, params
         elif action < 0.33:   # a request the engine must refuse, with nothing else changed
             prompt, params, request_id = random_bad_request(rng, run.unfinished())

@@ -307,6 +307,17 @@ def test_top_k_top_p_from_the_best_logits_equal_the_full_sort():
     assert (~full[5].isinf()).sum() < 40                            # (the sort cut the run at top-p 0.8)
 
 
+def test_a_row_with_nothing_left_to_draw_passes_top_k_and_top_p():
+    """Where the request's own constraints leave no token (a grammar that wants only EOS while
+    min_tokens forbids it), every logit is -inf: top-k and top-p keep the row as it is, and the
+    other rows are filtered as alone, rather than an index -1 failing the whole step."""
+    from nanovllm.layers.sampler import apply_top_k_top_p
+    logits = torch.tensor([[float("-inf")] * 4, [0.0, 3.0, 1.0, 2.0]])
+    filtered = apply_top_k_top_p(logits, torch.tensor([1, 2]), torch.tensor([0.9, 0.9]), max_top_k=2)
+    assert filtered[0].isinf().all()
+    assert torch.equal(filtered[1], torch.tensor([float("-inf"), 3.0, float("-inf"), 2.0]))
+
+
 def test_filter_logits_of_a_block_of_rows_equals_those_rows_of_the_whole():
     """The sorted path filters SORT_ROWS rows at a time on CUDA: filter_logits on rows a:b of the
     batch, given md's rows a:b, is those rows of the whole batch's result, to the bit."""

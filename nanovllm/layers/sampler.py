@@ -210,6 +210,7 @@ def top_k_top_p_cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
         probs = scaled.masked_fill(rank >= top_k[:, None], float("-inf")).softmax(-1)
         ahead = probs.cumsum(-1) - probs                           # mass of the more likely tokens
         kept = (ahead < top_p[:, None]).sum(-1, keepdim=True)      # a prefix, at least the best token
+        kept.clamp_(min=1)   # (also where constraints left the row nothing to draw: all -inf, NaN probabilities)
         cut = torch.maximum(cut, best.gather(-1, kept - 1))
     return cut
 
