@@ -3,9 +3,9 @@ tests/test_fuzz.py runs a few seeds in CI).
 
 A seed picks a small engine configuration (KV blocks, max_num_seqs, token budget, prefix caching,
 async scheduling, CUDA graphs, scheduling policy) and a random run of requests (random sampling
-options, among them penalties, stops, bad words, allowed ids, a choice grammar and logprobs;
-output kinds, priorities and cache salts), requests it must refuse, aborts and sleeps (levels 0-2,
-modes "keep" and "abort") between step() calls. Checked:
+options, among them penalties, stops, bad words, allowed ids, logprobs and, with xgrammar, a
+choice grammar; output kinds, priorities and cache salts), requests it must refuse, aborts and
+sleeps (levels 0-2, modes "keep" and "abort") between step() calls. Checked:
 - a bad request (out-of-vocabulary id, a prompt too long, an unfinished request's id, ...) is a
   ValueError and changes nothing else;
 - every request that is not aborted is reported finished exactly once; streamed CUMULATIVE
@@ -21,12 +21,14 @@ modes "keep" and "abort") between step() calls. Checked:
     python tests/fuzz_engine.py [--seeds 0:50] [--device cuda --dtype bfloat16] [--tensor-parallel-size 2]
 """
 import argparse
+import importlib.util
 import random
 from dataclasses import dataclass, field, replace
 
 from nanovllm import EngineArgs, LLMEngine, SamplingParams
 from nanovllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
+HAS_XGRAMMAR = importlib.util.find_spec("xgrammar") is not None   # (structured outputs' optional dependency)
 VOCAB_SIZE = 384   # (the tiny models' vocabulary, tests/conftest.py)
 MAX_MODEL_LEN = 160
 
@@ -47,7 +49,7 @@ def random_params(rng: random.Random) -> SamplingParams:
                 ("stop_token_ids", [rng.randrange(VOCAB_SIZE)]), ("bad_words", ["the", "fox jumps"]),
                 ("allowed_token_ids", rng.sample(range(VOCAB_SIZE), 40))]
     kw |= {name: value for name, value in optional if rng.random() < 0.2}
-    if "allowed_token_ids" not in kw and rng.random() < 0.05:
+    if "allowed_token_ids" not in kw and rng.random() < 0.05 and HAS_XGRAMMAR:
         kw["structured_outputs"] = StructuredOutputsParams(choice=["yes", "no", "the lazy dog"])
     return SamplingParams(**kw)
 
