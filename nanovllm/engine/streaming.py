@@ -7,9 +7,9 @@ has new output, as its SamplingParams.output_kind asks.
 
 As in vLLM, a request with n > 1 completions streams each completion as its own RequestOutput
 (outputs=[that completion]), and only the request's last such output says finished=True;
-FINAL_ONLY gives all n together. While a completion may still end in
-a stop string that is not to be included, its last len(longest stop string) - 1 characters are
-held back, so that a streamed text never shows what the stop string later cuts.
+FINAL_ONLY gives all n together. While a completion may still end in a stop string that is not
+to be included, its last len(longest stop string) - 1 characters are held back, so that a
+streamed text never shows what the stop string later cuts.
 """
 from dataclasses import replace
 
