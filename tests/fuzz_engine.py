@@ -218,8 +218,8 @@ def main():
     args = parser.parse_args()
     first, last = map(int, args.seeds.split(":"))
     sizes = {}
-    if args.device == "cuda" or args.device == "auto" and torch.cuda.is_available():   # (as tests/test_gpu.py's)
-        sizes = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    if args.device == "cuda" or args.device == "auto" and torch.cuda.is_available():
+        from test_gpu import SIZES as sizes   # (the GPU kernels' head size; that module needs CUDA)
     model = build_model_dir(tempfile.mkdtemp(), "qwen3", build_tokenizer(), **sizes)
     differing = 0
     for seed in range(first, last):
