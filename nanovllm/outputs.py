@@ -23,7 +23,7 @@ class CompletionOutput:
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
     routed_experts: None = field(default=None, repr=False)   # vLLM's; MoE routing is not returned
-    finish_reason: str | None = None      # "stop" or "length"
+    finish_reason: str | None = None      # "stop", "length", "repetition", or "error" (a token its grammar refused)
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it; None for EOS
     lora_request: None = field(default=None, repr=False)     # vLLM's field; no LoRA here
 

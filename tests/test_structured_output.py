@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from conftest import watch_overlap
+from conftest import log_lines, watch_overlap
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.structured_output import BitmaskFiller, choice_as_grammar
 from nanovllm.layers.sampler import apply_token_bitmask
@@ -209,3 +209,35 @@ def test_json_object(qwen3_dir):
     assert all(c.text.startswith("{") for c in completions)
     done = [c.text for c in completions if c.finish_reason == "stop"]   # (a random model writes long keys)
     assert done and all(isinstance(json.loads(text), dict) for text in done), done
+
+
+def test_tokens_past_a_completed_grammar_are_free(llm):
+    """With ignore_eos a completion goes on past the EOS that completes its grammar: the tokens
+    after it are not constrained, and not refused by the grammar (vLLM 0.26 ends such a
+    completion with finish_reason "error" at the first token after the EOS)."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, structured_outputs={"choice": ["yes", "no"]})
+    tokenizer = llm.get_tokenizer()
+    with log_lines("nanovllm.engine.output_processor") as warnings:
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for output in outputs:
+        token_ids = list(output.outputs[0].token_ids)
+        assert output.outputs[0].finish_reason == "length" and len(token_ids) == 12
+        assert tokenizer.eos_token_id in token_ids
+        assert tokenizer.decode(token_ids[:token_ids.index(tokenizer.eos_token_id)]) in ("yes", "no")
+    assert warnings == []
+
+
+def test_a_token_the_grammar_refuses_ends_the_completion_with_error(llm):
+    """min_tokens forbids the EOS that is all the grammar allows after "yes", so every logit is
+    -inf and the sampler draws a token the grammar refuses: as in vLLM, the completion ends there
+    with finish_reason "error", that token its last; the engine goes on with the others."""
+    held = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=6, structured_outputs={"choice": ["yes"]})
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with log_lines("nanovllm.engine.output_processor") as warnings:
+        refused, other = llm.generate(PROMPTS[:2], [held, free], use_tqdm=False)
+    completion = refused.outputs[0]
+    assert completion.finish_reason == "error" and completion.stop_reason is None
+    assert completion.text.startswith("yes") and len(completion.token_ids) < 6
+    assert len(warnings) == 1 and "grammar rejected token" in warnings[0]
+    assert other.outputs[0].finish_reason == "length" and len(other.outputs[0].token_ids) == 12
+    assert not llm.llm_engine.has_unfinished_requests()

@@ -1,11 +1,15 @@
 """OutputProcessor: appends sampled tokens to sequences, detokenizes incrementally and decides
-when each sequence stops (EOS, stop token, stop string, max_tokens, max_model_len, a repetition)."""
+when each sequence stops (EOS, stop token, stop string, max_tokens, max_model_len, a repetition, a
+token its grammar refuses)."""
 from itertools import repeat
 
 import numpy as np
 
 from nanovllm.engine.sequence import Sequence
+from nanovllm.logger import init_logger
 from nanovllm.logprobs import FlatLogprobs, Logprob
+
+logger = init_logger(__name__)
 
 # Prompt tokens kept as left context when detokenizing the first output tokens.
 DETOKENIZE_CONTEXT = 5
@@ -75,6 +79,12 @@ class OutputProcessor:
         if (seq.finish_reason is None and may_stop and sp.repetition_detection is not None
                 and sp.repetition_detection.repeats(seq.output_token_ids)):
             seq.finish_reason, seq.stop_reason = "repetition", "repetition_detected"
+        if seq.finish_reason is None and seq.grammar is not None:
+            seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens)
+            if seq.grammar.broken:   # (vLLM's: the completion ends, with the refused token)
+                logger.warning(f"grammar rejected token {token_id} for request {seq.request_id}; terminating "
+                               f"the completion (finish_reason 'error').")
+                seq.finish_reason = "error"
         if has_text and not each_step and seq.finish_reason is not None:
             self._detokenize_at_end(seq, len(seq.token_ids) - (not text_of_token))
 

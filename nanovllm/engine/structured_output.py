@@ -123,12 +123,14 @@ class GrammarState:
         self.matcher = matcher
         self.reasoning = None if reasoning is None else MarkerScan(reasoning)
         self.num_fed: int | None = None   # token_ids[:num_fed] are behind the matcher; None: not started
-        self.broken = False               # a token the grammar refuses was sampled (a forced one): off
+        self.broken = False               # the grammar refused a sampled token (its request ends)
 
     def advance(self, token_ids: list[int], num_prompt_tokens: int) -> bool:
         """Feed the matcher the tokens since the last call -> whether the grammar constrains the
-        next token (False while thinking, once complete, or once broken)."""
-        if self.broken:
+        next token (False while thinking, once complete, or once broken). Tokens after the grammar's
+        end (EOS with ignore_eos) are free: they are not fed to the matcher. A refused token (one
+        the sampler had to draw from a row that other constraints left empty) sets broken."""
+        if self.broken or self.matcher.is_terminated():
             return False
         if self.num_fed is None:
             if self.reasoning is not None:
@@ -140,7 +142,6 @@ class GrammarState:
                 self.num_fed = num_prompt_tokens
         for token in token_ids[self.num_fed:]:
             if not self.matcher.accept_token(token):
-                logger.warning(f"token {token} breaks its request's structured output; it is not constrained further.")
                 self.broken = True
                 return False
         self.num_fed = len(token_ids)
