@@ -203,7 +203,7 @@ def worker_main(config, eos_token_ids, rank: int, port: int, conn):
     """Entry point of ranks 1..N-1."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is rank 0's to handle; it closes us
     from nanovllm.engine.model_runner import ModelRunner, runner_device
-    from nanovllm.utils.heap import freeze_heap
+    from nanovllm.utils.heap import freeze_heap, unfreeze_heap
     group = distributed.connect(port, rank, config.tensor_parallel_size, runner_device(config, rank),
                                 not config.disable_custom_all_reduce)
     runner = ModelRunner(config, eos_token_ids, tp=group)
@@ -219,6 +219,7 @@ def worker_main(config, eos_token_ids, rank: int, port: int, conn):
             runner.run_worker_step(payload)
         elif command == "rpc":
             _answer_rpc(conn, runner, *payload)
+    unfreeze_heap()   # (so that the exit collects what start-up held: Triton's bindings report what it cannot)
 
 
 def _answer_rpc(conn, runner, number: int, call: bytes):
