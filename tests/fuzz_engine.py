@@ -25,12 +25,13 @@ import importlib.util
 import random
 from dataclasses import dataclass, field, replace
 
-from nanovllm import EngineArgs, LLMEngine, SamplingParams
-from nanovllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+from nanovllm import LLM, EngineArgs, LLMEngine, SamplingParams
+from nanovllm.sampling_params import BeamSearchParams, RequestOutputKind, StructuredOutputsParams
 
 HAS_XGRAMMAR = importlib.util.find_spec("xgrammar") is not None   # (structured outputs' optional dependency)
 VOCAB_SIZE = 384   # (the tiny models' vocabulary, tests/conftest.py)
 MAX_MODEL_LEN = 160
+WORDS = "The quick brown fox jumps over the lazy dog Hello world blocks , . !".split()   # (in its tokenizer's corpus)
 
 
 def random_params(rng: random.Random) -> SamplingParams:
@@ -52,6 +53,12 @@ def random_params(rng: random.Random) -> SamplingParams:
     if "allowed_token_ids" not in kw and rng.random() < 0.05 and HAS_XGRAMMAR:
         kw["structured_outputs"] = StructuredOutputsParams(choice=["yes", "no", "the lazy dog"])
     return SamplingParams(**kw)
+
+
+def random_token_ids(rng: random.Random, shared: list[int]) -> list[int]:
+    """A prompt that begins with a part of shared (so that prompts hit the prefix cache)."""
+    own = [rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(1, 100))]
+    return (shared[:rng.randint(0, len(shared))] + own)[:120]
 
 
 def random_bad_request(rng: random.Random, unfinished: list[str]) -> tuple[list[int], SamplingParams, str]:
@@ -112,12 +119,11 @@ def run_seed(model: str, seed: int, **engine_kwargs) -> int:
     config = random_config(rng, **engine_kwargs)
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, **config))
     run = Run()
-    shared = [rng.randrange(VOCAB_SIZE) for _ in range(60)]   # prompts begin with parts of it (prefix hits)
+    shared = [rng.randrange(VOCAB_SIZE) for _ in range(60)]
     for i in range(rng.randint(20, 80)):
         action = rng.random()
         if action < 0.3:
-            own = [rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(1, 100))]
-            prompt = (shared[:rng.randint(0, 60)] + own)[:120]
+            prompt = random_token_ids(rng, shared)
             request_id, params = f"r{i}", random_params(rng)
             salt = rng.choice([None, None, "a", "b"])
             priority = rng.randint(-2, 2) if config["scheduling_policy"] == "priority" else 0
@@ -149,12 +155,17 @@ def run_seed(model: str, seed: int, **engine_kwargs) -> int:
         for output in engine.step():
             run.take(output)
     assert not run.unfinished(), f"never reported finished: {run.unfinished()}"
-    blocks = engine.block_manager
-    assert blocks.num_free_blocks == blocks.num_blocks, f"{blocks.num_blocks - blocks.num_free_blocks} blocks leaked"
-    assert engine.step() == []
+    check_idle(engine)
     engine.close()
     check_outputs(run)
     return count_differences_alone(model, config, run)
+
+
+def check_idle(engine: LLMEngine):
+    assert not engine.has_unfinished_requests()
+    blocks = engine.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks, f"{blocks.num_blocks - blocks.num_free_blocks} blocks leaked"
+    assert engine.step() == []
 
 
 def check_outputs(run: Run):
@@ -205,6 +216,189 @@ def count_differences_alone(model: str, config: dict, run: Run) -> int:
     return differences
 
 
+# ---- the LLM facade ---------------------------------------------------------------------------
+def random_prompt(rng: random.Random, shared: list[int]):
+    """A prompt in one of the forms generate() takes: text or token ids, bare or in a dict."""
+    if rng.random() < 0.4:
+        text = " ".join(rng.choices(WORDS, k=rng.randint(1, 30)))
+        return rng.choice([text, {"prompt": text}])
+    ids = random_token_ids(rng, shared)
+    return rng.choice([ids, {"prompt_token_ids": ids, "cache_salt": rng.choice([None, "a"])}])
+
+
+def random_call(rng: random.Random, shared: list[int]) -> tuple[list, SamplingParams | list[SamplingParams]]:
+    """generate()'s prompts and sampling params: one SamplingParams for all, or one per prompt."""
+    prompts = [random_prompt(rng, shared) for _ in range(rng.randint(1, 6))]
+    if rng.random() < 0.5:
+        return prompts, random_params(rng)
+    return prompts, [random_params(rng) for _ in prompts]
+
+
+def as_conversation(prompt) -> list[dict]:
+    """chat()'s form of a prompt: its text (or its first ids as words) as a user's message."""
+    text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+    if text is None:
+        ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
+        text = " ".join(WORDS[i % len(WORDS)] for i in ids[:30])
+    return [{"role": "user", "content": text}]
+
+
+class Interrupting:
+    """generate()'s use_tqdm as a callable: a progress bar that raises KeyboardInterrupt at its
+    after-th update (a user's Ctrl-C as a request finishes)."""
+
+    def __init__(self, after: int):
+        self.after, self.format_dict, self.postfix = after, {"elapsed": 1.0}, ""
+
+    def __call__(self, **kwargs):
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n: int):
+        self.after -= n
+        if self.after <= 0:
+            raise KeyboardInterrupt
+
+
+def take_outputs(run: Run, outputs: list, prompts: list, params, conversations: bool = False):
+    """Check a call's outputs against its prompts (one each, in order, finished, n completions)
+    and record them in run."""
+    assert len(outputs) == len(prompts), f"{len(outputs)} outputs for {len(prompts)} prompts"
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    for output, prompt, p in zip(outputs, prompts, params):
+        assert output.finished and len(output.outputs) == p.n, output.request_id
+        if conversations:
+            assert prompt[-1]["content"] in output.prompt
+        elif isinstance(prompt, (str, list)):
+            assert (output.prompt if isinstance(prompt, str) else list(output.prompt_token_ids)) == prompt
+        else:
+            assert (output.prompt if "prompt" in prompt else list(output.prompt_token_ids)) == \
+                prompt.get("prompt", prompt.get("prompt_token_ids"))
+        run.requests[output.request_id] = list(output.prompt_token_ids), p
+        run.take(output)
+
+
+def bad_call(rng: random.Random, llm: LLM, shared: list[int]):
+    """A generate() or beam_search() call with one thing wrong: a ValueError, nothing added."""
+    prompts = [random_prompt(rng, shared) for _ in range(rng.randint(1, 3))]
+    params = SamplingParams(max_tokens=4)
+    bad = rng.choice(["params count", "prompt", "params", "priority", "beam width", "beam prompt"])
+    bad_prompt = rng.choice([[1, VOCAB_SIZE], [1] * MAX_MODEL_LEN, {"prompt_token_ids": []}, "",
+                             {"prompt": "a", "multi_modal_data": {"image": 0}}])
+    calls = {
+        "params count": lambda: llm.generate(prompts, [params] * (len(prompts) + 1)),
+        "prompt": lambda: llm.generate(prompts[:1] + [bad_prompt] + prompts[1:], params),
+        "params": lambda: llm.generate(prompts, [params] * (len(prompts) - 1) + [SamplingParams(logprobs=21)]),
+        "priority": lambda: llm.generate(prompts, params, priority=[0] * (len(prompts) + 1)),
+        "beam width": lambda: llm.beam_search(prompts, BeamSearchParams(beam_width=11, max_tokens=2)),
+        "beam prompt": lambda: llm.beam_search(prompts + [bad_prompt], BeamSearchParams(beam_width=2, max_tokens=2)),
+    }
+    try:
+        calls[bad]()
+    except ValueError:
+        return
+    raise AssertionError(f"a bad call ({bad}) was taken")
+
+
+def beam_search(rng: random.Random, llm: LLM, shared: list[int]) -> list[tuple]:
+    """A beam search over a few prompts, its beams checked -> (prompt ids, params, each beam's
+    tokens) a prompt, to compare with the prompt's search alone."""
+    prompts = [random_prompt(rng, shared) for _ in range(rng.randint(1, 4))]
+    params = BeamSearchParams(beam_width=rng.randint(1, 3), max_tokens=rng.randint(1, 8),
+                              ignore_eos=rng.random() < 0.3, length_penalty=rng.choice([1.0, 0.5]))
+    results = llm.beam_search(prompts, params, concurrency_limit=rng.choice([None, 1, 2]))
+    assert len(results) == len(prompts)
+    searches = []
+    for prompt, result in zip(prompts, results):
+        if isinstance(prompt, dict):
+            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+        ids = llm.get_tokenizer().encode(prompt) if isinstance(prompt, str) else prompt
+        assert 1 <= len(result.sequences) <= params.beam_width
+        for beam in result.sequences:
+            assert beam.tokens[:len(ids)] == ids and 0 < len(beam.tokens) - len(ids) <= params.max_tokens
+            assert beam.finish_reason in ("stop", "length") and len(beam.logprobs) == len(beam.tokens) - len(ids)
+        searches.append((ids, params, [beam.tokens for beam in result.sequences]))
+    return searches
+
+
+def sleep(rng: random.Random, llm: LLM, mode: str):
+    level = rng.choice([0, 1, 2])
+    llm.sleep(level, mode)
+    llm.wake_up()
+    if level == 2:
+        llm.collective_rpc("reload_weights")
+
+
+def run_llm_seed(model: str, seed: int, **engine_kwargs) -> int:
+    """One seed's run of LLM calls at random (generate, chat, enqueue / wait_for_completion with
+    other calls between, beam_search, bad calls, a generate interrupted by Ctrl-C, sleeps), each
+    call's outputs checked as it returns and the engine idle after it -> as run_seed."""
+    rng = random.Random(seed)
+    config = random_config(rng, **engine_kwargs)
+    llm = LLM(model, **config)
+    runs, searches = [Run()], []   # (a Run an LLM: a new one numbers its requests from 0 again)
+    shared = [rng.randrange(VOCAB_SIZE) for _ in range(60)]
+    for _ in range(rng.randint(4, 12)):
+        run = runs[-1]
+        action = rng.choice(["generate", "chat", "enqueue", "beam search", "bad", "interrupted", "sleep"])
+        if action in ("generate", "chat"):
+            prompts, params = random_call(rng, shared)
+            if action == "chat":
+                prompts = [as_conversation(prompt) for prompt in prompts]
+                take_outputs(run, llm.chat(prompts, params, use_tqdm=False), prompts, params, conversations=True)
+            else:
+                take_outputs(run, llm.generate(prompts, params, use_tqdm=False), prompts, params)
+        elif action == "enqueue":   # requests enqueued, other calls, then wait_for_completion() returns them
+            prompts, params = random_call(rng, shared)
+            request_ids = llm.enqueue(prompts, params)
+            for between in rng.sample(["generate", "bad", "beam search", "sleep"], rng.randint(0, 2)):
+                if between == "generate":
+                    others, other_params = random_call(rng, shared)
+                    take_outputs(run, llm.generate(others, other_params, use_tqdm=False), others, other_params)
+                elif between == "bad":
+                    bad_call(rng, llm, shared)
+                elif between == "beam search":
+                    searches += beam_search(rng, llm, shared)
+                else:
+                    sleep(rng, llm, "keep")
+            outputs = llm.wait_for_completion(use_tqdm=False)
+            assert [output.request_id for output in outputs] == request_ids
+            take_outputs(run, outputs, prompts, params)
+        elif action == "beam search":
+            searches += beam_search(rng, llm, shared)
+        elif action == "bad":
+            bad_call(rng, llm, shared)
+        elif action == "interrupted":
+            prompts, params = random_call(rng, shared)
+            try:
+                outputs = llm.generate(prompts, params, use_tqdm=Interrupting(rng.randint(1, len(prompts) + 1)))
+            except KeyboardInterrupt:
+                if llm.closed:   # (with tensor parallelism the ranks end: the engine is made anew)
+                    llm = LLM(model, **config)
+                    runs.append(Run())
+            else:
+                take_outputs(run, outputs, prompts, params)
+        else:
+            sleep(rng, llm, rng.choice(["keep", "abort"]))
+        check_idle(llm.llm_engine)
+    differences = 0
+    for ids, params, tokens in searches:
+        alone = [beam.tokens for beam in llm.beam_search([ids], params)[0].sequences]
+        if alone != tokens:
+            differences += 1
+            print(f"  beam search of {ids}: {tokens} against {alone} alone ({params})")
+    llm.close()
+    for run in runs:
+        check_outputs(run)
+        differences += count_differences_alone(model, config, run)
+    return differences
+
+
 def main():
     import tempfile
 
@@ -215,6 +409,7 @@ def main():
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--llm", action="store_true", help="random calls of the LLM facade instead of engine steps")
     args = parser.parse_args()
     first, last = map(int, args.seeds.split(":"))
     sizes = {}
@@ -223,8 +418,9 @@ def main():
     model = build_model_dir(tempfile.mkdtemp(), "qwen3", build_tokenizer(), **sizes)
     differing = 0
     for seed in range(first, last):
-        differences = run_seed(model, seed, dtype=args.dtype, device=args.device,
-                               tensor_parallel_size=args.tensor_parallel_size)
+        run = run_llm_seed if args.llm else run_seed
+        differences = run(model, seed, dtype=args.dtype, device=args.device,
+                          tensor_parallel_size=args.tensor_parallel_size)
         differing += differences
         print(f"seed {seed}: invariants hold; {differences} greedy or seeded completion(s) differ alone", flush=True)
     print(f"{last - first} seeds: invariants hold; {differing} completion(s) differ from their run alone")

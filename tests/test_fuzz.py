@@ -1,11 +1,19 @@
-"""A few seeds of tests/fuzz_engine.py's random workloads: requests with random sampling options
-and output kinds, aborts and sleeps between steps, on small random engine configurations; the
-engine's invariants hold and greedy or seeded requests come out as they do alone (float32)."""
+"""A few seeds of tests/fuzz_engine.py's random workloads, in float32: greedy or seeded requests
+come out as they do alone, and the engine's invariants hold.
+- Engine steps: requests with random sampling options and output kinds, aborts and sleeps
+  between steps, on small random engine configurations.
+- The LLM facade: generate, chat, enqueue / wait_for_completion, beam_search, bad calls, a
+  generate interrupted by Ctrl-C, and sleeps, at random."""
 import pytest
 
-from fuzz_engine import run_seed
+from fuzz_engine import run_llm_seed, run_seed
 
 
 @pytest.mark.parametrize("seed", range(8))
 def test_random_workloads_keep_the_engine_invariants(qwen3_dir, seed):
     assert run_seed(qwen3_dir, seed, dtype="float32") == 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_llm_calls_keep_the_engine_invariants(qwen3_dir, seed):
+    assert run_llm_seed(qwen3_dir, seed, dtype="float32") == 0
