@@ -17,8 +17,13 @@ sleeps (levels 0-2, modes "keep" and "abort") between step() calls. Checked:
   CPU in float32 that is exact; on the GPU other batch sizes round otherwise (bf16, and float32
   through TF32 products), so a near tie may flip: differences are counted and printed with the
   logprob lead at the first differing token, not raised.
+With --llm a seed makes random calls of the LLM facade instead (run_llm_seed): generate and chat
+with mixed prompt forms, enqueue / wait_for_completion with other calls between, beam_search, bad
+calls, a generate interrupted by Ctrl-C, sleeps; each call's outputs are checked (one a prompt, in
+order, finished), the engine is idle after it, and its completions and beams are compared with
+their runs alone.
 
-    python tests/fuzz_engine.py [--seeds 0:50] [--device cuda --dtype bfloat16] [--tensor-parallel-size 2]
+    python tests/fuzz_engine.py [--llm] [--seeds 0:50] [--device cuda --dtype bfloat16] [--tensor-parallel-size 2]
 """
 import argparse
 import importlib.util
