@@ -19,11 +19,12 @@ sleeps (levels 0-2, modes "keep" and "abort") between step() calls. Checked:
   logprob lead at the first differing token, not raised.
 With --llm a seed makes random calls of the LLM facade instead (run_llm_seed): generate and chat
 with mixed prompt forms, enqueue / wait_for_completion with other calls between, beam_search, bad
-calls, a generate interrupted by Ctrl-C, sleeps; each call's outputs are checked (one a prompt, in
+calls, a generate interrupted by Ctrl-C, sleeps, prefix-cache resets; each call's outputs are checked (one a prompt, in
 order, finished), the engine is idle after it, and its completions and beams are compared with
 their runs alone.
 
-    python tests/fuzz_engine.py [--llm] [--seeds 0:50] [--device cuda --dtype bfloat16] [--tensor-parallel-size 2]
+    python tests/fuzz_engine.py [--llm] [--seeds 0:50] [--arch qwen3_moe] [--device cuda --dtype bfloat16]
+        [--tensor-parallel-size 2]
 """
 import argparse
 import importlib.util
@@ -53,8 +54,13 @@ def random_params(rng: random.Random) -> SamplingParams:
                 ("stop", rng.choice([["o"], ["the", "og"], ["Hello world"]])), ("include_stop_str_in_output", True),
                 ("ignore_eos", True), ("logit_bias", {5: 3.0}), ("frequency_penalty", 0.3),
                 ("stop_token_ids", [rng.randrange(VOCAB_SIZE)]), ("bad_words", ["the", "fox jumps"]),
-                ("allowed_token_ids", rng.sample(range(VOCAB_SIZE), 40))]
+                ("allowed_token_ids", rng.sample(range(VOCAB_SIZE), 40)), ("flat_logprobs", True),
+                ("logprob_token_ids", rng.sample(range(VOCAB_SIZE), 3)), ("truncate_prompt_tokens", rng.randint(1, 60)),
+                ("skip_reading_prefix_cache", True), ("repetition_detection", {"max_pattern_size": 2, "min_count": 3}),
+                ("detokenize", False)]
     kw |= {name: value for name, value in optional if rng.random() < 0.2}
+    if not kw.get("detokenize", True):
+        kw.pop("stop", None)   # (stop strings need the text)
     if "allowed_token_ids" not in kw and rng.random() < 0.05 and HAS_XGRAMMAR:
         kw["structured_outputs"] = StructuredOutputsParams(choice=["yes", "no", "the lazy dog"])
     return SamplingParams(**kw)
@@ -184,8 +190,14 @@ def check_outputs(run: Run):
             for completion in output.outputs:
                 if params.logprobs is not None:
                     assert len(completion.logprobs) == len(completion.token_ids), request_id
+        kept = prompt[-params.truncate_prompt_tokens:] if params.truncate_prompt_tokens else prompt
+        assert list(output.prompt_token_ids) == kept, request_id
         if params.prompt_logprobs is not None and output.prompt_logprobs is not None:
-            assert len(output.prompt_logprobs) == len(prompt), request_id
+            assert len(output.prompt_logprobs) == len(kept), request_id
+        for completion in output.outputs:
+            assert params.detokenize or completion.text == ""
+            if params.logprob_token_ids and completion.logprobs:
+                assert all(set(params.logprob_token_ids) <= set(entry) for entry in completion.logprobs), request_id
 
 
 def count_differences_alone(model: str, config: dict, run: Run) -> int:
@@ -277,13 +289,14 @@ def take_outputs(run: Run, outputs: list, prompts: list, params, conversations: 
     params = params if isinstance(params, list) else [params] * len(prompts)
     for output, prompt, p in zip(outputs, prompts, params):
         assert output.finished and len(output.outputs) == p.n, output.request_id
+        if isinstance(prompt, dict):
+            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
         if conversations:
             assert prompt[-1]["content"] in output.prompt
-        elif isinstance(prompt, (str, list)):
-            assert (output.prompt if isinstance(prompt, str) else list(output.prompt_token_ids)) == prompt
+        elif isinstance(prompt, str):
+            assert output.prompt == prompt
         else:
-            assert (output.prompt if "prompt" in prompt else list(output.prompt_token_ids)) == \
-                prompt.get("prompt", prompt.get("prompt_token_ids"))
+            assert list(output.prompt_token_ids) == prompt[-(p.truncate_prompt_tokens or len(prompt)):]
         run.requests[output.request_id] = list(output.prompt_token_ids), p
         run.take(output)
 
@@ -350,18 +363,21 @@ def run_llm_seed(model: str, seed: int, **engine_kwargs) -> int:
     shared = [rng.randrange(VOCAB_SIZE) for _ in range(60)]
     for _ in range(rng.randint(4, 12)):
         run = runs[-1]
-        action = rng.choice(["generate", "chat", "enqueue", "beam search", "bad", "interrupted", "sleep"])
+        action = rng.choice(["generate", "chat", "enqueue", "beam search", "bad", "interrupted", "sleep", "reset"])
         if action in ("generate", "chat"):
             prompts, params = random_call(rng, shared)
             if action == "chat":
                 prompts = [as_conversation(prompt) for prompt in prompts]
                 take_outputs(run, llm.chat(prompts, params, use_tqdm=False), prompts, params, conversations=True)
             else:
-                take_outputs(run, llm.generate(prompts, params, use_tqdm=False), prompts, params)
+                priority = None
+                if config["scheduling_policy"] == "priority":
+                    priority = [rng.randint(-2, 2) for _ in prompts]
+                take_outputs(run, llm.generate(prompts, params, use_tqdm=False, priority=priority), prompts, params)
         elif action == "enqueue":   # requests enqueued, other calls, then wait_for_completion() returns them
             prompts, params = random_call(rng, shared)
             request_ids = llm.enqueue(prompts, params)
-            for between in rng.sample(["generate", "bad", "beam search", "sleep"], rng.randint(0, 2)):
+            for between in rng.sample(["generate", "bad", "beam search", "sleep", "reset"], rng.randint(0, 2)):
                 if between == "generate":
                     others, other_params = random_call(rng, shared)
                     take_outputs(run, llm.generate(others, other_params, use_tqdm=False), others, other_params)
@@ -369,6 +385,8 @@ def run_llm_seed(model: str, seed: int, **engine_kwargs) -> int:
                     bad_call(rng, llm, shared)
                 elif between == "beam search":
                     searches += beam_search(rng, llm, shared)
+                elif between == "reset":
+                    assert llm.reset_prefix_cache()
                 else:
                     sleep(rng, llm, "keep")
             outputs = llm.wait_for_completion(use_tqdm=False)
@@ -388,6 +406,8 @@ def run_llm_seed(model: str, seed: int, **engine_kwargs) -> int:
                     runs.append(Run())
             else:
                 take_outputs(run, outputs, prompts, params)
+        elif action == "reset":
+            assert llm.reset_prefix_cache()
         else:
             sleep(rng, llm, rng.choice(["keep", "abort"]))
         check_idle(llm.llm_engine)
@@ -415,12 +435,14 @@ def main():
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--llm", action="store_true", help="random calls of the LLM facade instead of engine steps")
+    parser.add_argument("--arch", default="qwen3", choices=["qwen3", "qwen3_moe", "qwen2", "qwen2_moe", "llama",
+                                                            "mistral"], help="the tiny model's architecture")
     args = parser.parse_args()
     first, last = map(int, args.seeds.split(":"))
     sizes = {}
     if args.device == "cuda" or args.device == "auto" and torch.cuda.is_available():
         from test_gpu import SIZES as sizes   # (the GPU kernels' head size; that module needs CUDA)
-    model = build_model_dir(tempfile.mkdtemp(), "qwen3", build_tokenizer(), **sizes)
+    model = build_model_dir(tempfile.mkdtemp(), args.arch, build_tokenizer(), **sizes)
     differing = 0
     for seed in range(first, last):
         run = run_llm_seed if args.llm else run_seed
