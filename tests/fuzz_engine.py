@@ -40,7 +40,8 @@ MAX_MODEL_LEN = 160
 WORDS = "The quick brown fox jumps over the lazy dog Hello world blocks , . !".split()   # (in its tokenizer's corpus)
 
 
-def random_params(rng: random.Random) -> SamplingParams:
+def random_params(rng: random.Random, thinking: bool = False) -> SamplingParams:
+    """thinking: the engine has a reasoning parser (so a thinking budget may be set)."""
     kw = dict(max_tokens=rng.randint(1, 40), output_kind=rng.choice(list(RequestOutputKind)))
     if rng.random() < 0.5:
         kw["temperature"] = 0.0
@@ -61,15 +62,25 @@ def random_params(rng: random.Random) -> SamplingParams:
     kw |= {name: value for name, value in optional if rng.random() < 0.2}
     if not kw.get("detokenize", True):
         kw.pop("stop", None)   # (stop strings need the text)
+    if thinking and rng.random() < 0.4:
+        kw["thinking_token_budget"] = rng.randint(0, 8)
     if "allowed_token_ids" not in kw and rng.random() < 0.05 and HAS_XGRAMMAR:
         kw["structured_outputs"] = StructuredOutputsParams(choice=["yes", "no", "the lazy dog"])
     return SamplingParams(**kw)
 
 
-def random_token_ids(rng: random.Random, shared: list[int]) -> list[int]:
-    """A prompt that begins with a part of shared (so that prompts hit the prefix cache)."""
+def random_token_ids(rng: random.Random, shared: list[int], think: list[int]) -> list[int]:
+    """A prompt that begins with a part of shared (so that prompts hit the prefix cache), and
+    half the time ends with think (the ids that open a model's thinking; none without a reasoning
+    parser)."""
     own = [rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(1, 100))]
-    return (shared[:rng.randint(0, len(shared))] + own)[:120]
+    ids = (shared[:rng.randint(0, len(shared))] + own)[:120]
+    return ids[:120 - len(think)] + think if think and rng.random() < 0.5 else ids
+
+
+def thinking_ids(tokenizer, config: dict) -> list[int]:
+    """The ids that open thinking, if the engine has a reasoning parser, else []."""
+    return tokenizer.encode("<think>", add_special_tokens=False) if config["reasoning_parser"] else []
 
 
 def random_bad_request(rng: random.Random, unfinished: list[str]) -> tuple[list[int], SamplingParams, str]:
@@ -91,7 +102,8 @@ def random_config(rng: random.Random, **engine_kwargs) -> dict:
                 scheduling_policy=rng.choice(["fcfs", "priority"]),
                 max_num_batched_tokens=rng.choice([32, 64, 256]), max_model_len=MAX_MODEL_LEN,
                 enable_prefix_caching=rng.choice([True, False]), async_scheduling=rng.choice([True, False]),
-                enforce_eager=rng.choice([True, False]), enable_sleep_mode=True, **engine_kwargs)
+                enforce_eager=rng.choice([True, False]), enable_sleep_mode=True,
+                reasoning_parser=rng.choice(["", "", "qwen3"]), **engine_kwargs)
 
 
 @dataclass
@@ -129,13 +141,14 @@ def run_seed(model: str, seed: int, **engine_kwargs) -> int:
     rng = random.Random(seed)
     config = random_config(rng, **engine_kwargs)
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, **config))
+    think = thinking_ids(engine.tokenizer, config)
     run = Run()
     shared = [rng.randrange(VOCAB_SIZE) for _ in range(60)]
     for i in range(rng.randint(20, 80)):
         action = rng.random()
         if action < 0.3:
-            prompt = random_token_ids(rng, shared)
-            request_id, params = f"r{i}", random_params(rng)
+            prompt = random_token_ids(rng, shared, think)
+            request_id, params = f"r{i}", random_params(rng, bool(think))
             salt = rng.choice([None, None, "a", "b"])
             priority = rng.randint(-2, 2) if config["scheduling_policy"] == "priority" else 0
             engine.add_request(request_id, {"prompt_token_ids": prompt, "cache_salt": salt}, params, priority=priority)
@@ -234,21 +247,23 @@ def count_differences_alone(model: str, config: dict, run: Run) -> int:
 
 
 # ---- the LLM facade ---------------------------------------------------------------------------
-def random_prompt(rng: random.Random, shared: list[int]):
-    """A prompt in one of the forms generate() takes: text or token ids, bare or in a dict."""
+def random_prompt(rng: random.Random, shared: list[int], think: list[int] = ()):
+    """A prompt in one of the forms generate() takes: text or token ids (see random_token_ids),
+    bare or in a dict."""
     if rng.random() < 0.4:
         text = " ".join(rng.choices(WORDS, k=rng.randint(1, 30)))
         return rng.choice([text, {"prompt": text}])
-    ids = random_token_ids(rng, shared)
+    ids = random_token_ids(rng, shared, list(think))
     return rng.choice([ids, {"prompt_token_ids": ids, "cache_salt": rng.choice([None, "a"])}])
 
 
-def random_call(rng: random.Random, shared: list[int]) -> tuple[list, SamplingParams | list[SamplingParams]]:
+def random_call(rng: random.Random, shared: list[int], think: list[int]
+                ) -> tuple[list, SamplingParams | list[SamplingParams]]:
     """generate()'s prompts and sampling params: one SamplingParams for all, or one per prompt."""
-    prompts = [random_prompt(rng, shared) for _ in range(rng.randint(1, 6))]
+    prompts = [random_prompt(rng, shared, think) for _ in range(rng.randint(1, 6))]
     if rng.random() < 0.5:
-        return prompts, random_params(rng)
-    return prompts, [random_params(rng) for _ in prompts]
+        return prompts, random_params(rng, bool(think))
+    return prompts, [random_params(rng, bool(think)) for _ in prompts]
 
 
 def as_conversation(prompt) -> list[dict]:
@@ -359,13 +374,14 @@ def run_llm_seed(model: str, seed: int, **engine_kwargs) -> int:
     rng = random.Random(seed)
     config = random_config(rng, **engine_kwargs)
     llm = LLM(model, **config)
+    think = thinking_ids(llm.get_tokenizer(), config)
     runs, searches = [Run()], []   # (a Run an LLM: a new one numbers its requests from 0 again)
     shared = [rng.randrange(VOCAB_SIZE) for _ in range(60)]
     for _ in range(rng.randint(4, 12)):
         run = runs[-1]
         action = rng.choice(["generate", "chat", "enqueue", "beam search", "bad", "interrupted", "sleep", "reset"])
         if action in ("generate", "chat"):
-            prompts, params = random_call(rng, shared)
+            prompts, params = random_call(rng, shared, think)
             if action == "chat":
                 prompts = [as_conversation(prompt) for prompt in prompts]
                 take_outputs(run, llm.chat(prompts, params, use_tqdm=False), prompts, params, conversations=True)
@@ -375,11 +391,11 @@ def run_llm_seed(model: str, seed: int, **engine_kwargs) -> int:
                     priority = [rng.randint(-2, 2) for _ in prompts]
                 take_outputs(run, llm.generate(prompts, params, use_tqdm=False, priority=priority), prompts, params)
         elif action == "enqueue":   # requests enqueued, other calls, then wait_for_completion() returns them
-            prompts, params = random_call(rng, shared)
+            prompts, params = random_call(rng, shared, think)
             request_ids = llm.enqueue(prompts, params)
             for between in rng.sample(["generate", "bad", "beam search", "sleep", "reset"], rng.randint(0, 2)):
                 if between == "generate":
-                    others, other_params = random_call(rng, shared)
+                    others, other_params = random_call(rng, shared, think)
                     take_outputs(run, llm.generate(others, other_params, use_tqdm=False), others, other_params)
                 elif between == "bad":
                     bad_call(rng, llm, shared)
@@ -397,7 +413,7 @@ def run_llm_seed(model: str, seed: int, **engine_kwargs) -> int:
         elif action == "bad":
             bad_call(rng, llm, shared)
         elif action == "interrupted":
-            prompts, params = random_call(rng, shared)
+            prompts, params = random_call(rng, shared, think)
             try:
                 outputs = llm.generate(prompts, params, use_tqdm=Interrupting(rng.randint(1, len(prompts) + 1)))
             except KeyboardInterrupt:
