@@ -4,6 +4,7 @@
 #   [ENGINES="nanovllm vllm"] [KV_DTYPES="auto fp8"] [REPEATS=2] [SKIP_TESTS=1] bash tests/gpu_check.sh [workloads...]
 # VARIANTS="NANOVLLM_PDL=0 NANOVLLM_PDL=1" runs every benchmark once per environment setting, interleaved;
 # a comma joins settings into one variant: VARIANTS="X=0 X=1,Y=1".
+# FUZZ_SEEDS=a:b also runs tests/fuzz_engine.py on those seeds in bf16 (engine steps, then LLM calls).
 # ENGINES=none runs the tests alone. Each GPU test file runs in its own pytest under its own
 # time limit (TEST_TIMEOUT, seconds), so a test blocked in a collective costs only its file;
 # faulthandler prints where a test hung once it has run STACK_AFTER seconds (default 90).
@@ -27,6 +28,14 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     > "$OUT/gpu_test_gpu_tp_killed_custom.log" 2>&1
   echo "test_gpu_tp -k graphs-custom-all-reduce: $(tail -1 "$OUT/gpu_test_gpu_tp_killed_custom.log")" | tee -a "$OUT/gpu_tests.log"
 fi
+if [ -n "${FUZZ_SEEDS:-}" ]; then   # e.g. FUZZ_SEEDS=0:30: tests/fuzz_engine.py in bf16, engine steps then LLM calls
+  for mode in "" --llm; do
+    log="$OUT/fuzz${mode/--/_}.log"
+    (cd tests && timeout -s KILL "${FUZZ_TIMEOUT:-300}" python3 fuzz_engine.py $mode --seeds "$FUZZ_SEEDS" \
+      --dtype bfloat16) > "$log" 2>&1
+    echo "fuzz_engine ${mode:-(engine steps)}: $(tail -1 "$log")"
+  done | tee "$OUT/fuzz_summary.log"
+fi
 read -ra variants <<< "${VARIANTS:-}"
 [ ${#variants[@]} -eq 0 ] && variants=("")
 for engine in ${ENGINES:-nanovllm}; do
@@ -46,7 +55,7 @@ done
 echo "== summary"
 logs=$(ls "$OUT"/bench_*.log 2>/dev/null)
 [ -n "$logs" ] && python3 tests/bench_summary.py $logs
-cat "$OUT/gpu_tests.log" 2>/dev/null
+cat "$OUT/gpu_tests.log" "$OUT/fuzz_summary.log" 2>/dev/null
 # The device tool returns at most 8 files from $OUT: pack the logs into one (PACK=0 keeps them loose).
 if [ "${PACK:-1}" = 1 ]; then
   (cd "$OUT" && tar czf logs.tgz --exclude logs.tgz ./*.log && rm -f ./*.log)
