@@ -215,7 +215,8 @@ def test_tokens_past_a_completed_grammar_are_free(llm):
     """With ignore_eos a completion goes on past the EOS that completes its grammar: the tokens
     after it are not constrained, and not refused by the grammar (vLLM 0.26 ends such a
     completion with finish_reason "error" at the first token after the EOS)."""
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, structured_outputs={"choice": ["yes", "no"]})
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                            structured_outputs={"choice": ["yes", "no"]})
     tokenizer = llm.get_tokenizer()
     with log_lines("nanovllm.engine.output_processor") as warnings:
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)

@@ -2,12 +2,14 @@
 schema, a regex, one of several strings or an EBNF grammar, by xgrammar, as vLLM does it
 (an optional dependency: `pip install "nanovllm[structured]"`).
 
-Each such sequence gets a grammar matcher. Before a step samples for the sequence, the matcher
-reads the tokens the sequence got since the last step; then the batch's matchers fill a bitmask of
-the tokens that may come next (bit j of word w: token 32 w + j), all rows at once on several
-threads (on every core when a fill is slow). The sampler sets every other logit to -inf before it
-takes logprobs, as vLLM's model runner does before its sampler. Once the grammar is complete, only
-a stop token may follow, so the completion ends there. When a reasoning parser is named
+Each such sequence gets a grammar matcher, which takes each token as the output processor appends
+it; a token it refuses (drawn where other options left the grammar nothing to allow) ends the
+completion with finish_reason "error", as in vLLM. Before a step samples, the batch's matchers fill
+a bitmask of the tokens that may come next (bit j of word w: token 32 w + j), all rows at once on
+several threads (on every core when a fill is slow). The sampler sets every other logit to -inf
+before it takes logprobs, as vLLM's model runner does before its sampler. Once the grammar is
+complete, only a stop token may follow, so the completion ends there (with ignore_eos, the tokens
+after it are free). When a reasoning parser is named
 (LLM(reasoning_parser="qwen3")), the grammar starts only after the model's thinking block has
 ended, as in vLLM; structured_outputs_config={"enable_in_reasoning": True} starts it at once.
 """
@@ -22,10 +24,7 @@ import numpy as np
 import torch
 
 from nanovllm.engine.reasoning import MarkerScan, ThinkingMarkers
-from nanovllm.logger import init_logger
 from nanovllm.sampling_params import StructuredOutputsParams
-
-logger = init_logger(__name__)
 
 
 @dataclass
