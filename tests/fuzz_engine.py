@@ -272,12 +272,16 @@ def random_call(rng: random.Random, shared: list[int], think: list[int]
     return prompts, [random_params(rng, bool(think)) for _ in prompts]
 
 
+def unwrapped(prompt) -> str | list[int]:
+    """A prompt's text or token ids (a dict's "prompt", else its "prompt_token_ids")."""
+    return prompt.get("prompt", prompt.get("prompt_token_ids")) if isinstance(prompt, dict) else prompt
+
+
 def as_conversation(prompt) -> list[dict]:
     """chat()'s form of a prompt: its text (or its first ids as words) as a user's message."""
-    text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
-    if text is None:
-        ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
-        text = " ".join(WORDS[i % len(WORDS)] for i in ids[:30])
+    text = unwrapped(prompt)
+    if not isinstance(text, str):
+        text = " ".join(WORDS[i % len(WORDS)] for i in text[:30])
     return [{"role": "user", "content": text}]
 
 
@@ -310,8 +314,7 @@ def take_outputs(run: Run, outputs: list, prompts: list, params, conversations: 
     params = params if isinstance(params, list) else [params] * len(prompts)
     for output, prompt, p in zip(outputs, prompts, params):
         assert output.finished and len(output.outputs) == p.n, output.request_id
-        if isinstance(prompt, dict):
-            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+        prompt = unwrapped(prompt)
         if conversations:
             assert prompt[-1]["content"] in output.prompt
         elif isinstance(prompt, str):
@@ -354,8 +357,7 @@ def beam_search(rng: random.Random, llm: LLM, shared: list[int]) -> list[tuple]:
     assert len(results) == len(prompts)
     searches = []
     for prompt, result in zip(prompts, results):
-        if isinstance(prompt, dict):
-            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+        prompt = unwrapped(prompt)
         ids = llm.get_tokenizer().encode(prompt) if isinstance(prompt, str) else prompt
         assert 1 <= len(result.sequences) <= params.beam_width
         for beam in result.sequences:
@@ -366,6 +368,7 @@ def beam_search(rng: random.Random, llm: LLM, shared: list[int]) -> list[tuple]:
 
 
 def sleep(rng: random.Random, llm: LLM, mode: str):
+    """A sleep of a random level, and the wake-up (with the weights reloaded after level 2)."""
     level = rng.choice([0, 1, 2])
     llm.sleep(level, mode)
     llm.wake_up()
@@ -375,49 +378,45 @@ def sleep(rng: random.Random, llm: LLM, mode: str):
 
 def run_llm_seed(model: str, seed: int, **engine_kwargs) -> int:
     """One seed's run of LLM calls at random (generate, chat, enqueue / wait_for_completion with
-    other calls between, beam_search, bad calls, a generate interrupted by Ctrl-C, sleeps), each
-    call's outputs checked as it returns and the engine idle after it -> as run_seed."""
+    other calls between, beam_search, bad calls, a generate interrupted by Ctrl-C, sleeps, prefix
+    cache resets), each call's outputs checked as it returns and the engine idle after it -> as
+    run_seed."""
     rng = random.Random(seed)
     config = random_config(rng, **engine_kwargs)
     llm = LLM(model, **config)
     think = thinking_ids(llm.get_tokenizer(), config)
     runs, searches = [Run()], []   # (a Run an LLM: a new one numbers its requests from 0 again)
     shared = [rng.randrange(VOCAB_SIZE) for _ in range(60)]
-    for _ in range(rng.randint(4, 12)):
-        run = runs[-1]
-        action = rng.choice(["generate", "chat", "enqueue", "beam search", "bad", "interrupted", "sleep", "reset"])
+
+    def call(action: str, sleep_modes: list[str]):
+        """One call that leaves nothing enqueued."""
         if action in ("generate", "chat"):
             prompts, params = random_call(rng, shared, think)
             if action == "chat":
                 prompts = [as_conversation(prompt) for prompt in prompts]
-                take_outputs(run, llm.chat(prompts, params, use_tqdm=False), prompts, params, conversations=True)
-            else:
-                priority = None
-                if config["scheduling_policy"] == "priority":
-                    priority = [rng.randint(-2, 2) for _ in prompts]
-                take_outputs(run, llm.generate(prompts, params, use_tqdm=False, priority=priority), prompts, params)
-        elif action == "enqueue":   # requests enqueued, other calls, then wait_for_completion() returns them
-            prompts, params = random_call(rng, shared, think)
-            request_ids = llm.enqueue(prompts, params)
-            for between in rng.sample(["generate", "bad", "beam search", "sleep", "reset"], rng.randint(0, 2)):
-                if between == "generate":
-                    others, other_params = random_call(rng, shared, think)
-                    take_outputs(run, llm.generate(others, other_params, use_tqdm=False), others, other_params)
-                elif between == "bad":
-                    bad_call(rng, llm, shared)
-                elif between == "beam search":
-                    searches += beam_search(rng, llm, shared)
-                elif between == "reset":
-                    assert llm.reset_prefix_cache()
-                else:
-                    sleep(rng, llm, "keep")
-            outputs = llm.wait_for_completion(use_tqdm=False)
-            assert [output.request_id for output in outputs] == request_ids
-            take_outputs(run, outputs, prompts, params)
+                take_outputs(runs[-1], llm.chat(prompts, params, use_tqdm=False), prompts, params, conversations=True)
+                return
+            priority = [rng.randint(-2, 2) for _ in prompts] if config["scheduling_policy"] == "priority" else None
+            take_outputs(runs[-1], llm.generate(prompts, params, use_tqdm=False, priority=priority), prompts, params)
         elif action == "beam search":
-            searches += beam_search(rng, llm, shared)
+            searches.extend(beam_search(rng, llm, shared))
         elif action == "bad":
             bad_call(rng, llm, shared)
+        elif action == "reset":
+            assert llm.reset_prefix_cache()
+        else:
+            sleep(rng, llm, rng.choice(sleep_modes))
+
+    for _ in range(rng.randint(4, 12)):
+        action = rng.choice(["generate", "chat", "enqueue", "beam search", "bad", "interrupted", "sleep", "reset"])
+        if action == "enqueue":   # requests enqueued, other calls, then wait_for_completion() returns them
+            prompts, params = random_call(rng, shared, think)
+            request_ids = llm.enqueue(prompts, params)
+            for between in rng.sample(["generate", "chat", "bad", "beam search", "sleep", "reset"], rng.randint(0, 2)):
+                call(between, ["keep"])
+            outputs = llm.wait_for_completion(use_tqdm=False)
+            assert [output.request_id for output in outputs] == request_ids
+            take_outputs(runs[-1], outputs, prompts, params)
         elif action == "interrupted":
             prompts, params = random_call(rng, shared, think)
             try:
@@ -427,11 +426,9 @@ def run_llm_seed(model: str, seed: int, **engine_kwargs) -> int:
                     llm = LLM(model, **config)
                     runs.append(Run())
             else:
-                take_outputs(run, outputs, prompts, params)
-        elif action == "reset":
-            assert llm.reset_prefix_cache()
+                take_outputs(runs[-1], outputs, prompts, params)
         else:
-            sleep(rng, llm, rng.choice(["keep", "abort"]))
+            call(action, ["keep", "abort"])
         check_idle(llm.llm_engine)
     differences = 0
     for ids, params, tokens in searches:
