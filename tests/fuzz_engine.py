@@ -9,8 +9,9 @@ grammar; output kinds, priorities and cache salts), requests it must refuse, abo
 (levels 0-2, modes "keep" and "abort") between step() calls. Checked:
 - a bad request (out-of-vocabulary id, a prompt too long, an unfinished request's id, ...) is a
   ValueError and changes nothing else;
-- every request that is not aborted is reported finished exactly once; streamed CUMULATIVE
-  outputs extend the ones before, DELTA outputs add up to the completion;
+- every request that is not aborted is reported finished exactly once, and the engine counts as
+  unfinished the requests not yet reported; streamed CUMULATIVE outputs extend the ones before,
+  DELTA outputs add up to the completion;
 - no completion is longer than max_tokens; logprobs have an entry a token, prompt logprobs one a
   prompt token;
 - once idle, every KV block is free and step() returns [];
@@ -181,6 +182,8 @@ def run_seed(model: str, seed: int, **engine_kwargs) -> int:
                 engine.collective_rpc("reload_weights")
         for output in engine.step():
             run.take(output)
+        unfinished = len(run.unfinished())
+        assert engine.get_num_unfinished_requests() == unfinished and engine.has_unfinished_requests() == bool(unfinished)
     while engine.has_unfinished_requests():
         for output in engine.step():
             run.take(output)
