@@ -183,7 +183,8 @@ def run_seed(model: str, seed: int, **engine_kwargs) -> int:
         for output in engine.step():
             run.take(output)
         unfinished = len(run.unfinished())
-        assert engine.get_num_unfinished_requests() == unfinished and engine.has_unfinished_requests() == bool(unfinished)
+        assert engine.get_num_unfinished_requests() == unfinished
+        assert engine.has_unfinished_requests() == bool(unfinished)
     while engine.has_unfinished_requests():
         for output in engine.step():
             run.take(output)
