@@ -4,9 +4,9 @@ tests/test_fuzz.py runs a few seeds in CI).
 A seed picks a small engine configuration (block size, KV blocks, max_num_seqs, token budget,
 chunked prefill, prefix caching, async scheduling, CUDA graphs, scheduling policy, an fp8 KV cache,
 a reasoning parser) and a random run of requests (random sampling options, among them penalties,
-stops, bad words, allowed ids, logprobs, truncation, thinking budgets and, with xgrammar, a choice
-grammar; output kinds, priorities and cache salts), requests it must refuse, aborts and sleeps
-(levels 0-2, modes "keep" and "abort") between step() calls. Checked:
+stops, bad words, allowed ids, logprobs, truncation, thinking budgets and, with xgrammar, a choice,
+regex or JSON grammar; output kinds, priorities and cache salts), requests it must refuse, aborts
+and sleeps (levels 0-2, modes "keep" and "abort") between step() calls. Checked:
 - a bad request (out-of-vocabulary id, a prompt too long, an unfinished request's id, ...) is a
   ValueError and changes nothing else;
 - every request that is not aborted is reported finished exactly once, and the engine counts as
@@ -69,7 +69,8 @@ def random_params(rng: random.Random, thinking: bool = False) -> SamplingParams:
     if thinking and rng.random() < 0.4:
         kw["thinking_token_budget"] = rng.randint(0, 8)
     if "allowed_token_ids" not in kw and rng.random() < 0.05 and HAS_XGRAMMAR:
-        kw["structured_outputs"] = StructuredOutputsParams(choice=["yes", "no", "the lazy dog"])
+        kw["structured_outputs"] = StructuredOutputsParams(**rng.choice([
+            {"choice": ["yes", "no", "the lazy dog"]}, {"regex": "(fox|dog)( [a-z]+)?"}, {"json_object": True}]))
     return SamplingParams(**kw)
 
 
