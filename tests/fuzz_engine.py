@@ -41,6 +41,10 @@ from nanovllm.sampling_params import BeamSearchParams, RequestOutputKind, Struct
 HAS_XGRAMMAR = importlib.util.find_spec("xgrammar") is not None   # (structured outputs' optional dependency)
 VOCAB_SIZE = 384   # (the tiny models' vocabulary, tests/conftest.py)
 MAX_MODEL_LEN = 160
+# Prompts the engine must refuse: an id outside the vocabulary, longer than max_model_len, no room
+# left for an output token, empty
+BAD_PROMPTS = {"vocabulary": [1, VOCAB_SIZE], "long": [1] * (MAX_MODEL_LEN + 1), "full": [1] * MAX_MODEL_LEN,
+               "empty": []}
 WORDS = "The quick brown fox jumps over the lazy dog Hello world blocks , . !".split()   # (in its tokenizer's corpus)
 
 
@@ -91,10 +95,9 @@ def thinking_ids(tokenizer, config: dict) -> list[int]:
 def random_bad_request(rng: random.Random, unfinished: list[str]) -> tuple[list[int], SamplingParams, str]:
     """A prompt, params and request id of which one is bad (the id of an unfinished request, if any)."""
     prompt, params, request_id = [1, 2, 3], SamplingParams(max_tokens=4), "bad"
-    bad = rng.choice(["vocabulary", "long", "full", "empty", "logprobs", "logit_bias"] + ["id"] * bool(unfinished))
-    if bad in ("vocabulary", "long", "full", "empty"):
-        prompt = {"vocabulary": [1, VOCAB_SIZE], "long": [1] * (MAX_MODEL_LEN + 1), "full": [1] * MAX_MODEL_LEN,
-                  "empty": []}[bad]
+    bad = rng.choice([*BAD_PROMPTS, "logprobs", "logit_bias"] + ["id"] * bool(unfinished))
+    if bad in BAD_PROMPTS:
+        prompt = BAD_PROMPTS[bad]
     elif bad == "id":
         request_id = rng.choice(unfinished)
     else:
@@ -335,7 +338,7 @@ def bad_call(rng: random.Random, llm: LLM, shared: list[int]):
     prompts = [random_prompt(rng, shared) for _ in range(rng.randint(1, 3))]
     params = SamplingParams(max_tokens=4)
     bad = rng.choice(["params count", "prompt", "params", "priority", "beam width", "beam prompt"])
-    bad_prompt = rng.choice([[1, VOCAB_SIZE], [1] * MAX_MODEL_LEN, {"prompt_token_ids": []}, "",
+    bad_prompt = rng.choice([*BAD_PROMPTS.values(), {"prompt_token_ids": []}, "",
                              {"prompt": "a", "multi_modal_data": {"image": 0}}])
     calls = {
         "params count": lambda: llm.generate(prompts, [params] * (len(prompts) + 1)),
