@@ -11,7 +11,7 @@
 # REPEATS runs every benchmark that many times, each in a new process (the first run on a fresh
 # machine also compiles kernels its warm-up missed).
 set -uo pipefail
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1   # (absolute: the fuzz runs in tests/)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
