@@ -230,15 +230,19 @@ def check_outputs(run: Run):
 def count_differences_alone(model: str, config: dict, run: Run) -> int:
     """Greedy and seeded requests run again one at a time -> how many completions came out
     otherwise. Each difference is printed with the logprob by which the token alone led the other
-    (a near tie says rounding)."""
-    engine = LLMEngine.from_engine_args(EngineArgs(model=model, **{**config, "max_num_seqs": 1}))
+    (a near tie says rounding): each alone run asks for every token's logprob, so that the lead is known
+    wherever the other token was (logprob_token_ids or a top 20 would leave it out where masks or top-k
+    made the choice)."""
+    alone_config = {**config, "max_num_seqs": 1, "max_logprobs": -1}
+    engine = LLMEngine.from_engine_args(EngineArgs(model=model, **alone_config))
     differences = 0
     for request_id in run.finished:
         prompt, params = run.requests[request_id]
         if params.temperature > 0 and params.seed is None:
             continue
+        every_logprob = dict(logprobs=-1, logprob_token_ids=None)
         engine.add_request(request_id, {"prompt_token_ids": prompt},
-                           replace(params, output_kind=RequestOutputKind.FINAL_ONLY, logprobs=20))
+                           replace(params, output_kind=RequestOutputKind.FINAL_ONLY, **every_logprob))
         while engine.has_unfinished_requests():
             for output in engine.step():
                 alone = output.outputs
@@ -253,7 +257,7 @@ def count_differences_alone(model: str, config: dict, run: Run) -> int:
                       f"alone, {text!r} against {completion.text!r} ({params})")
                 continue
             top = completion.logprobs[at]
-            lead = top[completion.token_ids[at]].logprob - top[tokens[at]].logprob if tokens[at] in top else None
+            lead = top[completion.token_ids[at]].logprob - top[tokens[at]].logprob
             print(f"  {request_id}.{completion.index}: token {at} is {tokens[at]}, alone {completion.token_ids[at]}, "
                   f"which led it by {lead} ({params})")
     engine.close()
