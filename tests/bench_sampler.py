@@ -63,7 +63,7 @@ def top_p_table():
         kept = buffers[0] >= top_p_cut(buffers[0], p, temps)[:, None]
         differ = (kept != apply_top_k_top_p(buffers[0].float() / temps[:, None], None, p).isfinite()).sum().item()
         calls = [lambda b: apply_top_k_top_p(b.float() / temps[:, None], None, p)]
-        calls += [lambda b, c=c: top_p_cut(b, p, temps, *c) for c in configs]
+        calls += [lambda b, c=c: top_p_cut(b, p, temps, None, *c) for c in configs]
         times = [us_per_call_in_graph([lambda b=b, call=call: call(b) for b in buffers]) for call in calls]
         print(f"{rows:5d} {spread:6} {times[0]:8.1f} " + " ".join(f"{t:10.1f}" for t in times[1:]) + f"  {differ}",
               flush=True)

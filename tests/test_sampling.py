@@ -358,6 +358,19 @@ def test_min_p_drops_unlikely_tokens():
     assert draw(probs.log(), metadata(1, min_p=torch.tensor([0.5]))) == {(0,), (1,)}
 
 
+@pytest.mark.parametrize("top_k", [None, 3])
+def test_min_p_comes_before_top_p(top_k):
+    """vLLM's order: min-p first, so top-p's mass is that of the tokens min-p keeps. min_p 0.3 keeps
+    0.5 and 0.3 (0.625 and 0.375 of their mass), and top_p 0.6 then keeps 0.5 alone; top-p first
+    would have kept 0.5 and 0.3 (0.8 of the whole). With a top_k (the select path) the same."""
+    probs = torch.tensor([[0.5, 0.3, 0.1, 0.1]])
+    k = dict(top_k=torch.tensor([top_k]), max_top_k=top_k) if top_k else {}
+    md = metadata(1, min_p=torch.tensor([0.3]), top_p=torch.tensor([0.6]), **k)
+    assert draw(probs.log(), md) == {(0,)}
+    md = metadata(1, min_p=torch.tensor([0.3]), top_p=torch.tensor([0.7]), **k)   # 0.625 < 0.7: both
+    assert draw(probs.log(), md) == {(0,), (1,)}
+
+
 def test_min_p_cut_keeps_what_the_min_p_filter_keeps():
     """The fused sampler's min-p cut (unscaled logits, the row's temperature inside it) keeps
     exactly the tokens that filter_logits' min-p keeps on the scaled logits, temperature and

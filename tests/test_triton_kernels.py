@@ -581,6 +581,15 @@ def test_radix_top_k_top_p_cut_equals_the_topk_reference(dtype, vocab, max_top_k
         ours = top_k_top_p_cut(logits.to(DEVICE), top_k.to(DEVICE), None if top_p is None else top_p.to(DEVICE),
                                max_top_k, temps.to(DEVICE)).cpu()
         assert ours.tolist() == reference(logits, top_k, top_p, max_top_k, temps).squeeze(-1).tolist()
+    # with min-p (vLLM applies it first): top-p over the tokens it keeps; the cuts agree once min-p's
+    # own is applied (a row with fewer kept tokens than its top_k has no top-k cut in the reference)
+    top_p, min_p = torch.tensor([0.95, 0.5, 1.0, 0.9, 0.999, 0.7, 0.9, 0.8]), torch.tensor([0.05, 0.0, 0.3, 0.5,
+                                                                                         0.02, 0.1, 0.2, 1e-9])
+    kept, floor = min_p_kept(logits, min_p, temps)
+    ours = top_k_top_p_cut(logits.to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE), max_top_k, temps.to(DEVICE),
+                           min_p.to(DEVICE)).cpu()
+    assert (torch.maximum(ours, floor).tolist() ==
+            torch.maximum(reference(kept, top_k, top_p, max_top_k, temps).squeeze(-1), floor).tolist())
 
 
 def top_p_reference(logits, top_p, temps, slack=0.0):
@@ -593,14 +602,23 @@ def top_p_reference(logits, top_p, temps, slack=0.0):
     return torch.where(top_p >= 1.0, float("-inf"), cut)
 
 
+def min_p_kept(logits, min_p, temps):
+    """The logits that min-p keeps (p >= min_p * p_max at the row's temperature), the others -inf,
+    and min-p's cut: vLLM takes top-k and top-p over these."""
+    floor = logits.float().amax(-1) + temps * min_p.log()
+    return logits.float().masked_fill(logits.float() < floor[:, None], float("-inf")), floor
+
+
+@pytest.mark.parametrize("with_min_p", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("vocab", [1_000, 8_193, 20_011] + ([] if INTERPRET else [151_936]))
-def test_top_p_cut_equals_the_sort_reference(dtype, vocab):
+def test_top_p_cut_equals_the_sort_reference(dtype, vocab, with_min_p):
     """The top-p cut without top-k (radix select on probability mass) against a float64 sort, on
     fresh random logits: ties (a row of one value; bf16 rows are full of them), an all-negative
-    row, -inf entries, a row with one dominant logit, top_p tiny, near 1 and off. Equal wherever
-    the reference's cut stays the same for top_p +- 1e-5; where a token's mass-ahead lies that
-    close to top_p, float32 sums may put it on either side, and the cut lies between the two."""
+    row, -inf entries, a row with one dominant logit, top_p tiny, near 1 and off; with min-p in
+    most rows, top-p over the tokens that min-p keeps. Equal wherever the reference's cut stays the
+    same for top_p +- 1e-5; where a token's mass-ahead lies that close to top_p, float32 sums may
+    put it on either side, and the cut lies between the two."""
     from nanovllm.kernels.triton_top_p import top_p_cut
     gen = torch.Generator().manual_seed(vocab)
     batch = 8
@@ -611,7 +629,11 @@ def test_top_p_cut_equals_the_sort_reference(dtype, vocab):
     logits[4, 7] = 40.0
     top_p = torch.tensor([0.95, 0.5, 0.9, 0.7, 0.9, 0.01, 0.9999, 1.0])
     temps = torch.tensor([0.6, 1.0, 1.3, 0.8, 1.0, 0.5, 1.0, 0.7])
-    ours = top_p_cut(logits.to(DEVICE), top_p.to(DEVICE), temps.to(DEVICE)).cpu()
+    min_p = torch.tensor([0.01, 0.0, 0.05, 0.2, 0.0, 0.1, 1e-9, 0.5]) if with_min_p else None
+    ours = top_p_cut(logits.to(DEVICE), top_p.to(DEVICE), temps.to(DEVICE),
+                     None if min_p is None else min_p.to(DEVICE)).cpu()
+    if min_p is not None:
+        logits = min_p_kept(logits, min_p, temps)[0]
     exact = top_p_reference(logits, top_p, temps)
     more, fewer = top_p_reference(logits, top_p, temps, 1e-5), top_p_reference(logits, top_p, temps, -1e-5)
     clear = more == fewer
@@ -739,8 +761,8 @@ def test_cut_kernels_compile_nothing_for_a_new_batch_size(path):
 def test_fused_sampler_cuts_draw_what_the_masked_logits_draw(case, monkeypatch):
     """The sampler's fused path (kernels and routing) for top-p without top-k, min-p, both, and a
     batch with and without top_k (each row's cut from the kernel that serves it): the same tokens
-    as the Gumbel kernel on logits masked beforehand at the reference cuts, with the same seeds;
-    greedy rows take the argmax."""
+    as the Gumbel kernel on logits masked beforehand at the reference cuts (top-k and top-p over the
+    tokens min-p keeps, as vLLM applies min-p first), with the same seeds; greedy rows take the argmax."""
     from nanovllm.layers.sampler import Sampler, SamplingMetadata, top_k_top_p_cut
     gen = torch.Generator().manual_seed(11)
     batch, vocab = 6, 5_000
@@ -750,15 +772,15 @@ def test_fused_sampler_cuts_draw_what_the_masked_logits_draw(case, monkeypatch):
     top_p = torch.tensor([0.9, 0.5, 1.0, 0.3, 0.99, 0.8]) if "top_p" in case or "top_k" in case else None
     min_p = torch.tensor([0.1, 0.0, 0.3, 0.05, 0.2, 0.1]) if "min_p" in case else None
     top_k = torch.tensor([5, vocab, 40, vocab, 1, vocab]) if "top_k" in case else None
-    cut = torch.full((batch,), float("-inf"))
+    floor = torch.full((batch,), float("-inf")) if min_p is None else logits.float().amax(-1) + temps * min_p.log()
+    kept = logits.float().masked_fill(logits.float() < floor[:, None], float("-inf"))   # min-p first (vLLM's)
+    cut = floor
     if top_p is not None:
-        cut = top_p_reference(logits, top_p, temps)
+        cut = torch.maximum(cut, top_p_reference(kept, top_p, temps))
     if top_k is not None:
         has_k = top_k < vocab
-        with_k = top_k_top_p_cut(logits.float(), torch.where(has_k, top_k, 1), top_p, 40, temps).squeeze(-1)
-        cut = torch.where(has_k, with_k, cut)
-    if min_p is not None:
-        cut = torch.maximum(cut, logits.float().amax(-1) + temps * min_p.log())
+        with_k = top_k_top_p_cut(kept, torch.where(has_k, top_k, 1), top_p, 40, temps).squeeze(-1)
+        cut = torch.where(has_k, torch.maximum(with_k, floor), cut)
     masked = logits.float().masked_fill(logits.float() < cut[:, None], float("-inf"))
     on_device = lambda t: None if t is None else t.to(DEVICE)
     md = SamplingMetadata(temperatures=temps.to(DEVICE), is_greedy=greedy.to(DEVICE), all_greedy=False,

@@ -16,8 +16,9 @@ is layers/sampler.py's `top_k_top_p_cut`.
    the top reach k (2 passes for 16-bit logits, whose float32 keys end in 16 zero bits; 4 for
    float32). The logits above it (fewer than k) are gathered, and the slots up to k filled with
    it: the row's k best values.
-3. Top-p's softmax over the k best (at the row's temperature) keeps the shortest prefix whose
-   more likely tokens hold less than top_p; the cut is the last kept value.
+3. Top-p's softmax over the k best (at the row's temperature; those that min-p keeps, as vLLM
+   applies min-p first) keeps the shortest prefix whose more likely tokens hold less than top_p;
+   the cut is the last kept value.
 The kernels of a pass over the logits split each row into chunks (PROGRAMS_WANTED programs in
 all); the small kernels run one program per row. A batch of few rows skips step 1 (its launches
 cost more than they save there). On an H200 (tests/bench_sampler.py, 151,936 bf16 logits a row,
@@ -65,10 +66,13 @@ def _value_at(values, ranks, rank):
 
 
 @triton.jit
-def _top_p_cut(best, ranks, k, t, temp, top_p):
-    """best: a row's values in descending order, its k best first; t: its k-th largest."""
+def _top_p_cut(best, ranks, k, t, temp, top_p, min_p):
+    """best: a row's values in descending order, its k best first; t: its k-th largest. Top-p's
+    mass is that of the tokens min-p also keeps (vLLM's order; min_p 0 keeps every one)."""
     scaled = tl.where(ranks < k, best / temp, float("-inf"))
-    probs = tl.exp(scaled - tl.max(scaled, 0))
+    top = tl.max(scaled, 0)
+    scaled = tl.where(scaled >= top + tl.log(min_p), scaled, float("-inf"))
+    probs = tl.exp(scaled - top)
     probs = probs / tl.sum(probs, 0)
     ahead = tl.cumsum(probs, 0) - probs                 # mass of the more likely tokens
     kept = tl.sum((ahead < top_p).to(tl.int32))
@@ -111,8 +115,8 @@ def _gather_candidates_kernel(logits_ptr, stride, floor_ptr, candidates_ptr, num
 
 
 @triton.jit
-def _cut_from_candidates_kernel(top_k_ptr, top_p_ptr, temps_ptr, candidates_ptr, num_candidates_ptr, cut_ptr,
-                                HAS_TOP_P: tl.constexpr, CAP: tl.constexpr):
+def _cut_from_candidates_kernel(top_k_ptr, top_p_ptr, temps_ptr, min_p_ptr, candidates_ptr, num_candidates_ptr,
+                                cut_ptr, HAS_TOP_P: tl.constexpr, CAP: tl.constexpr):
     row = tl.program_id(0)
     num_candidates = tl.load(num_candidates_ptr + row)
     if num_candidates <= CAP:
@@ -122,7 +126,8 @@ def _cut_from_candidates_kernel(top_k_ptr, top_p_ptr, temps_ptr, candidates_ptr,
         k = tl.load(top_k_ptr + row).to(tl.int32)
         t = _value_at(best, ranks, k - 1)
         if HAS_TOP_P:
-            t = _top_p_cut(best, ranks, k, t, tl.load(temps_ptr + row), tl.load(top_p_ptr + row))
+            t = _top_p_cut(best, ranks, k, t, tl.load(temps_ptr + row), tl.load(top_p_ptr + row),
+                           tl.load(min_p_ptr + row))
         tl.store(cut_ptr + row, t)
 
 
@@ -208,8 +213,8 @@ def _gather_above_kernel(logits_ptr, stride, top_k_ptr, num_candidates_ptr, coun
 
 
 @triton.jit
-def _radix_cut_kernel(top_k_ptr, top_p_ptr, temps_ptr, num_candidates_ptr, counts_ptr, num_above_ptr, best_ptr,
-                      cut_ptr, HAS_TOP_P: tl.constexpr, NUM_PASSES: tl.constexpr, K_CAP: tl.constexpr,
+def _radix_cut_kernel(top_k_ptr, top_p_ptr, temps_ptr, min_p_ptr, num_candidates_ptr, counts_ptr, num_above_ptr,
+                      best_ptr, cut_ptr, HAS_TOP_P: tl.constexpr, NUM_PASSES: tl.constexpr, K_CAP: tl.constexpr,
                       CAP: tl.constexpr):
     row = tl.program_id(0)
     if tl.load(num_candidates_ptr + row) > CAP:
@@ -220,18 +225,22 @@ def _radix_cut_kernel(top_k_ptr, top_p_ptr, temps_ptr, num_candidates_ptr, count
             ranks = tl.arange(0, K_CAP)
             best = tl.load(best_ptr + row * K_CAP + ranks, mask=ranks < num_above, other=float("-inf"))
             best = tl.sort(tl.where((ranks >= num_above) & (ranks < k), t, best), descending=True)
-            t = _top_p_cut(best, ranks, k, t, tl.load(temps_ptr + row), tl.load(top_p_ptr + row))
+            t = _top_p_cut(best, ranks, k, t, tl.load(temps_ptr + row), tl.load(top_p_ptr + row),
+                           tl.load(min_p_ptr + row))
         tl.store(cut_ptr + row, t)
 
 
 def top_k_top_p_cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None, max_top_k: int,
-                    temperatures: torch.Tensor) -> torch.Tensor:
+                    temperatures: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """logits: [B, V] (16-bit or float32, rows contiguous); top_k: [B] in 1..max_top_k; top_p: [B]
-    or None; temperatures: [B] float32 -> [B] float32 cuts (as layers/sampler.py's reference)."""
+    or None; temperatures: [B] float32; min_p: [B] float32 or None -> [B] float32 cuts (as
+    layers/sampler.py's reference on the logits that min-p keeps; min-p's own cut is the sampler's)."""
     batch, vocab_size = logits.shape
     assert logits.stride(1) == 1 and 1 <= max_top_k <= vocab_size
     device, stride, has_top_p = logits.device, logits.stride(0), top_p is not None
     top_p = top_p if has_top_p else temperatures          # a placeholder the kernels do not read
+    if min_p is None:                                     # (read with top_p only)
+        min_p = torch.zeros_like(temperatures) if has_top_p else temperatures
     chunk_size = triton.cdiv(triton.cdiv(vocab_size, triton.cdiv(PROGRAMS_WANTED, batch)), BLOCK) * BLOCK
     grid = (batch, triton.cdiv(vocab_size, chunk_size))
     num_passes = (16 if logits.element_size() == 2 else 32) // DIGIT_BITS.value
@@ -257,8 +266,8 @@ def top_k_top_p_cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
         launch(_candidate_floor_kernel, (batch,), maxima, top_k, floor, num_sub, NUM_SUB_PAD=num_sub_pad, num_warps=4)
         launch(_gather_candidates_kernel, grid, logits, stride, floor, candidates, num_candidates, vocab_size,
                chunk_size, CAP=cap, BLOCK=BLOCK, num_warps=4)
-        launch(_cut_from_candidates_kernel, (batch,), top_k, top_p, temperatures, candidates, num_candidates, cut,
-               HAS_TOP_P=has_top_p, CAP=cap, num_warps=8)
+        launch(_cut_from_candidates_kernel, (batch,), top_k, top_p, temperatures, min_p, candidates, num_candidates,
+               cut, HAS_TOP_P=has_top_p, CAP=cap, num_warps=8)
     else:
         num_candidates.fill_(cap + 1)
     k_cap = triton.next_power_of_2(max_top_k)
@@ -269,6 +278,6 @@ def top_k_top_p_cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     if has_top_p:
         launch(_gather_above_kernel, grid, logits, stride, top_k, num_candidates, counts, num_above, best,
                vocab_size, chunk_size, NUM_PASSES=num_passes, K_CAP=k_cap, CAP=cap, BLOCK=BLOCK, num_warps=4)
-    launch(_radix_cut_kernel, (batch,), top_k, top_p, temperatures, num_candidates, counts, num_above, best, cut,
-           HAS_TOP_P=has_top_p, NUM_PASSES=num_passes, K_CAP=k_cap, CAP=cap, num_warps=4)
+    launch(_radix_cut_kernel, (batch,), top_k, top_p, temperatures, min_p, num_candidates, counts, num_above, best,
+           cut, HAS_TOP_P=has_top_p, NUM_PASSES=num_passes, K_CAP=k_cap, CAP=cap, num_warps=4)
     return cut

@@ -19,6 +19,10 @@ plain-torch reference, does with a full sort.
    next 4-bit digit of the keys that match the digits chosen so far; the digit chosen is the
    highest whose mass, with the mass of every key above it, reaches top_p * Z. Four passes
    choose a 16-bit logit's key, eight a float32 one's.
+With min-p in the row (vLLM applies it first), top-p's mass is that of the tokens min-p keeps,
+p >= min_p * p_max: step 2 also adds up their mass, and takes as candidates those of them whose
+probability is at least (1 - top_p) / (2 V) of the most likely token's (the kept mass is at least
+that token's, so the others again hold less than (1 - top_p) / 2 of it).
 Every pass's chunks write their partial results apart, and each program of the next pass adds
 them up in the same order, so the cut is deterministic (atomic float sums would not be). With
 16 digit values a candidate costs ~90 instructions a pass (from the H200 timings): bound by
@@ -58,6 +62,20 @@ def _row_stats(stats_ptr, row, num_chunks, scale):
         mass = tl.load(base + chunks * 2 + 1, mask=chunks < num_chunks, other=0.0)
         total += tl.where(m > float("-inf"), mass * tl.exp2((m - row_max) * scale), 0.0)
     return row_max, tl.sum(total, 0)
+
+
+@triton.jit
+def _kept_mass(stats_ptr, kept_ptr, min_p_ptr, row, num_chunks, scale):
+    """-> (the row's largest logit, the mass top-p takes its share of, relative to it): the row's
+    total, or with min-p the mass of the tokens min-p keeps (kept[row, chunk], added up in order)."""
+    row_max, total = _row_stats(stats_ptr, row, num_chunks, scale)
+    if tl.load(min_p_ptr + row) > 0.0:
+        kept = tl.zeros((CHUNK_TILE,), tl.float32)
+        for first in range(0, num_chunks, CHUNK_TILE):
+            chunks = first + tl.arange(0, CHUNK_TILE)
+            kept += tl.load(kept_ptr + row * num_chunks + chunks, mask=chunks < num_chunks, other=0.0)
+        total = tl.sum(kept, 0)
+    return row_max, total
 
 
 @triton.jit
@@ -105,32 +123,40 @@ def _stats_kernel(logits_ptr, stride, top_p_ptr, temps_ptr, stats_ptr, vocab_siz
 
 
 @triton.jit
-def _gather_kernel(logits_ptr, stride, top_p_ptr, temps_ptr, stats_ptr, cand_ptr, count_ptr, vocab_size,
-                   chunk_size, BLOCK: tl.constexpr):
+def _gather_kernel(logits_ptr, stride, top_p_ptr, temps_ptr, min_p_ptr, stats_ptr, cand_ptr, count_ptr, kept_ptr,
+                   vocab_size, chunk_size, BLOCK: tl.constexpr):
     """A chunk's candidates, in their order, to the same place in cand's row, and their count:
     the logits whose probability is at least (1 - top_p) / (2 V) of the row's mass. All of the
-    others together hold less than (1 - top_p) / 2 of it, so the cut lies above them."""
+    others together hold less than (1 - top_p) / 2 of it, so the cut lies above them. With
+    min-p: those that min-p keeps, at least (1 - top_p) / (2 V) of the most likely one's, and
+    the mass of all that min-p keeps into kept."""
     row, chunk = tl.program_id(0), tl.program_id(1)
-    top_p = tl.load(top_p_ptr + row)
+    top_p, min_p = tl.load(top_p_ptr + row), tl.load(min_p_ptr + row)
     if top_p < 1.0:
         scale = LOG2E / tl.load(temps_ptr + row)
         row_max, total = _row_stats(stats_ptr, row, tl.num_programs(1), scale)
-        floor = row_max + tl.log2(0.5 * (1.0 - top_p) * total / vocab_size) / scale
+        min_p_floor = row_max + tl.log2(min_p) / scale
+        floor = row_max + tl.log2(0.5 * (1.0 - top_p) * tl.where(min_p > 0.0, 1.0, total) / vocab_size) / scale
+        floor = tl.maximum(floor, min_p_floor)
         first = chunk * chunk_size
         end = tl.minimum(first + chunk_size, vocab_size)
         count = tl.zeros((), tl.int32)
+        kept = tl.zeros((), tl.float32)
         for start in range(first, end, BLOCK):
             offs, x = _load_chunk(logits_ptr + row * stride, start, end, BLOCK)
             keep = (x >= floor) & (offs < end)
             slot = first + count + tl.cumsum(keep.to(tl.int32), 0) - 1
             tl.store(cand_ptr + row * vocab_size + slot, x.to(cand_ptr.dtype.element_ty), mask=keep)
             count += tl.sum(keep.to(tl.int32), 0)
+            if min_p > 0.0:
+                kept += tl.sum(tl.where(x >= min_p_floor, tl.exp2((x - row_max) * scale), 0.0), 0)
         tl.store(count_ptr + row * tl.num_programs(1) + chunk, count)
+        tl.store(kept_ptr + row * tl.num_programs(1) + chunk, kept)
 
 
 @triton.jit
-def _mass_kernel(cand_ptr, count_ptr, top_p_ptr, temps_ptr, stats_ptr, masses_ptr, vocab_size, chunk_size,
-                 PASS: tl.constexpr, BLOCK: tl.constexpr):
+def _mass_kernel(cand_ptr, count_ptr, top_p_ptr, temps_ptr, min_p_ptr, stats_ptr, kept_ptr, masses_ptr, vocab_size,
+                 chunk_size, PASS: tl.constexpr, BLOCK: tl.constexpr):
     """Pass PASS over one chunk's candidates: the mass of those whose keys match the digits
     chosen so far, by their next digit, into masses[PASS, row, chunk]."""
     row, chunk = tl.program_id(0), tl.program_id(1)
@@ -138,7 +164,7 @@ def _mass_kernel(cand_ptr, count_ptr, top_p_ptr, temps_ptr, stats_ptr, masses_pt
     top_p = tl.load(top_p_ptr + row)
     if top_p < 1.0:       # else the row keeps every token
         scale = LOG2E / tl.load(temps_ptr + row)
-        row_max, total = _row_stats(stats_ptr, row, num_chunks, scale)
+        row_max, total = _kept_mass(stats_ptr, kept_ptr, min_p_ptr, row, num_chunks, scale)
         prefix = _chosen_digits(masses_ptr, row, num_rows, num_chunks, top_p * total, PASS)
         shift = 32 - DIGIT_BITS * (PASS + 1)
         bins = tl.arange(0, NUM_BINS)
@@ -165,24 +191,26 @@ def _mass_kernel(cand_ptr, count_ptr, top_p_ptr, temps_ptr, stats_ptr, masses_pt
 
 
 @triton.jit(do_not_specialize=["num_chunks"])
-def _cut_kernel(top_p_ptr, temps_ptr, stats_ptr, masses_ptr, cut_ptr, num_chunks, NUM_PASSES: tl.constexpr):
+def _cut_kernel(top_p_ptr, temps_ptr, min_p_ptr, stats_ptr, kept_ptr, masses_ptr, cut_ptr, num_chunks,
+                NUM_PASSES: tl.constexpr):
     row = tl.program_id(0)
     top_p = tl.load(top_p_ptr + row)
     cut = tl.full((), float("-inf"), tl.float32)
     if top_p < 1.0:
-        _, total = _row_stats(stats_ptr, row, num_chunks, LOG2E / tl.load(temps_ptr + row))
+        _, total = _kept_mass(stats_ptr, kept_ptr, min_p_ptr, row, num_chunks, LOG2E / tl.load(temps_ptr + row))
         prefix = _chosen_digits(masses_ptr, row, tl.num_programs(0), num_chunks, top_p * total, NUM_PASSES)
         cut = _from_key_prefix(prefix, DIGIT_BITS * NUM_PASSES)
         cut = tl.where(cut == cut, cut, float("-inf"))     # a row of NaN or -inf only: keep all
     tl.store(cut_ptr + row, cut)
 
 
-def top_p_cut(logits: torch.Tensor, top_p: torch.Tensor, temperatures: torch.Tensor, block: int = BLOCK,
-              num_warps: int = 4) -> torch.Tensor:
+def top_p_cut(logits: torch.Tensor, top_p: torch.Tensor, temperatures: torch.Tensor,
+              min_p: torch.Tensor | None = None, block: int = BLOCK, num_warps: int = 4) -> torch.Tensor:
     """logits: [B, V] (16-bit or float32, rows contiguous); top_p: [B] float32 (1.0: off);
-    temperatures: [B] float32 -> [B] float32 cuts (-inf where top_p is off), as layers/sampler.py's
-    top_k_top_p_cut with top_k = V. The kernels specialise on no batch-dependent value: a batch
-    of a new size compiles nothing."""
+    temperatures: [B] float32; min_p: [B] float32 or None -> [B] float32 cuts (-inf where top_p is
+    off), as layers/sampler.py's top_k_top_p_cut with top_k = V on the logits that min-p keeps
+    (min-p's own cut is the sampler's). The kernels specialise on no batch-dependent value: a
+    batch of a new size compiles nothing."""
     batch, vocab_size = logits.shape
     assert logits.stride(1) == 1
     chunk_size = triton.cdiv(triton.cdiv(vocab_size, triton.cdiv(PROGRAMS_WANTED, batch)), block) * block
@@ -193,14 +221,16 @@ def top_p_cut(logits: torch.Tensor, top_p: torch.Tensor, temperatures: torch.Ten
     candidates = torch.empty(batch, vocab_size, dtype=logits.dtype, device=device)
     counts = torch.empty(batch, num_chunks, dtype=torch.int32, device=device)
     masses = torch.empty(num_passes, batch, num_chunks, NUM_BINS.value, dtype=torch.float32, device=device)
+    kept = torch.empty(batch, num_chunks, dtype=torch.float32, device=device)
+    min_p = torch.zeros_like(top_p) if min_p is None else min_p
     launch(_stats_kernel, grid, logits, stride, top_p, temperatures, stats, vocab_size, chunk_size, BLOCK=2048,
            num_warps=4)
-    launch(_gather_kernel, grid, logits, stride, top_p, temperatures, stats, candidates, counts, vocab_size,
-           chunk_size, BLOCK=2048, num_warps=4)
+    launch(_gather_kernel, grid, logits, stride, top_p, temperatures, min_p, stats, candidates, counts, kept,
+           vocab_size, chunk_size, BLOCK=2048, num_warps=4)
     for p in range(num_passes):
-        launch(_mass_kernel, grid, candidates, counts, top_p, temperatures, stats, masses, vocab_size, chunk_size,
-               PASS=p, BLOCK=block, num_warps=num_warps)
+        launch(_mass_kernel, grid, candidates, counts, top_p, temperatures, min_p, stats, kept, masses, vocab_size,
+               chunk_size, PASS=p, BLOCK=block, num_warps=num_warps)
     cut = torch.empty(batch, dtype=torch.float32, device=device)
-    launch(_cut_kernel, (batch,), top_p, temperatures, stats, masses, cut, num_chunks, NUM_PASSES=num_passes,
-           num_warps=4)
+    launch(_cut_kernel, (batch,), top_p, temperatures, min_p, stats, kept, masses, cut, num_chunks,
+           NUM_PASSES=num_passes, num_warps=4)
     return cut

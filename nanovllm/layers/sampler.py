@@ -4,14 +4,14 @@ Order of operations (vLLM v1's): structured outputs' grammar bitmasks first (vLL
 applies them before its sampler); then raw logprobs, from the logits otherwise unprocessed; then
 min_tokens masking and penalties (from token counts kept on the device:
 engine/penalty_counts.py), then the tokens that spent thinking budgets force; greedy rows take
-the argmax of that; the others go through temperature, top-k, top-p and min-p, and are sampled
+the argmax of that; the others go through temperature, min-p, top-k and top-p, and are sampled
 by the exponential race argmax(probs / q), q ~ Exponential(1), which needs no sort and no host
 sync. On CUDA the same distribution is drawn in two Triton passes (kernels/triton_sampler.py: a
 group of ids by its probability mass, then a token of it by Gumbel noise on its logits), with
-temperature inside them, and top-k, top-p and min-p as one cut value per row below which nothing
-is drawn: top-k/top-p from a few candidates or radix select for rows with a top_k
-(kernels/triton_top_k.py), top-p without top-k by a radix select on probability mass
-(kernels/triton_top_p.py), min-p from the row's maximum. Only a batch with a top_k above
+temperature inside them, and min-p, top-k and top-p as one cut value per row below which nothing
+is drawn: min-p from the row's maximum, top-k/top-p from a few candidates or radix select for
+rows with a top_k (kernels/triton_top_k.py), top-p without top-k by a radix select on probability
+mass (kernels/triton_top_p.py), top-p's mass that of the tokens min-p keeps. Only a batch with a top_k above
 SELECT_TOP_K_MAX sorts its scaled logits first.
 """
 from dataclasses import dataclass
@@ -217,20 +217,21 @@ def top_k_top_p_cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
 
 def min_p_cut(logits: torch.Tensor, min_p: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """[B]: the smallest unscaled logit min-p keeps, p >= min_p * p_max at the row's temperature:
-    logit >= max logit + T * log(min_p) (-inf where min_p is 0). Top-k and top-p keep the most
-    likely token, so min-p after them is this same cut."""
+    logit >= max logit + T * log(min_p) (-inf where min_p is 0). The top-k and top-p cuts are taken
+    over the tokens that min-p keeps (the kernels' min_p), and a token is drawn if it reaches both."""
     return logits.amax(-1).float() + temperatures * min_p.log()
 
 
 def filter_logits(scaled: torch.Tensor, md: SamplingMetadata, rows: slice = slice(None)) -> torch.Tensor:
-    """Top-k, top-p, then min-p on temperature-scaled float32 logits [B, V] (md's rows `rows`):
-    dropped tokens get -inf. min-p keeps p >= min_p * p_max, i.e. logit >= max logit + log(min_p)."""
+    """Min-p, then top-k and top-p on temperature-scaled float32 logits [B, V] (md's rows `rows`):
+    dropped tokens get -inf. min-p keeps p >= min_p * p_max, i.e. logit >= max logit + log(min_p).
+    vLLM's order: top-p's mass is that of the tokens min-p keeps (top-k's cut is the same either way)."""
     top_k, top_p, min_p = (None if t is None else t[rows] for t in (md.top_k, md.top_p, md.min_p))
-    if top_k is not None or top_p is not None:
-        scaled = apply_top_k_top_p(scaled, top_k, top_p, md.max_top_k)
     if min_p is not None:
         floor = scaled.amax(-1, keepdim=True) + min_p[:, None].log()
         scaled = scaled.masked_fill(scaled < floor, float("-inf"))
+    if top_k is not None or top_p is not None:
+        scaled = apply_top_k_top_p(scaled, top_k, top_p, md.max_top_k)
     return scaled
 
 
@@ -328,14 +329,14 @@ class Sampler:
             # other's result for it, with top_k 1 or top_p 1, is dropped)
             has_k = md.top_k < logits.shape[1]
             cut = triton_top_k.top_k_top_p_cut(logits, torch.where(has_k, md.top_k, 1), md.top_p, md.max_set_top_k,
-                                               md.temperatures)
+                                               md.temperatures, md.min_p)
             rest = (torch.full_like(cut, float("-inf")) if md.top_p is None else
-                    triton_top_p.top_p_cut(logits, torch.where(has_k, 1.0, md.top_p), md.temperatures))
+                    triton_top_p.top_p_cut(logits, torch.where(has_k, 1.0, md.top_p), md.temperatures, md.min_p))
             cut = torch.where(has_k, cut, rest)
         elif md.top_k is not None:
-            cut = triton_top_k.top_k_top_p_cut(logits, md.top_k, md.top_p, md.max_top_k, md.temperatures)
+            cut = triton_top_k.top_k_top_p_cut(logits, md.top_k, md.top_p, md.max_top_k, md.temperatures, md.min_p)
         elif md.top_p is not None:
-            cut = triton_top_p.top_p_cut(logits, md.top_p, md.temperatures)
+            cut = triton_top_p.top_p_cut(logits, md.top_p, md.temperatures, md.min_p)
         if md.min_p is not None:
             floor = min_p_cut(logits, md.min_p, md.temperatures)
             cut = floor if cut is None else torch.maximum(cut, floor)
