@@ -137,6 +137,7 @@ def main():
     p.add_argument("--kv-cache-dtype", default="auto", help="'auto' (the model's dtype), 'fp8', 'fp8_e5m2', ...")
     p.add_argument("--top-k", type=int, default=0, help="SamplingParams.top_k of the sampled requests (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="SamplingParams.top_p of the sampled requests")
+    p.add_argument("--min-p", type=float, default=0.0, help="SamplingParams.min_p of the sampled requests")
     p.add_argument("--presence-penalty", type=float, default=0.0,
                    help="SamplingParams.presence_penalty of every request")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
@@ -214,8 +215,9 @@ def warm_up(llm, SamplingParams, args):
 
 
 def sampling_filters(args) -> dict:
-    """The top-k/top-p fields of the sampled requests' SamplingParams (none when both are off)."""
-    return dict(top_k=args.top_k, top_p=args.top_p) if args.top_k or args.top_p < 1 else {}
+    """The top-k/top-p/min-p fields of the sampled requests' SamplingParams that are set."""
+    values, off = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p), dict(top_k=0, top_p=1.0, min_p=0.0)
+    return {name: value for name, value in values.items() if value != off[name]}
 
 
 def request_options(args) -> dict:
