@@ -143,7 +143,8 @@ def main():
     print("sampler top-k/top-p cut (bf16 logits; top_k 20 with top_p, so K_CAP 32 and CAP 256):")
     from nanovllm.kernels import triton_top_k as tk
     types = {"logits_ptr": "*bf16", "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "temps_ptr": "*fp32",
-             "counts_ptr": "*i32", "num_above_ptr": "*i32", "best_ptr": "*fp32", "cut_ptr": "*fp32",
+             "min_p_ptr": "*fp32", "counts_ptr": "*i32", "num_above_ptr": "*i32", "best_ptr": "*fp32",
+             "cut_ptr": "*fp32",
              "maxima_ptr": "*fp32", "floor_ptr": "*fp32", "candidates_ptr": "*fp32", "num_candidates_ptr": "*i32",
              "vocab_size": "i32", "chunk_size": "i32", "num_sub": "i32"}
     kernels = [("sub-block maxima", tk._sub_block_maxima_kernel,
@@ -161,7 +162,8 @@ def main():
     print("sampler top-p cut without top-k (bf16 logits):")
     from nanovllm.kernels import triton_top_p as tp
     types = {"logits_ptr": "*bf16", "cand_ptr": "*bf16", "count_ptr": "*i32", "top_p_ptr": "*fp32",
-             "temps_ptr": "*fp32", "stats_ptr": "*fp32", "masses_ptr": "*fp32", "cut_ptr": "*fp32", "stride": "i32",
+             "temps_ptr": "*fp32", "min_p_ptr": "*fp32", "stats_ptr": "*fp32", "kept_ptr": "*fp32",
+             "masses_ptr": "*fp32", "cut_ptr": "*fp32", "stride": "i32",
              "vocab_size": "i32", "chunk_size": "i32", "num_chunks": "i32"}
     print(report("chunk stats", compile_kernel(tp._stats_kernel, types, dict(BLOCK=2048), 4, 3, None), 4))
     print(report("gather candidates", compile_kernel(tp._gather_kernel, types, dict(BLOCK=2048), 4, 3, None), 4))
