@@ -772,8 +772,8 @@ def test_fused_sampler_cuts_draw_what_the_masked_logits_draw(case, monkeypatch):
     top_p = torch.tensor([0.9, 0.5, 1.0, 0.3, 0.99, 0.8]) if "top_p" in case or "top_k" in case else None
     min_p = torch.tensor([0.1, 0.0, 0.3, 0.05, 0.2, 0.1]) if "min_p" in case else None
     top_k = torch.tensor([5, vocab, 40, vocab, 1, vocab]) if "top_k" in case else None
-    floor = torch.full((batch,), float("-inf")) if min_p is None else logits.float().amax(-1) + temps * min_p.log()
-    kept = logits.float().masked_fill(logits.float() < floor[:, None], float("-inf"))   # min-p first (vLLM's)
+    kept, floor = (logits.float(), torch.full((batch,), float("-inf"))) if min_p is None else \
+        min_p_kept(logits, min_p, temps)                                   # min-p first (vLLM's)
     cut = floor
     if top_p is not None:
         cut = torch.maximum(cut, top_p_reference(kept, top_p, temps))
