@@ -16,6 +16,8 @@ from nanovllm.utils.hub import check_directory_or_hub_id, resolve_model_path
 from nanovllm.utils.validation import check_field_types
 from nanovllm.vllm_only_arguments import IDLE_ARGUMENTS, IGNORED_ARGUMENTS
 
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")   # vLLM's
+
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
                            "LlamaForCausalLM", "MistralForCausalLM")
 ATTENTION_BACKENDS = ("auto", "triton", "flash_attn", "torch")
@@ -116,7 +118,11 @@ class Config:
     model_impl: str = "auto"                         # "auto" or "vllm": the engine's own model code
     enable_expert_parallel: bool = False             # MoE experts are split like the dense MLP
     enable_sleep_mode: bool = False
-    logprobs_mode: str = "raw_logprobs"              # logprobs of the model's raw distribution
+    # What logprobs report (vLLM's): the model's raw distribution ("raw_logprobs") or its logits ("raw_logits");
+    # or the distribution tokens are drawn from, after logit edits, temperature, min-p, top-k and top-p
+    # ("processed_logprobs"), or its logits ("processed_logits"). Prompt tokens are scored unprocessed in every
+    # mode (as logits in the two "_logits" modes).
+    logprobs_mode: str = "raw_logprobs"
     # False (vLLM's default): on CUDA, the symmetric-memory all-reduce (custom_all_reduce.py) for
     # tensors up to 16 MB, NCCL for the rest; True: NCCL for every all-reduce.
     disable_custom_all_reduce: bool = False
@@ -312,9 +318,8 @@ class Config:
               f"model_impl must be 'auto' or 'vllm' (nanovllm runs its own model code), got {self.model_impl!r}.")
         check(not self.enable_expert_parallel, "enable_expert_parallel=True is not supported: MoE experts are "
                                                "split across tensor-parallel ranks like the dense MLP.")
-        check(self.logprobs_mode == "raw_logprobs",
-              f"logprobs_mode must be 'raw_logprobs' (logprobs of the model's raw distribution, vLLM's "
-              f"default), got {self.logprobs_mode!r}.")
+        check(self.logprobs_mode in LOGPROBS_MODES,
+              f"logprobs_mode must be one of {', '.join(map(repr, LOGPROBS_MODES))}, got {self.logprobs_mode!r}.")
 
     def _validate_tensor_parallel(self):
         n, hf = self.tensor_parallel_size, self.hf_config

@@ -1081,8 +1081,8 @@ def test_generate_collects_garbage_less_often_and_restores_the_thresholds(llm, m
     (dict(model_impl="transformers"), "model_impl must be 'auto' or 'vllm' (nanovllm runs its own model code), "
                                       "got 'transformers'."),
     (dict(enable_expert_parallel=True), "enable_expert_parallel=True is not supported: MoE experts are split"),
-    (dict(logprobs_mode="processed_logprobs"), "logprobs_mode must be 'raw_logprobs' (logprobs of the model's raw "
-                                               "distribution, vLLM's default), got 'processed_logprobs'."),
+    (dict(logprobs_mode="processed"), "logprobs_mode must be one of 'raw_logprobs', 'raw_logits', "
+                                      "'processed_logprobs', 'processed_logits', got 'processed'."),
     (dict(num_gpu_blocks_override=8, num_kvcache_blocks=9), "num_gpu_blocks_override (8) and num_kvcache_blocks (9) "
                                                               "name the same setting; give one."),
     (dict(tokenizer="/no/such/tokenizer"), "tokenizer must be a local directory or a Hugging Face hub id such as "

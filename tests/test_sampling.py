@@ -120,6 +120,46 @@ def test_logprobs_minus_one_gives_every_token(qwen3_dir):
     assert sp.logprobs == -1 and sp.prompt_logprobs == -1     # the caller's params are left as given
 
 
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logprobs", "processed_logits"])
+@torch.no_grad()
+def test_logprobs_modes_report_vllms_values(qwen3_dir, mode):
+    """vLLM's logprobs_mode, against HF's logits on the same tokens: the "raw" modes report the raw
+    logits (or their log_softmax); the "processed" ones the distribution a token is drawn from:
+    after logit_bias, and in a sampling row temperature and top-k (dropped tokens at -inf); greedy
+    rows at temperature 1. Prompt tokens are scored raw in every mode: logits in the "_logits" ones."""
+    llm = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=64, max_logprobs=-1,
+              logprobs_mode=mode)
+    model = hf_model(qwen3_dir)
+    prompt = PROMPTS[4]
+    bias = {7: 2.0}
+    hot = SamplingParams(temperature=0.5, top_k=3, seed=1, max_tokens=4, ignore_eos=True, logprobs=-1,
+                         prompt_logprobs=2, logit_bias=bias)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=-1, logit_bias=bias)
+    for sp in (hot, greedy):
+        out = llm.generate([ids(prompt), ids(PROMPTS[5])], [sp, greedy], use_tqdm=False)[0]   # (mixed for hot)
+        comp = out.outputs[0]
+        logits = model(torch.tensor([prompt + comp.token_ids])).logits[0].float()
+        for t, (token, entry) in enumerate(zip(comp.token_ids, comp.logprobs)):
+            row = logits[len(prompt) - 1 + t]
+            if mode.startswith("processed"):
+                row = row.clone()
+                row[7] += 2.0
+                if sp is hot:
+                    row = row / 0.5
+                    row[row < row.topk(3).values[-1]] = float("-inf")
+            expected = row if mode.endswith("logits") else row.log_softmax(-1)
+            got = torch.tensor([entry[i].logprob for i in range(len(row))])
+            assert torch.allclose(got, expected, atol=1e-4), (mode, t)
+            assert entry[token].rank == int((expected > expected[token]).sum()) + 1
+        if sp is hot:
+            assert sum(math.isfinite(entry[i].logprob) for i in range(len(row))) == (3 if "processed" in mode
+                                                                                   else len(row))
+            for t, entry in enumerate(out.prompt_logprobs[1:], 1):   # raw in every mode
+                target, row = prompt[t], logits[t - 1]
+                raw = row if mode.endswith("logits") else row.log_softmax(-1)
+                assert entry[target].logprob == pytest.approx(raw[target].item(), abs=1e-4)
+
+
 def test_no_logprobs_means_none(llm):
     comp = llm.generate([ids(PROMPTS[3])], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0]
     assert comp.logprobs is None and comp.cumulative_logprob is None

@@ -93,7 +93,8 @@ class ModelRunner:
             layer = self.attention_layers[0]
             self.shared_prefix_tile_seqs = shared_prefix_tile_rows(layer.num_heads, layer.num_kv_heads)
         self.num_sms = device_info.num_sms(self.device) if self.device.type == "cuda" else 1
-        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed)) if tp.rank == 0 else None
+        self.sampler = (Sampler(torch.Generator(device=self.device).manual_seed(config.seed), config.logprobs_mode)
+                        if tp.rank == 0 else None)
         self.penalty_counts = PenaltyCounts(self.vocab_size, self.device, config.max_num_seqs) if tp.rank == 0 else None
         self.bitmask_filler = BitmaskFiller() if tp.rank == 0 else None
         self.last_sampled: torch.Tensor | None = None   # the latest step's sampled token ids, on the device
@@ -390,7 +391,7 @@ class ModelRunner:
             logits, prompt_logits = self.run_step(step)
             prompt_scores = None
             if spans:   # on their way to the host while the GPU goes on
-                scores = score_prompts(spans, prompt_logits, self.device)
+                scores = score_prompts(spans, prompt_logits, self.device, self.config.logprobs_mode.endswith("logits"))
                 prompt_scores = PromptScores(spans, *self.copy_to_host(scores))
             if logits is None:
                 return None, prompt_scores

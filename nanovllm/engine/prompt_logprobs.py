@@ -49,10 +49,11 @@ class PromptScores:
 
 
 def score_prompts(spans: list[tuple[Sequence, int, list[int]]], prompt_logits: Iterable[torch.Tensor],
-                  device: torch.device) -> SamplerOutput:
+                  device: torch.device, as_logits: bool = False) -> SamplerOutput:
     """spans: (sequence, its first prompt token scored, the rows that score it and the next ones);
     prompt_logits: those rows' logits, in order, in parts, each scored before the next is made ->
-    their scores (on the device; the spans' tokens in order). Marks the tokens scored
+    their scores (on the device; the spans' tokens in order): logprobs, or with as_logits (the
+    engine's logprobs_mode "raw_logits" or "processed_logits") the logits themselves. Marks the tokens scored
     (Sequence.num_prompt_scored), so that no later step scores them again while these are on their
     way to the host."""
     targets = []
@@ -63,7 +64,7 @@ def score_prompts(spans: list[tuple[Sequence, int, list[int]]], prompt_logits: I
     parts, start = [], 0
     for logits in prompt_logits:
         end = start + logits.shape[0]
-        parts.append(_score(logits, targets[start:end], num_top))
+        parts.append(_score(logits, targets[start:end], num_top, as_logits))
         start = end
         del logits   # (before the next part's logits are made)
     for seq, first, rows in spans:
@@ -73,10 +74,12 @@ def score_prompts(spans: list[tuple[Sequence, int, list[int]]], prompt_logits: I
                                      if f.name != "token_ids" and getattr(parts[0], f.name) is not None})
 
 
-def _score(logits: torch.Tensor, targets: torch.Tensor, num_top: int) -> SamplerOutput:
-    """logits: [rows, V] raw; targets: [rows] -> each target's logprob and rank, and the rows' num_top
-    best. On CUDA in two passes over the logits (kernels/triton_logprobs.py, as the sampled tokens'),
-    without a float32 log_softmax of every row, for up to its MAX_TOP best."""
+def _score(logits: torch.Tensor, targets: torch.Tensor, num_top: int, as_logits: bool) -> SamplerOutput:
+    """logits: [rows, V] raw; targets: [rows] -> each target's logprob (as_logits: logit) and rank, and
+    the rows' num_top best. On CUDA in two passes over the logits (kernels/triton_logprobs.py, as the
+    sampled tokens'), without a float32 log_softmax of every row, for up to its MAX_TOP best."""
+    if as_logits:
+        return token_logprobs(logits.float(), targets, num_top)
     if logits.is_cuda:
         from nanovllm.kernels import triton_logprobs
         if num_top <= triton_logprobs.MAX_TOP:

@@ -1,7 +1,8 @@
 """Sampler: logits -> next tokens, for a batch whose rows each have their own SamplingParams.
 
 Order of operations (vLLM v1's): structured outputs' grammar bitmasks first (vLLM's model runner
-applies them before its sampler); then raw logprobs, from the logits otherwise unprocessed; then
+applies them before its sampler); then raw logprobs, from the logits otherwise unprocessed (or, by
+the engine's logprobs_mode, the raw logits, or after sampling those of the processed distribution); then
 min_tokens masking and penalties (from token counts kept on the device:
 engine/penalty_counts.py), then the tokens that spent thinking budgets force; greedy rows take
 the argmax of that; the others go through temperature, min-p, top-k and top-p, and are sampled
@@ -236,8 +237,9 @@ def filter_logits(scaled: torch.Tensor, md: SamplingMetadata, rows: slice = slic
 
 
 class Sampler:
-    def __init__(self, generator: torch.Generator):
+    def __init__(self, generator: torch.Generator, logprobs_mode: str = "raw_logprobs"):
         self.generator = generator
+        self.logprobs_mode = logprobs_mode   # config.py's LOGPROBS_MODES
         # On CUDA every batch samples through the fused Triton kernel, so a seeded request draws
         # the same noise whatever else is in its batch; the torch race is the CPU path.
         self.fused = generator.device.type == "cuda"
@@ -356,10 +358,11 @@ class Sampler:
         # logits: [B, V]
         if md.grammar_rows is not None:   # before the logprobs, as vLLM applies its grammar bitmask
             apply_token_bitmask(logits, md.grammar_rows, md.grammar_bitmask)
-        raw_logits, raw_logprobs = logits, None
-        in_kernels = md.max_num_logprobs is not None and self._logprobs_in_kernels(logits, md)
-        if md.max_num_logprobs is not None and not in_kernels:
-            raw_logprobs = logits.float().log_softmax(-1)
+        raw_logits, scores, mode = logits, None, self.logprobs_mode
+        in_kernels = (md.max_num_logprobs is not None and mode == "raw_logprobs"
+                      and self._logprobs_in_kernels(logits, md))
+        if md.max_num_logprobs is not None and not in_kernels and mode.startswith("raw"):
+            scores = logits.float().log_softmax(-1) if mode == "raw_logprobs" else logits.to(torch.float32, copy=True)
         if md.edits_logits:
             logits = restrict_and_bias(logits.float(), md)
             if md.penalty_rows is not None:
@@ -372,12 +375,27 @@ class Sampler:
             count_sampled(md, token_ids)
         if in_kernels:
             return kernel_token_logprobs(raw_logits, token_ids, md.max_num_logprobs)
-        if raw_logprobs is None:
+        if md.max_num_logprobs is None:
             return SamplerOutput(token_ids)
-        out = token_logprobs(raw_logprobs, token_ids, md.max_num_logprobs)
+        if scores is None:   # the processed modes
+            scores = processed_scores(logits, md, as_logits=mode == "processed_logits")
+        out = token_logprobs(scores, token_ids, md.max_num_logprobs)
         if md.logprob_rows is not None:
-            chosen_logprobs(out, raw_logprobs, md.logprob_rows, md.logprob_token_ids)
+            chosen_logprobs(out, scores, md.logprob_rows, md.logprob_token_ids)
         return out
+
+
+def processed_scores(logits: torch.Tensor, md: SamplingMetadata, as_logits: bool) -> torch.Tensor:
+    """[B, V] float32: the logits tokens are drawn from (vLLM's processed logits: after the logit
+    edits and, in sampling rows, temperature, min-p, top-k and top-p, dropped tokens at -inf;
+    greedy rows' edited logits as they are), or their log_softmax. SORT_ROWS rows at a time."""
+    scores = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for rows in row_blocks(len(logits)):
+        x = logits[rows].float()
+        if not md.all_greedy:   # (greedy rows: temperature 1, no filters)
+            x = filter_logits(x / md.temperatures[rows, None], md, rows)
+        scores[rows] = x if as_logits else x.log_softmax(-1)
+    return scores
 
 
 def kernel_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> SamplerOutput:
@@ -390,8 +408,9 @@ def kernel_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top
 
 
 def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> SamplerOutput:
-    """logprobs: [B, V] log_softmax of raw logits; token_ids: [B] -> each token's logprob and
-    rank (1 = most likely), and the rows' num_top best (none when num_top is 0)."""
+    """logprobs: [B, V] log_softmax of raw logits (or the scores of another logprobs_mode); token_ids:
+    [B] -> each token's logprob and rank (1 = most likely), and the rows' num_top best (none when
+    num_top is 0)."""
     out = SamplerOutput(token_ids)
     out.logprobs = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
     out.ranks = torch.cat([(logprobs[rows] > out.logprobs[rows, None]).sum(-1) + 1
