@@ -3,7 +3,7 @@ tests/test_fuzz.py runs a few seeds in CI).
 
 A seed picks a small engine configuration (block size, KV blocks, max_num_seqs, token budget,
 chunked prefill, prefix caching, async scheduling, CUDA graphs, scheduling policy, an fp8 KV cache,
-a reasoning parser) and a random run of requests (random sampling options, among them penalties,
+a reasoning parser, the logprobs mode) and a random run of requests (random sampling options, among them penalties,
 stops, bad words, allowed ids, logprobs, truncation, thinking budgets and, with xgrammar, a choice,
 regex or JSON grammar; output kinds, priorities and cache salts), requests it must refuse, aborts
 and sleeps (levels 0-2, modes "keep" and "abort") between step() calls. Checked:
@@ -114,7 +114,8 @@ def random_config(rng: random.Random, **engine_kwargs) -> dict:
                 max_model_len=MAX_MODEL_LEN, enable_prefix_caching=rng.choice([True, False]),
                 async_scheduling=rng.choice([True, False]), enforce_eager=rng.choice([True, False]),
                 kv_cache_dtype=rng.choice(["auto", "auto", "fp8"]), enable_sleep_mode=True,
-                reasoning_parser=rng.choice(["", "", "qwen3"]), **engine_kwargs)
+                reasoning_parser=rng.choice(["", "", "qwen3"]),
+                logprobs_mode=rng.choice(["raw_logprobs"] * 3 + ["raw_logits", "processed_logprobs"]), **engine_kwargs)
 
 
 @dataclass
