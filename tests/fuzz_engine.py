@@ -235,13 +235,13 @@ def count_differences_alone(model: str, config: dict, run: Run) -> int:
     wherever the other token was (logprob_token_ids or a top 20 would leave it out where masks or top-k
     made the choice)."""
     alone_config = {**config, "max_num_seqs": 1, "max_logprobs": -1}
+    every_logprob = dict(logprobs=-1, logprob_token_ids=None)
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, **alone_config))
     differences = 0
     for request_id in run.finished:
         prompt, params = run.requests[request_id]
         if params.temperature > 0 and params.seed is None:
             continue
-        every_logprob = dict(logprobs=-1, logprob_token_ids=None)
         engine.add_request(request_id, {"prompt_token_ids": prompt},
                            replace(params, output_kind=RequestOutputKind.FINAL_ONLY, **every_logprob))
         while engine.has_unfinished_requests():
