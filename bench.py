@@ -7,6 +7,7 @@
     python bench.py --kv-cache-dtype fp8       # K/V cached in fp8 (half the bytes), either engine
     python bench.py --top-k 20 --top-p 0.95    # sampled requests also filtered (Qwen3's own defaults)
     python bench.py --logprobs 5               # every token also with its logprob and the 5 best
+    python bench.py --logprobs 5 --logprobs-mode processed_logprobs   # ... of the distribution drawn from
     python bench.py --prompt-logprobs 1        # every prompt token scored too (as lm-eval's loglikelihood)
     python bench.py --num-seqs 64 --n 8        # parallel sampling: 8 completions of each prompt
     python bench.py --tokenizer synthetic      # outputs detokenized as a real model's are (no download)
@@ -146,6 +147,9 @@ def main():
                    help="SamplingParams.repetition_penalty of every request")
     p.add_argument("--logprobs", type=int, default=None,
                    help="SamplingParams.logprobs of every request (default: none; 0: the sampled token's only)")
+    p.add_argument("--logprobs-mode", default=None,
+                   help="LLM(logprobs_mode=...): raw_logprobs (the engines' default), raw_logits, processed_logprobs "
+                        "or processed_logits, what --logprobs reports")
     p.add_argument("--prompt-logprobs", type=int, default=None,
                    help="SamplingParams.prompt_logprobs of every request: each prompt token's logprob and the N best "
                         "(default: none)")
@@ -182,6 +186,8 @@ def main():
         kwargs["attention_backend"] = args.attention_backend
     if args.max_num_seqs is not None:
         kwargs["max_num_seqs"] = args.max_num_seqs
+    if args.logprobs_mode is not None:
+        kwargs["logprobs_mode"] = args.logprobs_mode
     if args.custom_all_reduce != "default":
         kwargs["disable_custom_all_reduce"] = args.custom_all_reduce == "off"
     if args.model in PRESETS:
@@ -248,6 +254,7 @@ def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float, run: i
     num_cached = sum(o.num_cached_tokens or 0 for o in outputs)
     num_chars = sum(len(c.text or "") for c in completions)
     options = filters | request_options(args)
+    options |= {} if args.logprobs_mode is None else dict(logprobs_mode=args.logprobs_mode)
     workload = args.workload + "".join(f" {k}={v}" for k, v in options.items())
     result = dict(engine=args.engine, model=args.model, workload=workload, tp=args.tp,
                   custom_all_reduce=args.custom_all_reduce, kv_cache_dtype=args.kv_cache_dtype, num_requests=len(prompts),

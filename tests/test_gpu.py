@@ -197,6 +197,64 @@ def test_sampled_tokens_lie_within_top_p_and_min_p_without_top_k_on_gpu(gpu_mode
     assert checked == 16 * 2 * 12
 
 
+MODE_PARAMS = [SamplingParams(max_tokens=12, ignore_eos=True, logprobs=-1, **choice)
+               for choice in (dict(temperature=0.8, top_k=5, top_p=0.8, seed=1),
+                              dict(temperature=1.0, top_p=0.6, min_p=0.05, seed=2),
+                              dict(temperature=0.0, logit_bias={7: 2.0}),
+                              dict(temperature=0.7, min_p=0.1, seed=3, logit_bias={7: 2.0}),
+                              dict(temperature=1.0, top_k=3, seed=4))]
+
+
+def processed_support(row: torch.Tensor, sp: SamplingParams, top_p_slack: float) -> torch.Tensor:
+    """The tokens a processed row may keep, by value (ties at a cut all kept): `row` edited and
+    temperature-scaled; min-p, then top-k, then top-p within top_p + top_p_slack of the kept mass."""
+    keep = torch.ones_like(row, dtype=torch.bool)
+    if sp.min_p > 0:
+        keep &= row >= row.max() + torch.tensor(sp.min_p).log()
+    if sp.top_k > 0:
+        keep &= row >= row.topk(sp.top_k).values[-1]
+    if sp.top_p < 1:
+        probs = row.masked_fill(~keep, float("-inf")).softmax(-1)
+        ahead = (probs[None, :] * (probs[None, :] > probs[:, None])).sum(-1)   # mass of more likely tokens
+        keep &= ahead < sp.top_p + top_p_slack
+    return keep
+
+
+def test_logprobs_modes_on_gpu(gpu_model_dir):
+    """logprobs_mode on the GPU, in one mixed batch (top-k and top-p, top-p after min-p, greedy and
+    sampling rows with logit_bias, radix top-k): every mode draws the same tokens; "raw_logits"
+    reports the logits whose log_softmax the default mode reports; "processed_logprobs" the log_softmax
+    of those logits after logit_bias, temperature, min-p, top-k and top-p, so the kernels' cuts (the
+    draws) and the torch filters (the reported scores) keep the same tokens, up to ties at a cut."""
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:len(MODE_PARAMS)]]
+    runs = {}
+    for mode in ("raw_logprobs", "raw_logits", "processed_logprobs"):
+        with LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
+                 max_logprobs=-1, logprobs_mode=mode) as llm:
+            outs = llm.generate(prompts, MODE_PARAMS, use_tqdm=False)
+            vocab = llm.llm_engine.model_runner.vocab_size
+        runs[mode] = [(c.token_ids, torch.tensor([[step[t].logprob for t in range(vocab)] for step in c.logprobs]))
+                      for c in (out.outputs[0] for out in outs)]
+    checked = 0
+    for sp, (tokens, logprobs), (raw_tokens, logits), (processed_tokens, processed) in zip(
+            MODE_PARAMS, *runs.values()):
+        assert tokens == raw_tokens == processed_tokens
+        assert torch.allclose(logits.log_softmax(-1), logprobs, atol=1e-4)
+        for token, row, got in zip(tokens, logits.clone(), processed):
+            for token_id, bias in (sp.logit_bias or {}).items():
+                row[token_id] += bias
+            if sp.temperature > 0:
+                row = row / sp.temperature
+            kept = got.isfinite()
+            assert not (kept & ~processed_support(row, sp, 1e-4)).any()
+            dropped = processed_support(row, sp, -1e-4) & ~kept      # only ties with the last kept token
+            assert (row[dropped] == row[kept].min()).all(), (sp, row[dropped])
+            assert torch.allclose(got[kept], row[kept].log_softmax(-1), atol=1e-4)
+            assert processed_support(row, sp, 1e-4)[token], (sp, token)   # the kernels' draw
+            checked += 1
+    assert checked == len(MODE_PARAMS) * 12
+
+
 def test_kv_cache_is_sized_from_memory(gpu_model_dir):
     llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.5, max_num_seqs=8)
     runner = llm.llm_engine.model_runner
