@@ -13,7 +13,7 @@ and sleeps (levels 0-2, modes "keep" and "abort") between step() calls. Checked:
   unfinished the requests not yet reported; streamed CUMULATIVE outputs extend the ones before,
   DELTA outputs add up to the completion;
 - no completion is longer than max_tokens; logprobs have an entry a token, prompt logprobs one a
-  prompt token;
+  prompt token; the text streamed or returned is the completion's tokens decoded (check_text);
 - once idle, every KV block is free and step() returns [];
 - greedy and seeded requests give the tokens and text they give alone, in a fresh engine. On the
   GPU other batch sizes round otherwise (bf16, and float32 through TF32 products), and on the CPU
@@ -36,6 +36,7 @@ import random
 from dataclasses import dataclass, field, replace
 
 from nanovllm import LLM, EngineArgs, LLMEngine, SamplingParams
+from nanovllm.engine.output_processor import DETOKENIZE_CONTEXT
 from nanovllm.sampling_params import BeamSearchParams, RequestOutputKind, StructuredOutputsParams
 
 HAS_XGRAMMAR = importlib.util.find_spec("xgrammar") is not None   # (structured outputs' optional dependency)
@@ -124,6 +125,8 @@ class Run:
     requests: dict = field(default_factory=dict)    # request id -> (prompt token ids, SamplingParams)
     finished: dict = field(default_factory=dict)    # request id -> its finished RequestOutput
     completions: dict = field(default_factory=dict)  # (request id, index) -> (token ids, text) so far
+    # (request id, index) -> a finished completion's (finish_reason, stop_reason)
+    finish_reasons: dict = field(default_factory=dict)
     aborted: set = field(default_factory=set)
 
     def unfinished(self) -> list[str]:
@@ -142,6 +145,8 @@ class Run:
                     f"{key}: a cumulative output does not extend the one before"
                 tokens, text = list(completion.token_ids), completion.text
             self.completions[key] = tokens, text
+            if completion.finish_reason is not None:
+                self.finish_reasons[key] = completion.finish_reason, completion.stop_reason
         if output.finished:
             assert output.request_id not in self.finished, f"{output.request_id} reported finished twice"
             self.finished[output.request_id] = output
@@ -195,8 +200,9 @@ def run_seed(model: str, seed: int, **engine_kwargs) -> int:
             run.take(output)
     assert not run.unfinished(), f"never reported finished: {run.unfinished()}"
     check_idle(engine)
+    tokenizer = engine.tokenizer
     engine.close()
-    check_outputs(run)
+    check_outputs(run, tokenizer)
     return count_differences_alone(model, config, run)
 
 
@@ -207,18 +213,20 @@ def check_idle(engine: LLMEngine):
     assert engine.step() == []
 
 
-def check_outputs(run: Run):
+def check_outputs(run: Run, tokenizer):
     for request_id, output in run.finished.items():
         prompt, params = run.requests[request_id]
+        kept = prompt[-params.truncate_prompt_tokens:] if params.truncate_prompt_tokens else prompt
         for index in range(params.n):
-            tokens, _ = run.completions[(request_id, index)]
+            tokens, text = run.completions[(request_id, index)]
             assert len(tokens) <= params.max_tokens, f"{request_id}: {len(tokens)} tokens > {params.max_tokens}"
+            if params.detokenize:
+                check_text(tokens, text, kept, *run.finish_reasons[(request_id, index)], params, tokenizer)
         if params.output_kind == RequestOutputKind.FINAL_ONLY:
             assert len(output.outputs) == params.n
             for completion in output.outputs:
                 if params.logprobs is not None:
                     assert len(completion.logprobs) == len(completion.token_ids), request_id
-        kept = prompt[-params.truncate_prompt_tokens:] if params.truncate_prompt_tokens else prompt
         assert list(output.prompt_token_ids) == kept, request_id
         if params.prompt_logprobs is not None and output.prompt_logprobs is not None:
             assert len(output.prompt_logprobs) == len(kept), request_id
@@ -226,6 +234,35 @@ def check_outputs(run: Run):
             assert params.detokenize or completion.text == ""
             if params.logprob_token_ids and completion.logprobs:
                 assert all(set(params.logprob_token_ids) <= set(entry) for entry in completion.logprobs), request_id
+
+
+def check_text(tokens: list[int], text: str, prompt: list[int], finish_reason: str, stop_reason,
+               params: SamplingParams, tokenizer):
+    """The text streamed (or returned) for a completion is what its tokens add to the decoded end of
+    its prompt (the detokenizer's window), up to the stop string that ended it, or without the EOS or
+    stop token that ended it (either kept with include_stop_str_in_output). Without a stop string,
+    less a tail held back because it ends in an unfinished character, as vLLM's detokenizer holds it.
+    Bytes that are not UTF-8 decode to more or fewer replacement characters ("\ufffd") in other
+    windows, so where there are some, the text is compared without them."""
+    options = dict(skip_special_tokens=params.skip_special_tokens,
+                   spaces_between_special_tokens=params.spaces_between_special_tokens)
+    context = prompt[max(len(prompt) - DETOKENIZE_CONTEXT, 0):]
+    if finish_reason == "stop" and stop_reason not in params.stop_strings and not params.include_stop_str_in_output:
+        tokens = tokens[:-1]
+    before, after = tokenizer.decode(context, **options), tokenizer.decode(context + tokens, **options)
+    whole = after[len(before):] if after.startswith(before) else tokenizer.decode(tokens, **options)
+    where = f"text {text!r}, stop {stop_reason!r}, the tokens decode to {whole!r}"
+    if "\ufffd" in whole:
+        text, whole = text.replace("\ufffd", ""), whole.replace("\ufffd", "")
+        if stop_reason not in params.stop_strings:
+            assert whole.startswith(text), where
+            return
+    if stop_reason not in params.stop_strings:   # (a stop token id, None, or repetition detection's reason)
+        assert text == whole, where
+    elif params.include_stop_str_in_output:
+        assert text.endswith(stop_reason) and whole.startswith(text), where
+    else:
+        assert whole.startswith(text + stop_reason), where
 
 
 def count_differences_alone(model: str, config: dict, run: Run) -> int:
@@ -449,9 +486,10 @@ def run_llm_seed(model: str, seed: int, **engine_kwargs) -> int:
         if alone != tokens:
             differences += 1
             print(f"  beam search of {ids}: {tokens} against {alone} alone ({params})")
+    tokenizer = llm.get_tokenizer()
     llm.close()
     for run in runs:
-        check_outputs(run)
+        check_outputs(run, tokenizer)
         differences += count_differences_alone(model, config, run)
     return differences
 
