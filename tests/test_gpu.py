@@ -224,8 +224,8 @@ def test_logprobs_modes_on_gpu(gpu_model_dir):
     """logprobs_mode on the GPU, in one mixed batch (top-k and top-p, top-p after min-p, greedy and
     sampling rows with logit_bias, radix top-k): every mode draws the same tokens; "raw_logits"
     reports the logits whose log_softmax the default mode reports; "processed_logprobs" the log_softmax
-    of those logits after logit_bias, temperature, min-p, top-k and top-p, so the kernels' cuts (the
-    draws) and the torch filters (the reported scores) keep the same tokens, up to ties at a cut."""
+    of those logits after logit_bias, temperature, min-p, top-k and top-p (the kernels' cut: ties at a
+    cut all kept), and never -inf for a drawn token."""
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:len(MODE_PARAMS)]]
     runs = {}
     for mode in ("raw_logprobs", "raw_logits", "processed_logprobs"):
@@ -250,7 +250,7 @@ def test_logprobs_modes_on_gpu(gpu_model_dir):
             dropped = processed_support(row, sp, -1e-4) & ~kept      # only ties with the last kept token
             assert (row[dropped] == row[kept].min()).all(), (sp, row[dropped])
             assert torch.allclose(got[kept], row[kept].log_softmax(-1), atol=1e-4)
-            assert processed_support(row, sp, 1e-4)[token], (sp, token)   # the kernels' draw
+            assert got[token].isfinite(), (sp, token)   # the kernels' draw, among the tokens kept
             checked += 1
     assert checked == len(MODE_PARAMS) * 12
 
