@@ -270,8 +270,9 @@ def count_differences_alone(model: str, config: dict, run: Run) -> int:
     otherwise. Each difference is printed with the logprob by which the token alone led the other
     (a near tie says rounding): each alone run asks for every token's logprob, so that the lead is known
     wherever the other token was (logprob_token_ids or a top 20 would leave it out where masks or top-k
-    made the choice)."""
-    alone_config = {**config, "max_num_seqs": 1, "max_logprobs": -1}
+    made the choice), in the distribution the token was chosen from (processed: after logit_bias and
+    penalties; a raw lead can be large where those decided)."""
+    alone_config = {**config, "max_num_seqs": 1, "max_logprobs": -1, "logprobs_mode": "processed_logprobs"}
     every_logprob = dict(logprobs=-1, logprob_token_ids=None)
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, **alone_config))
     differences = 0
