@@ -12,8 +12,9 @@ and sleeps (levels 0-2, modes "keep" and "abort") between step() calls. Checked:
 - every request that is not aborted is reported finished exactly once, and the engine counts as
   unfinished the requests not yet reported; streamed CUMULATIVE outputs extend the ones before,
   DELTA outputs add up to the completion;
-- no completion is longer than max_tokens; logprobs have an entry a token, prompt logprobs one a
-  prompt token; the text streamed or returned is the completion's tokens decoded (check_text);
+- no completion is longer than max_tokens; logprobs have an entry a token, holding the token (in the
+  processed modes never at -inf: it was drawn from there), prompt logprobs one a prompt token; the
+  text streamed or returned is the completion's tokens decoded (check_text);
 - once idle, every KV block is free and step() returns [];
 - greedy and seeded requests give the tokens and text they give alone, in a fresh engine. On the
   GPU other batch sizes round otherwise (bf16, and float32 through TF32 products), and on the CPU
@@ -116,7 +117,9 @@ def random_config(rng: random.Random, **engine_kwargs) -> dict:
                 async_scheduling=rng.choice([True, False]), enforce_eager=rng.choice([True, False]),
                 kv_cache_dtype=rng.choice(["auto", "auto", "fp8"]), enable_sleep_mode=True,
                 reasoning_parser=rng.choice(["", "", "qwen3"]),
-                logprobs_mode=rng.choice(["raw_logprobs"] * 3 + ["raw_logits", "processed_logprobs"]), **engine_kwargs)
+                logprobs_mode=rng.choice(["raw_logprobs"] * 3 + ["raw_logits", "processed_logprobs",
+                                                                 "processed_logits"]),
+                **engine_kwargs)
 
 
 @dataclass
@@ -128,6 +131,7 @@ class Run:
     # (request id, index) -> a finished completion's (finish_reason, stop_reason)
     finish_reasons: dict = field(default_factory=dict)
     aborted: set = field(default_factory=set)
+    logprobs_mode: str = "raw_logprobs"   # the engine's
 
     def unfinished(self) -> list[str]:
         return sorted(set(self.requests) - self.aborted - set(self.finished))
@@ -145,6 +149,8 @@ class Run:
                     f"{key}: a cumulative output does not extend the one before"
                 tokens, text = list(completion.token_ids), completion.text
             self.completions[key] = tokens, text
+            if completion.logprobs:
+                check_logprobs(completion, self.logprobs_mode, key)
             if completion.finish_reason is not None:
                 self.finish_reasons[key] = completion.finish_reason, completion.stop_reason
         if output.finished:
@@ -159,7 +165,7 @@ def run_seed(model: str, seed: int, **engine_kwargs) -> int:
     config = random_config(rng, **engine_kwargs)
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, **config))
     think = thinking_ids(engine.tokenizer, config)
-    run = Run()
+    run = Run(logprobs_mode=config["logprobs_mode"])
     shared = [rng.randrange(VOCAB_SIZE) for _ in range(60)]
     for i in range(rng.randint(20, 80)):
         action = rng.random()
@@ -211,6 +217,17 @@ def check_idle(engine: LLMEngine):
     blocks = engine.block_manager
     assert blocks.num_free_blocks == blocks.num_blocks, f"{blocks.num_blocks - blocks.num_free_blocks} blocks leaked"
     assert engine.step() == []
+
+
+def check_logprobs(completion, logprobs_mode: str, key):
+    """Each token's logprobs entry holds the token; logprobs are at most 0; in the processed modes
+    the token was drawn from the distribution reported, so it is not at -inf there."""
+    for token, entry in zip(completion.token_ids, completion.logprobs):
+        assert token in entry, f"{key}: token {token} missing from its logprobs {entry}"
+        if logprobs_mode.endswith("logprobs"):
+            assert all(lp.logprob <= 1e-5 for lp in entry.values()), f"{key}: a logprob above 0 in {entry}"
+        if logprobs_mode.startswith("processed"):
+            assert entry[token].logprob > float("-inf"), f"{key}: token {token} drawn at -inf ({logprobs_mode})"
 
 
 def check_outputs(run: Run, tokenizer):
@@ -436,7 +453,8 @@ def run_llm_seed(model: str, seed: int, **engine_kwargs) -> int:
     config = random_config(rng, **engine_kwargs)
     llm = LLM(model, **config)
     think = thinking_ids(llm.get_tokenizer(), config)
-    runs, searches = [Run()], []   # (a Run an LLM: a new one numbers its requests from 0 again)
+    # (a Run an LLM: a new one numbers its requests from 0 again)
+    runs, searches = [Run(logprobs_mode=config["logprobs_mode"])], []
     shared = [rng.randrange(VOCAB_SIZE) for _ in range(60)]
 
     def call(action: str, sleep_modes: list[str]):
@@ -475,7 +493,7 @@ def run_llm_seed(model: str, seed: int, **engine_kwargs) -> int:
             except KeyboardInterrupt:
                 if llm.closed:   # (with tensor parallelism the ranks end: the engine is made anew)
                     llm = LLM(model, **config)
-                    runs.append(Run())
+                    runs.append(Run(logprobs_mode=config["logprobs_mode"]))
             else:
                 take_outputs(runs[-1], outputs, prompts, params)
         else:
