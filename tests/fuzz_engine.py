@@ -13,7 +13,8 @@ and sleeps (levels 0-2, modes "keep" and "abort") between step() calls. Checked:
   unfinished the requests not yet reported; streamed CUMULATIVE outputs extend the ones before,
   DELTA outputs add up to the completion;
 - no completion is longer than max_tokens; logprobs have an entry a token, holding the token (in the
-  processed modes never at -inf: it was drawn from there), prompt logprobs one a prompt token; the
+  processed modes never at -inf: it was drawn from there), prompt logprobs one a prompt token after
+  the first, holding it; the
   text streamed or returned is the completion's tokens decoded (check_text);
 - once idle, every KV block is free and step() returns [];
 - greedy and seeded requests give the tokens and text they give alone, in a fresh engine. On the
@@ -247,6 +248,9 @@ def check_outputs(run: Run, tokenizer):
         assert list(output.prompt_token_ids) == kept, request_id
         if params.prompt_logprobs is not None and output.prompt_logprobs is not None:
             assert len(output.prompt_logprobs) == len(kept), request_id
+            first = {} if params.flat_logprobs else None   # (FlatLogprobs' None, as vLLM's)
+            assert output.prompt_logprobs[0] == first and all(
+                token in entry for token, entry in zip(kept[1:], output.prompt_logprobs[1:])), request_id
         for completion in output.outputs:
             assert params.detokenize or completion.text == ""
             if params.logprob_token_ids and completion.logprobs:
