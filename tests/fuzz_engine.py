@@ -13,9 +13,9 @@ and sleeps (levels 0-2, modes "keep" and "abort") between step() calls. Checked:
   unfinished the requests not yet reported; streamed CUMULATIVE outputs extend the ones before,
   DELTA outputs add up to the completion;
 - no completion is longer than max_tokens; logprobs have an entry a token, holding the token (in the
-  processed modes never at -inf: it was drawn from there), prompt logprobs one a prompt token after
-  the first, holding it; the
-  text streamed or returned is the completion's tokens decoded (check_text);
+  processed modes never at -inf: it was drawn from there), prompt logprobs one a prompt token, each
+  after the first holding it; the text streamed or returned is the completion's tokens decoded
+  (check_text);
 - once idle, every KV block is free and step() returns [];
 - greedy and seeded requests give the tokens and text they give alone, in a fresh engine. On the
   GPU other batch sizes round otherwise (bf16, and float32 through TF32 products), and on the CPU
