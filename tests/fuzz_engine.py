@@ -15,7 +15,8 @@ and sleeps (levels 0-2, modes "keep" and "abort") between step() calls. Checked:
 - no completion is longer than max_tokens; logprobs have an entry a token, holding the token (in the
   processed modes never at -inf: it was drawn from there), prompt logprobs one a prompt token, each
   after the first holding it; the text streamed or returned is the completion's tokens decoded
-  (check_text);
+  (check_text); prefix-cache hits are whole blocks short of the prompt's end, and none where the
+  request may not read the cache;
 - once idle, every KV block is free and step() returns [];
 - greedy and seeded requests give the tokens and text they give alone, in a fresh engine. On the
   GPU other batch sizes round otherwise (bf16, and float32 through TF32 products), and on the CPU
@@ -132,7 +133,7 @@ class Run:
     # (request id, index) -> a finished completion's (finish_reason, stop_reason)
     finish_reasons: dict = field(default_factory=dict)
     aborted: set = field(default_factory=set)
-    logprobs_mode: str = "raw_logprobs"   # the engine's
+    config: dict = field(default_factory=dict)   # the engine's (random_config)
 
     def unfinished(self) -> list[str]:
         return sorted(set(self.requests) - self.aborted - set(self.finished))
@@ -151,7 +152,7 @@ class Run:
                 tokens, text = list(completion.token_ids), completion.text
             self.completions[key] = tokens, text
             if completion.logprobs:
-                check_logprobs(completion, self.logprobs_mode, key)
+                check_logprobs(completion, self.config["logprobs_mode"], key)
             if completion.finish_reason is not None:
                 self.finish_reasons[key] = completion.finish_reason, completion.stop_reason
         if output.finished:
@@ -166,7 +167,7 @@ def run_seed(model: str, seed: int, **engine_kwargs) -> int:
     config = random_config(rng, **engine_kwargs)
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, **config))
     think = thinking_ids(engine.tokenizer, config)
-    run = Run(logprobs_mode=config["logprobs_mode"])
+    run = Run(config=config)
     shared = [rng.randrange(VOCAB_SIZE) for _ in range(60)]
     for i in range(rng.randint(20, 80)):
         action = rng.random()
@@ -246,6 +247,11 @@ def check_outputs(run: Run, tokenizer):
                 if params.logprobs is not None:
                     assert len(completion.logprobs) == len(completion.token_ids), request_id
         assert list(output.prompt_token_ids) == kept, request_id
+        # prefix-cache hits: whole blocks before the last prompt token, none where the request may not read them
+        reads_cache = run.config["enable_prefix_caching"] and not params.skip_reading_prefix_cache
+        cached = output.num_cached_tokens
+        assert cached % run.config["block_size"] == 0 and cached < len(kept) and (reads_cache or cached == 0), \
+            f"{request_id}: {cached} cached prompt tokens of {len(kept)}"
         if params.prompt_logprobs is not None and output.prompt_logprobs is not None:
             assert len(output.prompt_logprobs) == len(kept), request_id
             first = {} if params.flat_logprobs else None   # (FlatLogprobs' None, as vLLM's)
@@ -456,7 +462,7 @@ def run_llm_seed(model: str, seed: int, **engine_kwargs) -> int:
     llm = LLM(model, **config)
     think = thinking_ids(llm.get_tokenizer(), config)
     # (a Run an LLM: a new one numbers its requests from 0 again)
-    runs, searches = [Run(logprobs_mode=config["logprobs_mode"])], []
+    runs, searches = [Run(config=config)], []
     shared = [rng.randrange(VOCAB_SIZE) for _ in range(60)]
 
     def call(action: str, sleep_modes: list[str]):
@@ -495,7 +501,7 @@ def run_llm_seed(model: str, seed: int, **engine_kwargs) -> int:
             except KeyboardInterrupt:
                 if llm.closed:   # (with tensor parallelism the ranks end: the engine is made anew)
                     llm = LLM(model, **config)
-                    runs.append(Run(logprobs_mode=config["logprobs_mode"]))
+                    runs.append(Run(config=config))
             else:
                 take_outputs(runs[-1], outputs, prompts, params)
         else:
