@@ -15,7 +15,8 @@ and sleeps (levels 0-2, modes "keep" and "abort") between step() calls. Checked:
 - no completion is longer than max_tokens; logprobs have an entry a token, holding the token (in the
   processed modes never at -inf: it was drawn from there), prompt logprobs one a prompt token, each
   after the first holding it; the text streamed or returned is the completion's tokens decoded
-  (check_text); prefix-cache hits are whole blocks short of the prompt's end, and none where the
+  (check_text); a completion's finish_reason and stop_reason agree with its tokens and options
+  (check_finish); prefix-cache hits are whole blocks short of the prompt's end, and none where the
   request may not read the cache;
 - once idle, every KV block is free and step() returns [];
 - greedy and seeded requests give the tokens and text they give alone, in a fresh engine. On the
@@ -134,6 +135,7 @@ class Run:
     finish_reasons: dict = field(default_factory=dict)
     aborted: set = field(default_factory=set)
     config: dict = field(default_factory=dict)   # the engine's (random_config)
+    eos_token_ids: set = field(default_factory=set)   # the engine's
 
     def unfinished(self) -> list[str]:
         return sorted(set(self.requests) - self.aborted - set(self.finished))
@@ -167,7 +169,7 @@ def run_seed(model: str, seed: int, **engine_kwargs) -> int:
     config = random_config(rng, **engine_kwargs)
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, **config))
     think = thinking_ids(engine.tokenizer, config)
-    run = Run(config=config)
+    run = Run(config=config, eos_token_ids=engine.eos_token_ids)
     shared = [rng.randrange(VOCAB_SIZE) for _ in range(60)]
     for i in range(rng.randint(20, 80)):
         action = rng.random()
@@ -239,6 +241,7 @@ def check_outputs(run: Run, tokenizer):
         for index in range(params.n):
             tokens, text = run.completions[(request_id, index)]
             assert len(tokens) <= params.max_tokens, f"{request_id}: {len(tokens)} tokens > {params.max_tokens}"
+            check_finish(tokens, len(kept), *run.finish_reasons[(request_id, index)], params, run)
             if params.detokenize:
                 check_text(tokens, text, kept, *run.finish_reasons[(request_id, index)], params, tokenizer)
         if params.output_kind == RequestOutputKind.FINAL_ONLY:
@@ -261,6 +264,27 @@ def check_outputs(run: Run, tokenizer):
             assert params.detokenize or completion.text == ""
             if params.logprob_token_ids and completion.logprobs:
                 assert all(set(params.logprob_token_ids) <= set(entry) for entry in completion.logprobs), request_id
+
+
+def check_finish(tokens: list[int], num_prompt_tokens: int, finish_reason: str, stop_reason, params: SamplingParams,
+                 run: Run):
+    """Why a completion ended agrees with its tokens: "length" at max_tokens or max_model_len; "stop"
+    not before min_tokens, on a stop token (its stop_reason), an EOS (None) or a stop string (its
+    stop_reason); else a repetition, or a token its grammar refused ("error")."""
+    where = f"{finish_reason} ({stop_reason!r}) after {len(tokens)} tokens: {tokens[-3:]}, {params}"
+    if finish_reason == "length":
+        assert (len(tokens) == params.max_tokens
+                or num_prompt_tokens + len(tokens) >= run.config["max_model_len"]), where
+    elif finish_reason == "stop":
+        assert len(tokens) >= params.min_tokens, where
+        if stop_reason is None:
+            assert not params.ignore_eos and tokens[-1] in run.eos_token_ids, where
+        elif isinstance(stop_reason, int):
+            assert stop_reason in params.stop_token_ids and tokens[-1] == stop_reason, where
+        else:
+            assert stop_reason in params.stop_strings, where
+    else:
+        assert (finish_reason, stop_reason) in (("repetition", "repetition_detected"), ("error", None)), where
 
 
 def check_text(tokens: list[int], text: str, prompt: list[int], finish_reason: str, stop_reason,
@@ -462,7 +486,7 @@ def run_llm_seed(model: str, seed: int, **engine_kwargs) -> int:
     llm = LLM(model, **config)
     think = thinking_ids(llm.get_tokenizer(), config)
     # (a Run an LLM: a new one numbers its requests from 0 again)
-    runs, searches = [Run(config=config)], []
+    runs, searches = [Run(config=config, eos_token_ids=llm.llm_engine.eos_token_ids)], []
     shared = [rng.randrange(VOCAB_SIZE) for _ in range(60)]
 
     def call(action: str, sleep_modes: list[str]):
@@ -501,7 +525,7 @@ def run_llm_seed(model: str, seed: int, **engine_kwargs) -> int:
             except KeyboardInterrupt:
                 if llm.closed:   # (with tensor parallelism the ranks end: the engine is made anew)
                     llm = LLM(model, **config)
-                    runs.append(Run(config=config))
+                    runs.append(Run(config=config, eos_token_ids=llm.llm_engine.eos_token_ids))
             else:
                 take_outputs(runs[-1], outputs, prompts, params)
         else:
