@@ -241,9 +241,10 @@ def check_outputs(run: Run, tokenizer):
         for index in range(params.n):
             tokens, text = run.completions[(request_id, index)]
             assert len(tokens) <= params.max_tokens, f"{request_id}: {len(tokens)} tokens > {params.max_tokens}"
-            check_finish(tokens, len(kept), *run.finish_reasons[(request_id, index)], params, run)
+            finish_reason, stop_reason = run.finish_reasons[(request_id, index)]
+            check_finish(tokens, len(kept), finish_reason, stop_reason, params, run)
             if params.detokenize:
-                check_text(tokens, text, kept, *run.finish_reasons[(request_id, index)], params, tokenizer)
+                check_text(tokens, text, kept, finish_reason, stop_reason, params, tokenizer)
         if params.output_kind == RequestOutputKind.FINAL_ONLY:
             assert len(output.outputs) == params.n
             for completion in output.outputs:
