@@ -1,5 +1,6 @@
 """GPU correctness: bf16 logprobs close to HF transformers (vLLM's check_logprobs_close), with
 CUDA graphs on and off, prefix caching, chunked prefill and preemption. Skips without CUDA."""
+import dataclasses
 import functools
 import importlib.util
 import math
@@ -225,18 +226,29 @@ def test_logprobs_modes_on_gpu(gpu_model_dir):
     sampling rows with logit_bias, radix top-k): every mode draws the same tokens; "raw_logits"
     reports the logits whose log_softmax the default mode reports; "processed_logprobs" the log_softmax
     of those logits after logit_bias, temperature, min-p, top-k and top-p (the kernels' cut: ties at a
-    cut all kept), and never -inf for a drawn token."""
+    cut all kept), and never -inf for a drawn token. In every mode, a request for 5 logprobs (the
+    logprobs kernels; the whole vocabulary goes through torch) gets the same tokens, and its entries
+    agree with the whole vocabulary's: the drawn token's value and the 5 best."""
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:len(MODE_PARAMS)]]
     runs = {}
-    for mode in ("raw_logprobs", "raw_logits", "processed_logprobs"):
+    for mode in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"):
         with LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
                  max_logprobs=-1, logprobs_mode=mode) as llm:
             outs = llm.generate(prompts, MODE_PARAMS, use_tqdm=False)
+            llm.reset_prefix_cache()
+            best = llm.generate(prompts, [dataclasses.replace(sp, logprobs=5) for sp in MODE_PARAMS], use_tqdm=False)
             vocab = llm.llm_engine.model_runner.vocab_size
         runs[mode] = [(c.token_ids, torch.tensor([[step[t].logprob for t in range(vocab)] for step in c.logprobs]))
                       for c in (out.outputs[0] for out in outs)]
+        close = lambda a, b: torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-4)   # (-inf too)
+        for (tokens, values), five in zip(runs[mode], (out.outputs[0] for out in best)):
+            assert five.token_ids == tokens, mode
+            for token, row, step in zip(tokens, values, five.logprobs):
+                assert token in step and len(step) in (5, 6), (mode, step)
+                assert close([e.logprob for e in step.values()], [row[t].item() for t in step]), (mode, step)
+                assert close(sorted((e.logprob for e in step.values()), reverse=True)[:5], row.topk(5).values.tolist())
     checked = 0
-    for sp, (tokens, logprobs), (raw_tokens, logits), (processed_tokens, processed) in zip(
+    for sp, (tokens, logprobs), (raw_tokens, logits), (processed_tokens, processed), _ in zip(
             MODE_PARAMS, *runs.values()):
         assert tokens == raw_tokens == processed_tokens
         assert torch.allclose(logits.log_softmax(-1), logprobs, atol=1e-4)
@@ -521,19 +533,24 @@ def test_logit_edit_kernels_compile_at_start_up(gpu_model_dir):
     assert variants() == [1, 1]
 
 
-def test_sampling_kernels_compile_at_start_up(gpu_model_dir):
+@pytest.mark.parametrize("logprobs_mode", ["raw_logprobs", "processed_logprobs"])
+def test_sampling_kernels_compile_at_start_up(gpu_model_dir, logprobs_mode):
     """The sampler's warm-up gives its two passes their variants for a plain batch (logits in the
-    model's dtype) and an edited one (float32), and the two logprobs kernels theirs, so that no
-    kind of first request compiles anything on an empty Triton cache (perf_notes rows 84, 93)."""
+    model's dtype) and an edited one (float32), and the two logprobs kernels theirs (the raw
+    logits' dtype; in the processed modes the processed variant in both, and the raw one for prompt
+    logprobs), so that no kind of first request compiles anything on an empty Triton cache
+    (perf_notes rows 84, 93, 123)."""
     from nanovllm.kernels.triton_logprobs import _best_kernel, _stats_kernel
     from nanovllm.kernels.triton_sampler import _draw_kernel, _group_stats_kernel
     variants = forget_variants(_group_stats_kernel, _draw_kernel, _stats_kernel, _best_kernel)
-    llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024)
+    llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, logprobs_mode=logprobs_mode)
     at_start_up = variants()
-    assert at_start_up[2:] == [1, 1]
+    assert at_start_up[2:] == ([1, 1] if logprobs_mode.startswith("raw") else [3, 3])
     llm.generate(PROMPTS[:2], SamplingParams(temperature=0.7, max_tokens=8), use_tqdm=False)
     llm.generate(PROMPTS[:2], [SamplingParams(temperature=0.7, max_tokens=8, presence_penalty=0.5, logprobs=0),
                                SamplingParams(temperature=0.7, max_tokens=8, logprobs=5)], use_tqdm=False)
+    llm.generate(PROMPTS[:2], [SamplingParams(temperature=0.0, max_tokens=8, logprobs=2),
+                               SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=2)], use_tqdm=False)
     assert variants() == at_start_up
 
 

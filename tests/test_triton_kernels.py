@@ -643,17 +643,21 @@ def test_top_p_cut_equals_the_sort_reference(dtype, vocab, with_min_p):
     assert ours[1] == 1.5 and ours[4] == 40.0 and ours[5] == logits[5].float().max() and ours[7] == float("-inf")
 
 
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("vocab, num_top", [(1_000, 0), (2_049, 1), (20_011, 5), (8_193, 20)] +
                          ([] if INTERPRET else [(151_936, 5), (151_936, 64)]))
-def test_logprobs_kernels_equal_the_log_softmax_reference(dtype, vocab, num_top):
+def test_logprobs_kernels_equal_the_log_softmax_reference(mode, dtype, vocab, num_top):
     """kernels/triton_logprobs.py against layers/sampler.py's token_logprobs (log_softmax, gather,
     a comparison and topk) on fresh random logits: ties (a row of one value; 16-bit rows are full
     of them), -inf entries (grammar-masked tokens; a row with fewer finite logits than num_top),
     a last chunk of one logit, a sampled token that ties others. Against a float64 log_softmax
     (float32's, summed in another order, is itself ~1e-5 off at 151,936 logits): the logprobs agree
     to float32 rounding, the ranks exactly; the best num_top agree in value and, where values tie,
-    may name other ids of that value."""
+    may name other ids of that value. In every logprobs mode: "*_logits" the values themselves;
+    "processed_*" those of the processed distribution, each row cut (a cut at the 50th best logit,
+    at the sampled token's, at a row of ties, none) and divided by its temperature, as
+    sampler.processed_scores makes them."""
     from nanovllm.kernels.triton_logprobs import token_logprobs
     from nanovllm.layers.sampler import token_logprobs as reference
     gen = torch.Generator().manual_seed(vocab + num_top)
@@ -665,10 +669,18 @@ def test_logprobs_kernels_equal_the_log_softmax_reference(dtype, vocab, num_top)
     logits[4, :vocab // 2] = logits[4, vocab // 2]
     token_ids = torch.randint(0, vocab, (batch,), generator=gen)
     token_ids[2], token_ids[3], token_ids[4] = 1, 0, 3
-    log_softmax = logits.double().log_softmax(-1)
-    expected = reference(log_softmax, token_ids, num_top)
+    scores, processed = logits.float(), {}
+    if mode.startswith("processed"):
+        chosen = scores.gather(1, token_ids[:, None]).squeeze(1)
+        cuts = torch.minimum(chosen, scores.topk(50, dim=1).values[:, -1])
+        cuts[5] = chosen[5]
+        temperatures = torch.tensor([0.6, 1.0, 1.3, 0.7, 1.0, 0.9])
+        scores = scores.masked_fill(scores < cuts[:, None], float("-inf")) / temperatures[:, None]
+        processed = dict(cuts=cuts.to(DEVICE), temperatures=temperatures.to(DEVICE))
+    scores = scores.double() if mode.endswith("logits") else scores.double().log_softmax(-1)
+    expected = reference(scores, token_ids, num_top)
     logprobs, ranks, top_logprobs, top_ids = (t if t is None else t.cpu() for t in token_logprobs(
-        logits.to(DEVICE), token_ids.to(DEVICE), num_top))
+        logits.to(DEVICE), token_ids.to(DEVICE), num_top, mode.endswith("logits"), **processed))
     assert torch.allclose(logprobs.double(), expected.logprobs, rtol=0, atol=1e-5)
     assert ranks.tolist() == expected.ranks.tolist()
     if num_top == 0:
@@ -677,7 +689,7 @@ def test_logprobs_kernels_equal_the_log_softmax_reference(dtype, vocab, num_top)
     assert torch.allclose(top_logprobs.double(), expected.top_logprobs, rtol=0, atol=1e-5)
     assert ((top_ids >= 0) & (top_ids < vocab)).all()
     assert all(len(set(row)) == num_top for row in top_ids.tolist())
-    assert torch.allclose(log_softmax.gather(1, top_ids), top_logprobs.double(), rtol=0, atol=1e-5)
+    assert torch.allclose(scores.gather(1, top_ids), top_logprobs.double(), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("vocab", [1_000, 20_011] + ([] if INTERPRET else [151_936]))
@@ -827,6 +839,54 @@ def test_fused_sampler_sorted_path_in_blocks_of_rows_draws_what_the_whole_filter
         assert ours.tolist() == sample_fused(filtered, torch.ones(batch), greedy, seeds).tolist()
         assert filtered.gather(-1, ours[:, None]).isfinite().all()
         assert ours[4] == logits[4].float().argmax()
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+@pytest.mark.parametrize("case", ["filters and a greedy row", "no filters", "all greedy"])
+def test_fused_sampler_logprobs_from_the_kernels_equal_the_torch_path(mode, case, monkeypatch):
+    """The fused sampler's logprobs (the logprobs kernels, with the fused sampler's cut in the
+    processed modes) against its torch path (MAX_TOP 0: log_softmax, or processed_scores' torch
+    mask and division, then token_logprobs) on the same batch and seeds: a batch with logit_bias
+    on two rows and top-k, top-p and min-p rows beside a greedy one (whose processed logits are its
+    edited logits as they are), a batch without filters, an all-greedy batch. The same tokens, and
+    the same logprobs, ranks and best values."""
+    from nanovllm.kernels import triton_logprobs
+    from nanovllm.layers.sampler import Sampler, SamplingMetadata
+    gen = torch.Generator().manual_seed(17)
+    batch, vocab, num_top = 5, 3_000, 3
+    logits = (torch.randn(batch, vocab, generator=gen) * 2).to(DTYPE)
+    on_device = lambda t: t.to(DEVICE)
+    all_greedy = case == "all greedy"
+    greedy = torch.tensor([all_greedy] * 4 + [True])
+    temperatures = None if all_greedy else on_device(torch.tensor([0.7, 1.0, 1.3, 0.5, 1.0]))
+    filters = {}
+    if case == "filters and a greedy row":
+        filters = dict(top_k=on_device(torch.tensor([5, vocab, 40, vocab, vocab])), max_set_top_k=40,
+                       top_p=on_device(torch.tensor([0.9, 0.5, 1.0, 1.0, 1.0])),
+                       min_p=on_device(torch.tensor([0.0, 0.1, 0.0, 0.2, 0.0])))
+    md = SamplingMetadata(temperatures=temperatures, is_greedy=None if all_greedy else on_device(greedy),
+                          all_greedy=all_greedy, any_greedy=True, top_k=None, top_p=None, min_p=None, row_seeds=[],
+                          banned_rows=None, banned_tokens=None, max_num_logprobs=num_top,
+                          bias_rows=on_device(torch.tensor([1, 4])), bias_tokens=on_device(torch.tensor([7, 9])),
+                          bias_values=on_device(torch.tensor([3.0, -2.0])))
+    for name, value in filters.items():
+        setattr(md, name, value)
+    seeds = torch.randint(0, 1 << 62, (batch,), generator=gen).to(DEVICE)
+    outs = []
+    for max_top in (triton_logprobs.MAX_TOP, 0):
+        monkeypatch.setattr(triton_logprobs, "MAX_TOP", max_top)
+        sampler = Sampler(torch.Generator(device=DEVICE), logprobs_mode=mode)
+        sampler.fused = True        # the Triton path, also under the interpreter on the CPU
+        monkeypatch.setattr(sampler, "_row_seeds", lambda *args: seeds)
+        outs.append(sampler(logits.to(DEVICE, copy=True), md))   # (the edits work in place on float32)
+    kernels, torch_path = outs
+    assert kernels.token_ids.tolist() == torch_path.token_ids.tolist()
+    assert kernels.ranks.tolist() == torch_path.ranks.tolist()
+    assert torch.allclose(kernels.logprobs, torch_path.logprobs, rtol=0, atol=1e-5)
+    assert torch.allclose(kernels.top_logprobs, torch_path.top_logprobs, rtol=0, atol=1e-5)
+    assert kernels.logprobs.isfinite().all()
+    if mode.startswith("processed") and case == "filters and a greedy row":   # row 0 keeps its 5 best
+        assert kernels.top_logprobs[0].isfinite().all() and (kernels.ranks[0] <= 5)
 
 
 @pytest.mark.parametrize("batch, vocab", [(1, 151_936), (7, 8_193), (5, 1_000)])

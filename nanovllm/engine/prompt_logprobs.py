@@ -78,10 +78,8 @@ def _score(logits: torch.Tensor, targets: torch.Tensor, num_top: int, as_logits:
     """logits: [rows, V] raw; targets: [rows] -> each target's logprob (as_logits: logit) and rank, and
     the rows' num_top best. On CUDA in two passes over the logits (kernels/triton_logprobs.py, as the
     sampled tokens'), without a float32 log_softmax of every row, for up to its MAX_TOP best."""
-    if as_logits:
-        return token_logprobs(logits.float(), targets, num_top)
     if logits.is_cuda:
         from nanovllm.kernels import triton_logprobs
         if num_top <= triton_logprobs.MAX_TOP:
-            return kernel_token_logprobs(logits, targets, num_top)
-    return token_logprobs(logits.float().log_softmax(-1), targets, num_top)
+            return kernel_token_logprobs(logits, targets, num_top, as_logits)
+    return token_logprobs(logits.float() if as_logits else logits.float().log_softmax(-1), targets, num_top)

@@ -13,6 +13,11 @@ torch combines the chunks: the log-sum-exp from the maxima and masses, the rank 
 (1 + the logits above the token's), the num_top best of the chunks' candidates. The plain-torch
 reference is layers/sampler.py's `token_logprobs`: log_softmax in float32, a gather, a
 comparison over the row and torch.topk, the CUDA path before perf_notes row 93.
+
+The other logprobs modes (config.py's LOGPROBS_MODES) read the same passes differently: "*_logits"
+reports the values themselves (no log-sum-exp), and "processed_*" reads each row's logits as the
+sampler draws from them, those below the fused sampler's cut at -inf and the rest divided by the
+row's temperature (perf_notes row 123), as layers/sampler.py's `processed_scores` does in torch.
 """
 import torch
 import triton
@@ -27,25 +32,38 @@ GONE = tl.constexpr(-(2**63))   # the key of a logit taken, below the floor or p
 
 
 @triton.jit
-def _stats_kernel(logits_ptr, row_stride, token_ids_ptr, vocab_size, stats_ptr, above_ptr, BLOCK: tl.constexpr):
+def _read(row_ptr, ids, mask, row, cuts_ptr, temperatures_ptr, PROCESSED: tl.constexpr):
+    """A row's logits at ids as float32 (-inf where masked); PROCESSED: those below the row's cut at
+    -inf, the rest divided by its temperature."""
+    x = tl.load(row_ptr + ids, mask=mask, other=float("-inf")).to(tl.float32)
+    if PROCESSED:
+        x = tl.where(x >= tl.load(cuts_ptr + row), tl.math.div_rn(x, tl.load(temperatures_ptr + row)), float("-inf"))
+    return x
+
+
+@triton.jit
+def _stats_kernel(logits_ptr, row_stride, token_ids_ptr, vocab_size, cuts_ptr, temperatures_ptr, stats_ptr,
+                  above_ptr, chosen_ptr, BLOCK: tl.constexpr, PROCESSED: tl.constexpr):
     """stats[row, chunk] = (largest logit, mass relative to it); above[row, chunk]: its logits
-    above the sampled token's."""
+    above the sampled token's; chosen[row]: the sampled token's logit (written by chunk 0)."""
     row, chunk, num_chunks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     row_ptr = logits_ptr + row.to(tl.int64) * row_stride
     ids = chunk * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(row_ptr + ids, mask=ids < vocab_size, other=float("-inf")).to(tl.float32)
-    chosen = tl.load(row_ptr + tl.load(token_ids_ptr + row)).to(tl.float32)
+    x = _read(row_ptr, ids, ids < vocab_size, row, cuts_ptr, temperatures_ptr, PROCESSED)
+    chosen = _read(row_ptr, tl.load(token_ids_ptr + row), True, row, cuts_ptr, temperatures_ptr, PROCESSED)
     largest = tl.max(x, 0)
     mass = tl.sum(tl.exp(x - tl.where(largest > float("-inf"), largest, 0.0)), 0)
     out = row * num_chunks + chunk
     tl.store(stats_ptr + out * 2, largest)
     tl.store(stats_ptr + out * 2 + 1, mass)
     tl.store(above_ptr + out, tl.sum((x > chosen).to(tl.int32), 0))
+    if chunk == 0:
+        tl.store(chosen_ptr + row, chosen)
 
 
 @triton.jit(do_not_specialize=["num_top"])
-def _best_kernel(logits_ptr, row_stride, vocab_size, num_top, stats_ptr, floors_ptr, top_values_ptr, top_ids_ptr,
-                 BLOCK: tl.constexpr):
+def _best_kernel(logits_ptr, row_stride, vocab_size, num_top, cuts_ptr, temperatures_ptr, stats_ptr, floors_ptr,
+                 top_values_ptr, top_ids_ptr, BLOCK: tl.constexpr, PROCESSED: tl.constexpr):
     """top_values / top_ids[row, chunk, :]: the chunk's best logits at or above the row's floor,
     best first, as many as there are up to num_top (the rest left as they were: -inf and -1)."""
     row, chunk, num_chunks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
@@ -54,8 +72,8 @@ def _best_kernel(logits_ptr, row_stride, vocab_size, num_top, stats_ptr, floors_
     if tl.load(stats_ptr + out * 2) >= floor:
         offsets = tl.arange(0, BLOCK)
         ids = chunk * BLOCK + offsets
-        x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + ids, mask=ids < vocab_size,
-                    other=float("-inf")).to(tl.float32)
+        x = _read(logits_ptr + row.to(tl.int64) * row_stride, ids, ids < vocab_size, row, cuts_ptr, temperatures_ptr,
+                  PROCESSED)
         wanted = (ids < vocab_size) & (x >= floor)
         # A round is one max over 64-bit keys: the logit's sort key, made to order as a signed
         # integer (top bit flipped), above the offset reversed (ties to the lower id)
@@ -68,32 +86,39 @@ def _best_kernel(logits_ptr, row_stride, vocab_size, num_top, stats_ptr, floors_
             keys = tl.where(keys == best, GONE, keys)
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, as_logits: bool = False,
+                   cuts: torch.Tensor | None = None, temperatures: torch.Tensor | None = None):
     """logits: [B, V] raw, on CUDA, num_top <= MAX_TOP -> ([B] logprobs of token_ids, [B] their
     ranks, and with num_top > 0 the [B, num_top] best logprobs and their ids, best first), as
-    sampler.token_logprobs computes them from the log_softmax."""
+    sampler.token_logprobs computes them from the log_softmax. as_logits: the logits' values in
+    place of logprobs. cuts and temperatures ([B] float32, both or neither): the logits of the
+    processed distribution, -inf below a row's cut and divided by its temperature above it."""
     rows, vocab_size = logits.shape
-    assert logits.stride(1) == 1 and num_top <= MAX_TOP
+    assert logits.stride(1) == 1 and num_top <= MAX_TOP and (cuts is None) == (temperatures is None)
     num_chunks = triton.cdiv(vocab_size, BLOCK)
     stats = torch.empty(rows, num_chunks, 2, dtype=torch.float32, device=logits.device)
     above = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
-    launch(_stats_kernel, (rows, num_chunks), logits, logits.stride(0), token_ids, vocab_size, stats, above,
-           BLOCK=BLOCK, num_warps=4)
+    chosen = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    launch(_stats_kernel, (rows, num_chunks), logits, logits.stride(0), token_ids, vocab_size, cuts, temperatures,
+           stats, above, chosen, BLOCK=BLOCK, PROCESSED=cuts is not None, num_warps=4)
     largest, mass = stats.unbind(-1)
-    row_max = largest.max(1, keepdim=True).values
-    log_mass = (mass * (largest - row_max).exp()).sum(1, keepdim=True).log()
-    logprobs = (logits.gather(1, token_ids[:, None]).float() - row_max - log_mass).squeeze(1)
     ranks = above.sum(1) + 1
+    if as_logits:
+        log_norm = 0.0
+    else:   # the rows' log-sum-exp, from the chunks' maxima and masses
+        row_max = largest.max(1, keepdim=True).values
+        log_norm = row_max + (mass * (largest - row_max).exp()).sum(1, keepdim=True).log()
+        chosen = (chosen[:, None] - log_norm).squeeze(1)
     if num_top == 0:
-        return logprobs, ranks, None, None
+        return chosen, ranks, None, None
     floors = (largest.topk(num_top, dim=1).values[:, -1].contiguous() if num_top <= num_chunks else
               torch.full((rows,), float("-inf"), device=logits.device))
     top_values = torch.full((rows, num_chunks, num_top), float("-inf"), device=logits.device)
     top_ids = torch.full((rows, num_chunks, num_top), -1, dtype=torch.int64, device=logits.device)
-    launch(_best_kernel, (rows, num_chunks), logits, logits.stride(0), vocab_size, num_top, stats, floors,
-           top_values, top_ids, BLOCK=BLOCK, num_warps=4)
+    launch(_best_kernel, (rows, num_chunks), logits, logits.stride(0), vocab_size, num_top, cuts, temperatures,
+           stats, floors, top_values, top_ids, BLOCK=BLOCK, PROCESSED=cuts is not None, num_warps=4)
     # The slots left empty are id -1: ranked below every logit, -inf ones included
     top_values, top_ids = top_values.view(rows, -1), top_ids.view(rows, -1)
     keys = torch.where(top_ids < 0, float("-inf"), top_values.clamp_min(torch.finfo(torch.float32).min))
     best = keys.topk(num_top, dim=1).indices
-    return logprobs, ranks, top_values.gather(1, best) - row_max - log_mass, top_ids.gather(1, best)
+    return chosen, ranks, top_values.gather(1, best) - log_norm, top_ids.gather(1, best)

@@ -198,6 +198,12 @@ def selects_top_k(top_k: torch.Tensor | None, max_top_k: int | None) -> bool:
     return top_k is not None and max_top_k is not None and max_top_k <= SELECT_TOP_K_MAX
 
 
+def sorts(md: SamplingMetadata) -> bool:
+    """Whether the fused sampler sorts this batch's rows (a top_k above SELECT_TOP_K_MAX), filtering
+    them in torch, rather than cutting them in its kernels."""
+    return not md.all_greedy and md.top_k is not None and not selects_top_k(md.top_k, md.max_top_k or md.max_set_top_k)
+
+
 def top_k_top_p_cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None, max_top_k: int,
                     temperatures: torch.Tensor | None = None) -> torch.Tensor:
     """[B, 1]: each row's smallest logit that top-k, then top-p keep, from its max_top_k best
@@ -251,8 +257,9 @@ class Sampler:
         machine, ~0.05 s once Triton's cache holds them). Each batch is sampled twice: as it
         comes, in the model's dtype, and with its first row penalised and held to an all-allowing
         grammar bitmask, for the logit-edit kernels (after which the batch is float32; perf_notes
-        row 84); each with one logprob a row (the logprobs kernels, on the raw logits). A dry pass
-        over the same batches first queues every kernel variant's compile at once
+        row 84); each with one logprob a row (the logprobs kernels, on the raw logits or, in the
+        processed modes, on the processed ones, and then once on raw ones for prompt logprobs). A
+        dry pass over the same batches first queues every kernel variant's compile at once
         (kernels/compile_ahead.py), so that they compile side by side rather than one by one. The
         noise generator is left as it was. -> False if there is nothing to compile (the CPU path)."""
         if not self.fused:
@@ -277,6 +284,9 @@ class Sampler:
                                           row_seeds=[], banned_rows=None, banned_tokens=None, max_num_logprobs=1,
                                           **row_edits)
                     self(torch.randn(rows, vocab_size, generator=values, device=device, dtype=dtype), md)
+                if self.logprobs_mode.startswith("processed"):   # (prompt logprobs: from the raw logits in every mode)
+                    kernel_token_logprobs(torch.randn(rows, vocab_size, generator=values, device=device, dtype=dtype),
+                                          full(0, torch.int64), 1)
 
         from nanovllm.kernels import compile_ahead
         compile_ahead.dry_run(sample_each_batch)
@@ -286,11 +296,16 @@ class Sampler:
 
     def _logprobs_in_kernels(self, logits: torch.Tensor, md: SamplingMetadata) -> bool:
         """Whether kernels/triton_logprobs.py serves this batch's logprobs: on CUDA, for up to
-        MAX_TOP of a row's best, without logprob_token_ids (which want the whole log_softmax), and
-        with the raw logits kept (the edits work in place on float32 logits, on a copy of others)."""
+        MAX_TOP of a row's best, without logprob_token_ids (which want the whole row's scores); in
+        the raw modes with the raw logits kept (the edits work in place on float32 logits, on a copy
+        of others), in the processed modes where the fused sampler's cut stands for the filters."""
         from nanovllm.kernels.triton_logprobs import MAX_TOP
-        return (self.fused and md.max_num_logprobs <= MAX_TOP and md.logprob_rows is None
-                and not (md.edits_logits and logits.dtype == torch.float32))
+        if not (self.fused and md.max_num_logprobs is not None and md.max_num_logprobs <= MAX_TOP
+                and md.logprob_rows is None):
+            return False
+        if self.logprobs_mode.startswith("raw"):
+            return not (md.edits_logits and logits.dtype == torch.float32)
+        return not sorts(md)
 
     def _exponential_noise(self, probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         q = torch.empty_like(probs).exponential_(generator=self.generator)
@@ -315,7 +330,7 @@ class Sampler:
             # at one row), but their launches cost batch-1 latency more (perf_notes row 48)
             return logits.argmax(-1), None
         seeds = self._row_seeds(md, logits.shape[0], logits.device)
-        if md.top_k is not None and not selects_top_k(md.top_k, md.max_top_k or md.max_set_top_k):
+        if sorts(md):
             # a top_k above SELECT_TOP_K_MAX: sorted and drawn SORT_ROWS rows at a time (temperature and
             # min-p applied in the filtered logits)
             tokens = torch.empty(len(logits), dtype=torch.int64, device=logits.device)
@@ -361,10 +376,9 @@ class Sampler:
         if md.grammar_rows is not None:   # before the logprobs, as vLLM applies its grammar bitmask
             apply_token_bitmask(logits, md.grammar_rows, md.grammar_bitmask)
         raw_logits, scores, mode = logits, None, self.logprobs_mode
-        in_kernels = (md.max_num_logprobs is not None and mode == "raw_logprobs"
-                      and self._logprobs_in_kernels(logits, md))
+        in_kernels, as_logits = self._logprobs_in_kernels(logits, md), mode.endswith("logits")
         if md.max_num_logprobs is not None and not in_kernels and mode.startswith("raw"):
-            scores = logits.float().log_softmax(-1) if mode == "raw_logprobs" else logits.to(torch.float32, copy=True)
+            scores = logits.to(torch.float32, copy=True) if as_logits else logits.float().log_softmax(-1)
         if md.edits_logits:
             logits = restrict_and_bias(logits.float(), md)
             if md.penalty_rows is not None:
@@ -378,12 +392,16 @@ class Sampler:
             token_ids, cut = self._sample_torch(logits.float(), md), None
         if md.penalty_rows is not None:
             count_sampled(md, token_ids)
-        if in_kernels:
-            return kernel_token_logprobs(raw_logits, token_ids, md.max_num_logprobs)
         if md.max_num_logprobs is None:
             return SamplerOutput(token_ids)
+        if in_kernels and mode.startswith("raw"):
+            return kernel_token_logprobs(raw_logits, token_ids, md.max_num_logprobs, as_logits)
+        if in_kernels:   # the processed modes
+            cuts, temperatures = processed_cuts(cut, md, len(logits), logits.device)
+            return kernel_token_logprobs(logits, token_ids, md.max_num_logprobs, as_logits, cuts=cuts,
+                                         temperatures=temperatures)
         if scores is None:   # the processed modes
-            scores = processed_scores(logits, md, as_logits=mode == "processed_logits", cut=cut)
+            scores = processed_scores(logits, md, as_logits, cut=cut)
         out = token_logprobs(scores, token_ids, md.max_num_logprobs)
         if md.logprob_rows is not None:
             chosen_logprobs(out, scores, md.logprob_rows, md.logprob_token_ids)
@@ -398,8 +416,8 @@ def processed_scores(logits: torch.Tensor, md: SamplingMetadata, as_logits: bool
     cut: the fused sampler's cut (_sample_fused), which stands for the filters: the tokens kept are
     then exactly those the kernels could draw, and no row is sorted."""
     scores = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-    if cut is not None:   # (greedy rows: temperature 1, no filters)
-        cut = cut.masked_fill(md.is_greedy, float("-inf"))[:, None]
+    if cut is not None:
+        cut = processed_cuts(cut, md, len(logits), logits.device)[0][:, None]
     for rows in row_blocks(len(logits)):
         x = logits[rows].float()
         if cut is not None:
@@ -410,12 +428,25 @@ def processed_scores(logits: torch.Tensor, md: SamplingMetadata, as_logits: bool
     return scores
 
 
-def kernel_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> SamplerOutput:
-    """token_logprobs' outputs from the raw logits (CUDA, num_top <= kernels/triton_logprobs.py's
-    MAX_TOP) in two passes over them, without a [B, V] float32 log_softmax."""
+def processed_cuts(cut: torch.Tensor | None, md: SamplingMetadata, num_rows: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B] cuts and [B] temperatures of the processed distribution: the fused sampler's cut (-inf
+    without one) and the rows' temperatures, where greedy rows keep every token at temperature 1."""
+    temperatures = torch.ones(num_rows, device=device) if md.all_greedy else md.temperatures
+    if cut is None:
+        return torch.full_like(temperatures, float("-inf")), temperatures
+    return cut.masked_fill(md.is_greedy, float("-inf")), temperatures
+
+
+def kernel_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, as_logits: bool = False,
+                          **processed) -> SamplerOutput:
+    """token_logprobs' outputs from the logits (CUDA, num_top <= kernels/triton_logprobs.py's MAX_TOP)
+    in two passes over them, without a [B, V] float32 log_softmax. as_logits: the values themselves;
+    processed: kernels/triton_logprobs.py's cuts and temperatures."""
     from nanovllm.kernels import triton_logprobs
     out = SamplerOutput(token_ids)
-    out.logprobs, out.ranks, out.top_logprobs, out.top_ids = triton_logprobs.token_logprobs(logits, token_ids, num_top)
+    out.logprobs, out.ranks, out.top_logprobs, out.top_ids = triton_logprobs.token_logprobs(
+        logits, token_ids, num_top, as_logits, **processed)
     return out
 
 
