@@ -126,7 +126,8 @@ def test_logprobs_modes_report_vllms_values(qwen3_dir, mode):
     """vLLM's logprobs_mode, against HF's logits on the same tokens: the "raw" modes report the raw
     logits (or their log_softmax); the "processed" ones the distribution a token is drawn from:
     after logit_bias, and in a sampling row temperature and top-k (dropped tokens at -inf); greedy
-    rows at temperature 1. Prompt tokens are scored raw in every mode: logits in the "_logits" ones."""
+    rows at temperature 1, beside sampling rows or not.
+    Prompt tokens are scored raw in every mode: logits in the "_logits" ones."""
     llm = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=64, max_logprobs=-1,
               logprobs_mode=mode)
     model = hf_model(qwen3_dir)
@@ -135,8 +136,8 @@ def test_logprobs_modes_report_vllms_values(qwen3_dir, mode):
     hot = SamplingParams(temperature=0.5, top_k=3, seed=1, max_tokens=4, ignore_eos=True, logprobs=-1,
                          prompt_logprobs=2, logit_bias=bias)
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=-1, logit_bias=bias)
-    for sp in (hot, greedy):
-        out = llm.generate([ids(prompt), ids(PROMPTS[5])], [sp, greedy], use_tqdm=False)[0]   # (mixed for hot)
+    for sp, beside in ((hot, greedy), (greedy, hot), (greedy, greedy)):
+        out = llm.generate([ids(prompt), ids(PROMPTS[5])], [sp, beside], use_tqdm=False)[0]
         comp = out.outputs[0]
         logits = model(torch.tensor([prompt + comp.token_ids])).logits[0].float()
         for t, (token, entry) in enumerate(zip(comp.token_ids, comp.logprobs)):

@@ -361,14 +361,16 @@ class Sampler:
             cut = floor if cut is None else torch.maximum(cut, floor)
         return gumbel_argmax(logits, md.temperatures, md.is_greedy, seeds, cut), cut
 
-    def _sample_torch(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """logits: [B, V] float32 -> token ids [B]."""
+    def _sample_torch(self, logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits: [B, V] float32 -> token ids [B] and the logits drawn from: scaled and filtered [B, V]
+        (greedy rows' too, though their tokens are the argmax; None if all are greedy)."""
         token_ids = logits.argmax(-1) if md.any_greedy else None
         if md.all_greedy:
-            return token_ids
-        probs = filter_logits(logits / md.temperatures[:, None], md).softmax(-1)
+            return token_ids, None
+        filtered = filter_logits(logits / md.temperatures[:, None], md)
+        probs = filtered.softmax(-1)
         sampled = probs.div_(self._exponential_noise(probs, md)).argmax(-1)
-        return sampled if token_ids is None else torch.where(md.is_greedy, token_ids, sampled)
+        return (sampled if token_ids is None else torch.where(md.is_greedy, token_ids, sampled)), filtered
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
@@ -386,10 +388,11 @@ class Sampler:
             if md.forced_rows is not None:   # last: whatever the other edits did, these rows take their token
                 fill_at(logits, (md.forced_rows,), float("-inf"))
                 fill_at(logits, (md.forced_rows, md.forced_tokens), 0.0)
+        cut = filtered = None
         if self.fused:
             token_ids, cut = self._sample_fused(logits, md)
         else:
-            token_ids, cut = self._sample_torch(logits.float(), md), None
+            token_ids, filtered = self._sample_torch(logits.float(), md)
         if md.penalty_rows is not None:
             count_sampled(md, token_ids)
         if md.max_num_logprobs is None:
@@ -401,20 +404,21 @@ class Sampler:
             return kernel_token_logprobs(logits, token_ids, md.max_num_logprobs, as_logits, cuts=cuts,
                                          temperatures=temperatures)
         if scores is None:   # the processed modes
-            scores = processed_scores(logits, md, as_logits, cut=cut)
+            scores = processed_scores(logits, md, as_logits, cut=cut, filtered=filtered)
         out = token_logprobs(scores, token_ids, md.max_num_logprobs)
         if md.logprob_rows is not None:
             chosen_logprobs(out, scores, md.logprob_rows, md.logprob_token_ids)
         return out
 
 
-def processed_scores(logits: torch.Tensor, md: SamplingMetadata, as_logits: bool,
-                     cut: torch.Tensor | None = None) -> torch.Tensor:
+def processed_scores(logits: torch.Tensor, md: SamplingMetadata, as_logits: bool, cut: torch.Tensor | None = None,
+                     filtered: torch.Tensor | None = None) -> torch.Tensor:
     """[B, V] float32: the logits tokens are drawn from (vLLM's processed logits: after the logit
     edits and, in sampling rows, temperature, min-p, top-k and top-p, dropped tokens at -inf;
-    greedy rows' edited logits as they are), or their log_softmax. SORT_ROWS rows at a time.
-    cut: the fused sampler's cut (_sample_fused), which stands for the filters: the tokens kept are
-    then exactly those the kernels could draw, and no row is sorted."""
+    greedy rows' edited logits as they are: SamplingParams drops their filters), or their log_softmax.
+    SORT_ROWS rows at a time. cut: the fused sampler's cut (_sample_fused), which stands for the
+    filters: the tokens kept are then exactly those the kernels could draw, and no row is sorted.
+    filtered: the torch sampler's scaled and filtered logits (_sample_torch), not filtered again."""
     scores = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     if cut is not None:
         cut = processed_cuts(cut, md, len(logits), logits.device)[0][:, None]
@@ -423,7 +427,7 @@ def processed_scores(logits: torch.Tensor, md: SamplingMetadata, as_logits: bool
         if cut is not None:
             x = x.masked_fill(x < cut[rows], float("-inf")).div_(md.temperatures[rows, None])
         elif not md.all_greedy:
-            x = filter_logits(x / md.temperatures[rows, None], md, rows)
+            x = filter_logits(x / md.temperatures[rows, None], md, rows) if filtered is None else filtered[rows]
         scores[rows] = x if as_logits else x.log_softmax(-1)
     return scores
 
