@@ -17,7 +17,7 @@ comparison over the row and torch.topk, the CUDA path before perf_notes row 93.
 The other logprobs modes (config.py's LOGPROBS_MODES) read the same passes differently: "*_logits"
 reports the values themselves (no log-sum-exp), and "processed_*" reads each row's logits as the
 sampler draws from them, those below the fused sampler's cut at -inf and the rest divided by the
-row's temperature (perf_notes row 123), as layers/sampler.py's `processed_scores` does in torch.
+row's temperature (perf_notes row 124), as layers/sampler.py's `processed_scores` does in torch.
 """
 import torch
 import triton
@@ -88,10 +88,10 @@ def _best_kernel(logits_ptr, row_stride, vocab_size, num_top, cuts_ptr, temperat
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, as_logits: bool = False,
                    cuts: torch.Tensor | None = None, temperatures: torch.Tensor | None = None):
-    """logits: [B, V] raw, on CUDA, num_top <= MAX_TOP -> ([B] logprobs of token_ids, [B] their
-    ranks, and with num_top > 0 the [B, num_top] best logprobs and their ids, best first), as
-    sampler.token_logprobs computes them from the log_softmax. as_logits: the logits' values in
-    place of logprobs. cuts and temperatures ([B] float32, both or neither): the logits of the
+    """logits: [B, V] (raw, or edited as the sampler drew from them), on CUDA, num_top <= MAX_TOP ->
+    ([B] logprobs of token_ids, [B] their ranks, and with num_top > 0 the [B, num_top] best logprobs
+    and their ids, best first), as sampler.token_logprobs computes them from the log_softmax.
+    as_logits: the logits' values in place of logprobs. cuts and temperatures ([B] float32, both or neither): the logits of the
     processed distribution, -inf below a row's cut and divided by its temperature above it."""
     rows, vocab_size = logits.shape
     assert logits.stride(1) == 1 and num_top <= MAX_TOP and (cuts is None) == (temperatures is None)
