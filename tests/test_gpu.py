@@ -230,6 +230,7 @@ def test_logprobs_modes_on_gpu(gpu_model_dir):
     logprobs kernels; the whole vocabulary goes through torch) gets the same tokens, and its entries
     agree with the whole vocabulary's: the drawn token's value and the 5 best."""
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:len(MODE_PARAMS)]]
+    close = lambda a, b: torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-4)   # (-inf too)
     runs = {}
     for mode in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"):
         with LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
@@ -240,7 +241,6 @@ def test_logprobs_modes_on_gpu(gpu_model_dir):
             vocab = llm.llm_engine.model_runner.vocab_size
         runs[mode] = [(c.token_ids, torch.tensor([[step[t].logprob for t in range(vocab)] for step in c.logprobs]))
                       for c in (out.outputs[0] for out in outs)]
-        close = lambda a, b: torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-4)   # (-inf too)
         for (tokens, values), five in zip(runs[mode], (out.outputs[0] for out in best)):
             assert five.token_ids == tokens, mode
             for token, row, step in zip(tokens, values, five.logprobs):
@@ -539,7 +539,7 @@ def test_sampling_kernels_compile_at_start_up(gpu_model_dir, logprobs_mode):
     model's dtype) and an edited one (float32), and the two logprobs kernels theirs (the raw
     logits' dtype; in the processed modes the processed variant in both, and the raw one for prompt
     logprobs), so that no kind of first request compiles anything on an empty Triton cache
-    (perf_notes rows 84, 93, 123)."""
+    (perf_notes rows 84, 93, 124)."""
     from nanovllm.kernels.triton_logprobs import _best_kernel, _stats_kernel
     from nanovllm.kernels.triton_sampler import _draw_kernel, _group_stats_kernel
     variants = forget_variants(_group_stats_kernel, _draw_kernel, _stats_kernel, _best_kernel)
