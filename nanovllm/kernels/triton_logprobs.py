@@ -91,8 +91,9 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, 
     """logits: [B, V] (raw, or edited as the sampler drew from them), on CUDA, num_top <= MAX_TOP ->
     ([B] logprobs of token_ids, [B] their ranks, and with num_top > 0 the [B, num_top] best logprobs
     and their ids, best first), as sampler.token_logprobs computes them from the log_softmax.
-    as_logits: the logits' values in place of logprobs. cuts and temperatures ([B] float32, both or neither): the logits of the
-    processed distribution, -inf below a row's cut and divided by its temperature above it."""
+    as_logits: the logits' values in place of logprobs. cuts and temperatures ([B] float32, both or
+    neither): the logits of the processed distribution, -inf below a row's cut and divided by its
+    temperature above it."""
     rows, vocab_size = logits.shape
     assert logits.stride(1) == 1 and num_top <= MAX_TOP and (cuts is None) == (temperatures is None)
     num_chunks = triton.cdiv(vocab_size, BLOCK)
