@@ -228,36 +228,55 @@ def test_logprobs_modes_on_gpu(gpu_model_dir):
     of those logits after logit_bias, temperature, min-p, top-k and top-p (the kernels' cut: ties at a
     cut all kept), and never -inf for a drawn token. In every mode, a request for 5 logprobs (the
     logprobs kernels; the whole vocabulary goes through torch) gets the same tokens, and its entries
-    agree with the whole vocabulary's: the drawn token's value and the 5 best."""
+    agree with the whole vocabulary's: the drawn token's value and the 5 best. "processed_logits"
+    keeps the tokens "processed_logprobs" keeps, at the edited, scaled logits' values. Prompt
+    logprobs are never processed: the logits in the "*_logits" modes, their log_softmax otherwise,
+    and 5 of them (the kernels) agree with the whole vocabulary's (torch)."""
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:len(MODE_PARAMS)]]
     close = lambda a, b: torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-4)   # (-inf too)
-    runs = {}
+    def agree(mode, token, row, step):   # a 5-logprob entry (kernels) against the whole vocabulary's row (torch)
+        assert token in step and len(step) in (5, 6), (mode, step)
+        assert close([e.logprob for e in step.values()], [row[t].item() for t in step]), (mode, step)
+        assert close(sorted((e.logprob for e in step.values()), reverse=True)[:5], row.topk(5).values.tolist())
+
+    runs, prompt_runs = {}, {}
     for mode in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"):
         with LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
                  max_logprobs=-1, logprobs_mode=mode) as llm:
             outs = llm.generate(prompts, MODE_PARAMS, use_tqdm=False)
             llm.reset_prefix_cache()
             best = llm.generate(prompts, [dataclasses.replace(sp, logprobs=5) for sp in MODE_PARAMS], use_tqdm=False)
+            scored = {k: llm.generate(prompts[:2], SamplingParams(max_tokens=1, prompt_logprobs=k), use_tqdm=False)
+                      for k in (-1, 5)}
             vocab = llm.llm_engine.model_runner.vocab_size
-        runs[mode] = [(c.token_ids, torch.tensor([[step[t].logprob for t in range(vocab)] for step in c.logprobs]))
-                      for c in (out.outputs[0] for out in outs)]
+        whole = lambda steps: torch.tensor([[step[t].logprob for t in range(vocab)] for step in steps])
+        runs[mode] = [(c.token_ids, whole(c.logprobs)) for c in (out.outputs[0] for out in outs)]
         for (tokens, values), five in zip(runs[mode], (out.outputs[0] for out in best)):
             assert five.token_ids == tokens, mode
             for token, row, step in zip(tokens, values, five.logprobs):
-                assert token in step and len(step) in (5, 6), (mode, step)
-                assert close([e.logprob for e in step.values()], [row[t].item() for t in step]), (mode, step)
-                assert close(sorted((e.logprob for e in step.values()), reverse=True)[:5], row.topk(5).values.tolist())
+                agree(mode, token, row, step)
+        prompt_runs[mode] = torch.cat([whole(out.prompt_logprobs[1:]) for out in scored[-1]])
+        five = [(token, step) for out in scored[5] for token, step in zip(out.prompt_token_ids[1:],
+                                                                          out.prompt_logprobs[1:])]
+        assert len(five) == len(prompt_runs[mode])
+        for (token, step), row in zip(five, prompt_runs[mode]):
+            agree(mode, token, row, step)
+    assert torch.allclose(prompt_runs["raw_logits"].log_softmax(-1), prompt_runs["raw_logprobs"], atol=1e-4)
+    assert torch.allclose(prompt_runs["processed_logprobs"], prompt_runs["raw_logprobs"], atol=1e-5)
+    assert torch.allclose(prompt_runs["processed_logits"], prompt_runs["raw_logits"], atol=1e-5)
     checked = 0
-    for sp, (tokens, logprobs), (raw_tokens, logits), (processed_tokens, processed), _ in zip(
+    for sp, (tokens, logprobs), (raw_tokens, logits), (processed_tokens, processed), (_, processed_logits) in zip(
             MODE_PARAMS, *runs.values()):
         assert tokens == raw_tokens == processed_tokens
         assert torch.allclose(logits.log_softmax(-1), logprobs, atol=1e-4)
-        for token, row, got in zip(tokens, logits.clone(), processed):
+        for token, row, got, got_logits in zip(tokens, logits.clone(), processed, processed_logits):
             for token_id, bias in (sp.logit_bias or {}).items():
                 row[token_id] += bias
             if sp.temperature > 0:
                 row = row / sp.temperature
             kept = got.isfinite()
+            assert torch.equal(got_logits.isfinite(), kept), sp
+            assert torch.allclose(got_logits[kept], row[kept], rtol=1e-5, atol=1e-5), sp
             assert not (kept & ~processed_support(row, sp, 1e-4)).any()
             dropped = processed_support(row, sp, -1e-4) & ~kept      # only ties with the last kept token
             assert (row[dropped] == row[kept].min()).all(), (sp, row[dropped])
