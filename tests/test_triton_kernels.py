@@ -811,10 +811,12 @@ def test_fused_sampler_cuts_draw_what_the_masked_logits_draw(case, monkeypatch):
         assert ours[4] == logits[4].float().argmax()      # top_k 1
 
 
-def test_fused_sampler_sorted_path_in_blocks_of_rows_draws_what_the_whole_filter_draws(monkeypatch):
+@pytest.mark.parametrize("mode", [None, "processed_logprobs", "processed_logits"])
+def test_fused_sampler_sorted_path_in_blocks_of_rows_draws_what_the_whole_filter_draws(mode, monkeypatch):
     """A top_k above SELECT_TOP_K_MAX: the fused sampler filters and draws its rows SORT_ROWS at a time
     (here 2, so a partial last block) and gets the same tokens as the Gumbel kernel on the whole
-    batch's filtered logits, with the same seeds."""
+    batch's filtered logits, with the same seeds. In the processed logprobs modes the logprobs are
+    those filtered logits (kept from the draw) or their log_softmax."""
     from nanovllm.layers import sampler as sampler_module
     from nanovllm.layers.sampler import Sampler, SamplingMetadata, filter_logits
     monkeypatch.setattr(sampler_module, "SORT_ROWS", 2)
@@ -826,19 +828,30 @@ def test_fused_sampler_sorted_path_in_blocks_of_rows_draws_what_the_whole_filter
     md = SamplingMetadata(temperatures=temps, is_greedy=greedy, all_greedy=False, any_greedy=True,
                           top_k=torch.tensor([2_000, vocab, 1_500, 3, vocab]), max_top_k=None, max_set_top_k=2_000,
                           top_p=torch.tensor([0.9, 0.8, 1.0, 0.5, 0.7]), min_p=torch.tensor([0.0, 0.05, 0.1, 0.0, 0.0]),
-                          row_seeds=[], banned_rows=None, banned_tokens=None)
+                          row_seeds=[], banned_rows=None, banned_tokens=None,
+                          max_num_logprobs=None if mode is None else 3)
     filtered = filter_logits(logits.float() / temps[:, None], md)
+    scores = filtered if mode == "processed_logits" else filtered.log_softmax(-1)
     for name in ("temperatures", "is_greedy", "top_k", "top_p", "min_p"):
         setattr(md, name, getattr(md, name).to(DEVICE))
-    sampler = Sampler(torch.Generator(device=DEVICE))
+    sampler = Sampler(torch.Generator(device=DEVICE), logprobs_mode=mode or "raw_logprobs")
     sampler.fused = True
+    blocks = []   # the rows filter_logits is given: each row once, for the draw and the scores alike
+    monkeypatch.setattr(sampler_module, "filter_logits",
+                        lambda x, md, rows: blocks.append(rows) or filter_logits(x, md, rows))
     for draw in range(4):
         seeds = torch.randint(0, 1 << 62, (batch,), generator=gen)
         monkeypatch.setattr(sampler, "_row_seeds", lambda *args: seeds.to(DEVICE))
-        ours = sampler(logits.to(DEVICE), md).token_ids.cpu()
+        blocks.clear()
+        out = sampler(logits.to(DEVICE), md)
+        assert blocks == [slice(0, 2), slice(2, 4), slice(4, 6)]
+        ours = out.token_ids.cpu()
         assert ours.tolist() == sample_fused(filtered, torch.ones(batch), greedy, seeds).tolist()
         assert filtered.gather(-1, ours[:, None]).isfinite().all()
         assert ours[4] == logits[4].float().argmax()
+        if mode is not None:
+            assert torch.equal(out.logprobs.cpu(), scores.gather(-1, ours[:, None]).squeeze(-1))
+            assert torch.equal(out.top_logprobs.cpu(), scores.topk(3, -1).values)
 
 
 @pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])

@@ -321,24 +321,30 @@ class Sampler:
             seeds[md.seeded_rows] = md.seed_values
         return seeds
 
-    def _sample_fused(self, logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> token ids [B] and, where the kernels cut the rows, the cut: [B] float32, each row's smallest
-        unscaled logit that may be drawn (None where no filter is set, or where torch filtered the rows)."""
+    def _sample_fused(self, logits: torch.Tensor, md: SamplingMetadata,
+                      keep_filtered: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """-> token ids [B]; where the kernels cut the rows, the cut: [B] float32, each row's smallest
+        unscaled logit that may be drawn (None where no filter is set, or where torch filtered the
+        rows); where torch filtered them and keep_filtered is set, the logits drawn from, as
+        _sample_torch gives them (else None)."""
         from nanovllm.kernels.triton_sampler import gumbel_argmax
         if md.all_greedy:
             # torch's argmax: the two passes' greedy rows are faster on the GPU (3.8 against 8.8 us
             # at one row), but their launches cost batch-1 latency more (perf_notes row 48)
-            return logits.argmax(-1), None
+            return logits.argmax(-1), None, None
         seeds = self._row_seeds(md, logits.shape[0], logits.device)
         if sorts(md):
             # a top_k above SELECT_TOP_K_MAX: sorted and drawn SORT_ROWS rows at a time (temperature and
             # min-p applied in the filtered logits)
             tokens = torch.empty(len(logits), dtype=torch.int64, device=logits.device)
+            filtered = torch.empty(logits.shape, device=logits.device) if keep_filtered else None
             for rows in row_blocks(len(logits)):
                 scaled = filter_logits(logits[rows].float() / md.temperatures[rows, None], md, rows)
                 tokens[rows] = gumbel_argmax(scaled, torch.ones_like(md.temperatures[rows]), md.is_greedy[rows],
                                              seeds[rows])
-            return tokens, None
+                if filtered is not None:
+                    filtered[rows] = scaled
+            return tokens, None, filtered
         # The filters as one cut value per row (top_k_top_p_cut's and min_p_cut's values), applied
         # inside the kernel: no [B, V] pass of torch
         from nanovllm.kernels import triton_top_k, triton_top_p
@@ -359,7 +365,7 @@ class Sampler:
         if md.min_p is not None:
             floor = min_p_cut(logits, md.min_p, md.temperatures)
             cut = floor if cut is None else torch.maximum(cut, floor)
-        return gumbel_argmax(logits, md.temperatures, md.is_greedy, seeds, cut), cut
+        return gumbel_argmax(logits, md.temperatures, md.is_greedy, seeds, cut), cut, None
 
     def _sample_torch(self, logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits: [B, V] float32 -> token ids [B] and the logits drawn from: scaled and filtered [B, V]
@@ -389,8 +395,9 @@ class Sampler:
                 fill_at(logits, (md.forced_rows,), float("-inf"))
                 fill_at(logits, (md.forced_rows, md.forced_tokens), 0.0)
         cut = filtered = None
-        if self.fused:
-            token_ids, cut = self._sample_fused(logits, md)
+        if self.fused:   # (the processed modes' torch path keeps what a sorted batch was drawn from)
+            processed_in_torch = md.max_num_logprobs is not None and not in_kernels and mode.startswith("processed")
+            token_ids, cut, filtered = self._sample_fused(logits, md, keep_filtered=processed_in_torch)
         else:
             token_ids, filtered = self._sample_torch(logits.float(), md)
         if md.penalty_rows is not None:
@@ -418,7 +425,13 @@ def processed_scores(logits: torch.Tensor, md: SamplingMetadata, as_logits: bool
     greedy rows' edited logits as they are: SamplingParams drops their filters), or their log_softmax.
     SORT_ROWS rows at a time. cut: the fused sampler's cut (_sample_fused), which stands for the
     filters: the tokens kept are then exactly those the kernels could draw, and no row is sorted.
-    filtered: the torch sampler's scaled and filtered logits (_sample_torch), not filtered again."""
+    filtered: the scaled and filtered logits the sampler drew from (_sample_torch's, or a sorted
+    batch's in _sample_fused), not filtered again: the scores are written over them."""
+    if filtered is not None:
+        if not as_logits:
+            for rows in row_blocks(len(filtered)):
+                filtered[rows] = filtered[rows].log_softmax(-1)
+        return filtered
     scores = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     if cut is not None:
         cut = processed_cuts(cut, md, len(logits), logits.device)[0][:, None]
@@ -427,7 +440,7 @@ def processed_scores(logits: torch.Tensor, md: SamplingMetadata, as_logits: bool
         if cut is not None:
             x = x.masked_fill(x < cut[rows], float("-inf")).div_(md.temperatures[rows, None])
         elif not md.all_greedy:
-            x = filter_logits(x / md.temperatures[rows, None], md, rows) if filtered is None else filtered[rows]
+            x = filter_logits(x / md.temperatures[rows, None], md, rows)
         scores[rows] = x if as_logits else x.log_softmax(-1)
     return scores
 
