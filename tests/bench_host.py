@@ -32,7 +32,7 @@ from bench import tokenizer_options
 from conftest import VOCAB_SIZE, build_model_dir, build_tokenizer
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import prompt_logprobs
-from nanovllm.layers.sampler import SamplerOutput
+from nanovllm.layers.sampling_metadata import SamplerOutput
 from nanovllm.utils.heap import fewer_collections
 
 

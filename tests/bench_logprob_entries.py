@@ -26,7 +26,7 @@ from nanovllm import SamplingParams
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.prompt_logprobs import PromptScores
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import SamplerOutput
+from nanovllm.layers.sampling_metadata import SamplerOutput
 from nanovllm.utils.heap import fewer_collections
 
 

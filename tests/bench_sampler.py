@@ -1,5 +1,5 @@
 """Sampler kernel timings on the GPU at decode batch sizes (a developer tool, not a test):
-the top-k/top-p cut by torch.topk (layers/sampler.py's reference) against ours
+the top-k/top-p cut by torch.topk (layers/sampling_filters.py's reference) against ours
 (kernels/triton_top_k.py), and the fused Gumbel kernel with and without a cut; then top-p
 without top-k: the sort of every row (what the sampler did before kernels/triton_top_p.py)
 against our cut, in a few configurations.
@@ -16,7 +16,7 @@ from gpu_timing import us_per_call_in_graph
 from nanovllm.kernels import triton_top_k
 from nanovllm.kernels.triton_sampler import gumbel_argmax
 from nanovllm.kernels.triton_top_p import top_p_cut
-from nanovllm.layers.sampler import apply_top_k_top_p, top_k_top_p_cut
+from nanovllm.layers.sampling_filters import apply_top_k_top_p, top_k_top_p_cut
 
 VOCAB = 151936
 

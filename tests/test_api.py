@@ -832,7 +832,7 @@ def test_prompt_scores_give_the_same_entries_flat_and_as_dicts():
     position: the same entries, for sequences asking fewer top tokens than the step scored (0 too),
     and with a token in its own top (listed once, at its own rank)."""
     from nanovllm.engine.prompt_logprobs import PromptScores
-    from nanovllm.layers.sampler import SamplerOutput
+    from nanovllm.layers.sampling_metadata import SamplerOutput
     rng = np.random.default_rng(0)
     rows = 3 + 5 + 4
     token_ids = rng.integers(0, 50, rows)

@@ -664,7 +664,7 @@ def test_decode_kernels_compile_at_start_up(gpu_model_dir):
 def test_top_k_top_p_select_path_equals_the_sort_on_gpu():
     """The sampler's top-k/top-p from each row's best logits (torch.topk on CUDA) drops what the
     sort of the whole vocabulary drops, on a decode batch's shape."""
-    from nanovllm.layers.sampler import apply_top_k_top_p
+    from nanovllm.layers.sampling_filters import apply_top_k_top_p
     gen = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(256, 151_936, generator=gen, device="cuda") * 2
     top_k = torch.randint(1, 200, (256,), generator=gen, device="cuda")

@@ -9,7 +9,8 @@ import torch
 from conftest import check_within_top_k_top_p, hf_model, make_prompts, watch_overlap
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.penalty_counts import PenaltyCounts
-from nanovllm.layers.sampler import Sampler, SamplingMetadata
+from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampling_metadata import SamplingMetadata
 
 PROMPTS = make_prompts()
 
@@ -332,7 +333,7 @@ def test_top_k_top_p_from_the_best_logits_equal_the_full_sort():
     """The select path (every row has a top_k <= SELECT_TOP_K_MAX) drops exactly the tokens the
     sort of the whole vocabulary drops, top-k alone and with top-p, per-row values; where top-p's
     cut falls inside a run of tied logits it keeps the whole run (the sort keeps part of it)."""
-    from nanovllm.layers.sampler import apply_top_k_top_p
+    from nanovllm.layers.sampling_filters import apply_top_k_top_p
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(8, 1000, generator=gen) * 3
     logits[5, :40] = 7.5                                            # 40 tied logits near the top
@@ -352,7 +353,7 @@ def test_a_row_with_nothing_left_to_draw_passes_top_k_and_top_p():
     """Where the request's own constraints leave no token (a grammar that wants only EOS while
     min_tokens forbids it), every logit is -inf: top-k and top-p keep the row as it is, and the
     other rows are filtered as alone, rather than an index -1 failing the whole step."""
-    from nanovllm.layers.sampler import apply_top_k_top_p
+    from nanovllm.layers.sampling_filters import apply_top_k_top_p
     logits = torch.tensor([[float("-inf")] * 4, [0.0, 3.0, 1.0, 2.0]])
     filtered = apply_top_k_top_p(logits, torch.tensor([1, 2]), torch.tensor([0.9, 0.9]), max_top_k=2)
     assert filtered[0].isinf().all()
@@ -362,7 +363,7 @@ def test_a_row_with_nothing_left_to_draw_passes_top_k_and_top_p():
 def test_filter_logits_of_a_block_of_rows_equals_those_rows_of_the_whole():
     """The sorted path filters SORT_ROWS rows at a time on CUDA: filter_logits on rows a:b of the
     batch, given md's rows a:b, is those rows of the whole batch's result, to the bit."""
-    from nanovllm.layers.sampler import filter_logits
+    from nanovllm.layers.sampling_filters import filter_logits
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(7, 500, generator=gen) * 3
     md = metadata(7, top_k=torch.tensor([1, 500, 30, 499, 200, 7, 500]),
@@ -377,15 +378,17 @@ def test_filter_logits_of_a_block_of_rows_equals_those_rows_of_the_whole():
 def test_token_logprobs_ranks_counted_by_blocks_of_rows(monkeypatch):
     """token_logprobs counts the ranks SORT_ROWS rows at a time (here 2, so a partial last block):
     each row's rank is 1 + its logprobs above the token's, ties not counted, whatever the block."""
-    from nanovllm.layers import sampler as sampler_module
-    monkeypatch.setattr(sampler_module, "SORT_ROWS", 2)
+    from nanovllm.layers import sampling_filters
+    from nanovllm.layers.logprobs import token_logprobs
+    monkeypatch.setattr(sampling_filters, "SORT_ROWS", 2)
     logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-3.0, -2.0, -1.0], [-2.0, -2.0, -0.5],
                              [-0.5, -1.5, -2.5], [-1.0, -1.0, -1.0]])
-    out = sampler_module.token_logprobs(logprobs, torch.tensor([2, 2, 1, 1, 0]), num_top=1)
+    out = token_logprobs(logprobs, torch.tensor([2, 2, 1, 1, 0]), num_top=1)
     assert out.ranks.tolist() == [3, 1, 2, 2, 1]
     assert out.logprobs.tolist() == [-3.0, -1.0, -2.0, -1.5, -1.0]
     assert out.top_ids[:, 0].tolist() == [0, 2, 2, 0, 0]
-    assert sampler_module.row_blocks(0) == [slice(0, 2)] and sampler_module.row_blocks(4) == [slice(0, 2), slice(2, 4)]
+    row_blocks = sampling_filters.row_blocks
+    assert row_blocks(0) == [slice(0, 2)] and row_blocks(4) == [slice(0, 2), slice(2, 4)]
 
 
 def test_top_k_and_top_p_sampled_through_the_select_path():
@@ -416,7 +419,7 @@ def test_min_p_cut_keeps_what_the_min_p_filter_keeps():
     """The fused sampler's min-p cut (unscaled logits, the row's temperature inside it) keeps
     exactly the tokens that filter_logits' min-p keeps on the scaled logits, temperature and
     min_p 0 (off) included."""
-    from nanovllm.layers.sampler import filter_logits, min_p_cut
+    from nanovllm.layers.sampling_filters import filter_logits, min_p_cut
     logits = torch.tensor([[4.0, 3.0, 1.0, -2.0], [0.5, 0.5, 0.25, 0.0], [1.0, 2.0, 3.0, 4.0]])
     min_p, temps = torch.tensor([0.3, 0.9, 0.0]), torch.tensor([1.0, 0.5, 2.0])
     cut = min_p_cut(logits, min_p, temps)
@@ -429,7 +432,7 @@ def test_min_p_cut_keeps_what_the_min_p_filter_keeps():
 def test_penalties_exact_values():
     """From the device-side token counts (2 x output count + 1 if in the prompt), in the
     penalised rows only; a new row is cleared and marked with its prompt first."""
-    from nanovllm.layers.sampler import apply_penalties
+    from nanovllm.layers.logit_edits import apply_penalties
     logits = torch.tensor([[2.0, -1.0, 0.5, 1.0], [2.0, -1.0, 0.5, 1.0]])
     table = torch.full((3, 5), 7, dtype=torch.int32)                  # stale counts of an earlier owner
     table[2] = torch.tensor([4, 2, 0, 0, 0], dtype=torch.int32)       # token 0 twice, token 1 once
@@ -445,7 +448,7 @@ def test_penalties_exact_values():
 
 
 def test_sampled_tokens_are_counted_on_the_device():
-    from nanovllm.layers.sampler import count_sampled
+    from nanovllm.layers.logit_edits import count_sampled
     table = torch.zeros(3, 5, dtype=torch.int32)
     md = metadata(3, penalty_rows=torch.tensor([0, 2]), penalty_table=table, penalty_table_rows=torch.tensor([2, 0]))
     count_sampled(md, torch.tensor([3, 1, 1]))

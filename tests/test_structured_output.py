@@ -9,7 +9,7 @@ import torch
 from conftest import log_lines, watch_overlap
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.structured_output import BitmaskFiller, choice_as_grammar
-from nanovllm.layers.sampler import apply_token_bitmask
+from nanovllm.layers.logit_edits import apply_token_bitmask
 from nanovllm.sampling_params import StructuredOutputsParams
 
 PROMPTS = ["Hello world!", "The quick brown fox", "A scheduler batches sequences;", "Numbers 0 1 2 3"]

@@ -536,7 +536,7 @@ def test_gumbel_argmax_with_a_cut_draws_what_the_masked_logits_draw():
     """top-k/top-p as a per-row cut inside the kernel (the sampler's select path) against the same
     seeds on logits masked to -inf beforehand: the same token in every row and draw (temperatures
     that are powers of two, so that x / T and x * (1 / T) round alike)."""
-    from nanovllm.layers.sampler import apply_top_k_top_p, top_k_top_p_cut
+    from nanovllm.layers.sampling_filters import apply_top_k_top_p, top_k_top_p_cut
     gen = torch.Generator().manual_seed(5)
     logits = (torch.randn(6, 3_000, generator=gen) * 2).to(DTYPE)
     temps = torch.tensor([1.0, 0.5, 1.0, 0.5, 2.0, 0.25])
@@ -556,14 +556,14 @@ def test_gumbel_argmax_with_a_cut_draws_what_the_masked_logits_draw():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("vocab, max_top_k", [(1_000, 1), (8_193, 20), (20_011, 64), (3_000, 1_024)])
 def test_radix_top_k_top_p_cut_equals_the_topk_reference(dtype, vocab, max_top_k, candidates, monkeypatch):
-    """The Triton cut against torch.topk's (layers/sampler.py) on fresh random logits: ties at the
+    """The Triton cut against torch.topk's (layers/sampling_filters.py) on fresh random logits: ties at the
     k-th value, an all-negative row, -inf entries (a row with fewer finite logits than its
     top_k), rows with too many candidates for the candidate path (all equal; mostly -inf), top_k
     1 and max_top_k, top_p off and on, 16-bit and float32 logits; with the candidate path (and
     its radix fallback for some rows) and with radix select for every row."""
     from nanovllm.kernels import triton_top_k
     from nanovllm.kernels.triton_top_k import top_k_top_p_cut
-    from nanovllm.layers.sampler import top_k_top_p_cut as reference
+    from nanovllm.layers.sampling_filters import top_k_top_p_cut as reference
     monkeypatch.setattr(triton_top_k, "MIN_ROWS_FOR_CANDIDATES", 1 if candidates else 1 << 30)
     gen = torch.Generator().manual_seed(vocab + max_top_k)
     batch = 8
@@ -648,7 +648,7 @@ def test_top_p_cut_equals_the_sort_reference(dtype, vocab, with_min_p):
 @pytest.mark.parametrize("vocab, num_top", [(1_000, 0), (2_049, 1), (20_011, 5), (8_193, 20)] +
                          ([] if INTERPRET else [(151_936, 5), (151_936, 64)]))
 def test_logprobs_kernels_equal_the_log_softmax_reference(mode, dtype, vocab, num_top):
-    """kernels/triton_logprobs.py against layers/sampler.py's token_logprobs (log_softmax, gather,
+    """kernels/triton_logprobs.py against layers/logprobs.py's token_logprobs (log_softmax, gather,
     a comparison and topk) on fresh random logits: ties (a row of one value; 16-bit rows are full
     of them), -inf entries (grammar-masked tokens; a row with fewer finite logits than num_top),
     a last chunk of one logit, a sampled token that ties others. Against a float64 log_softmax
@@ -659,7 +659,7 @@ def test_logprobs_kernels_equal_the_log_softmax_reference(mode, dtype, vocab, nu
     at the sampled token's, at a row of ties, none) and divided by its temperature, as
     sampler.processed_scores makes them."""
     from nanovllm.kernels.triton_logprobs import token_logprobs
-    from nanovllm.layers.sampler import token_logprobs as reference
+    from nanovllm.layers.logprobs import token_logprobs as reference
     gen = torch.Generator().manual_seed(vocab + num_top)
     batch = 6
     logits = (torch.randn(batch, vocab, generator=gen) * 3).to(dtype)
@@ -694,12 +694,13 @@ def test_logprobs_kernels_equal_the_log_softmax_reference(mode, dtype, vocab, nu
 
 @pytest.mark.parametrize("vocab", [1_000, 20_011] + ([] if INTERPRET else [151_936]))
 def test_penalties_kernel_equals_the_torch_penalties(vocab):
-    """One pass over the penalised rows against layers/sampler.py's torch path, on fresh random
+    """One pass over the penalised rows against layers/logit_edits.py's torch path, on fresh random
     logits and counts (tokens in the prompt, in the output, in both, in neither; counts up to
     500), some rows unpenalised, table rows out of order. The penalties are powers of two, so
     both paths round alike."""
     from nanovllm.kernels.triton_logit_edits import penalize
-    from nanovllm.layers.sampler import SamplingMetadata, apply_penalties
+    from nanovllm.layers.logit_edits import apply_penalties
+    from nanovllm.layers.sampling_metadata import SamplingMetadata
     gen = torch.Generator().manual_seed(vocab)
     batch, table_size = 7, 9
     logits = torch.randn(batch, vocab, generator=gen) * 4
@@ -725,9 +726,9 @@ def test_penalties_kernel_equals_the_torch_penalties(vocab):
 @pytest.mark.parametrize("vocab", [1_000, 20_011] + ([] if INTERPRET else [151_936]))
 def test_bitmask_kernel_equals_the_torch_bitmask(dtype, vocab):
     """Grammar bitmasks on rows out of order, some rows untouched, a partial last word, every bit
-    pattern (all allowed, none, random): the same logits as layers/sampler.py's torch path."""
+    pattern (all allowed, none, random): the same logits as layers/logit_edits.py's torch path."""
     from nanovllm.kernels.triton_logit_edits import apply_bitmask
-    from nanovllm.layers.sampler import apply_token_bitmask
+    from nanovllm.layers.logit_edits import apply_token_bitmask
     gen = torch.Generator().manual_seed(vocab)
     logits = (torch.randn(6, vocab, generator=gen) * 4).to(dtype)
     words = -(-vocab // 32)
@@ -775,7 +776,9 @@ def test_fused_sampler_cuts_draw_what_the_masked_logits_draw(case, monkeypatch):
     batch with and without top_k (each row's cut from the kernel that serves it): the same tokens
     as the Gumbel kernel on logits masked beforehand at the reference cuts (top-k and top-p over the
     tokens min-p keeps, as vLLM applies min-p first), with the same seeds; greedy rows take the argmax."""
-    from nanovllm.layers.sampler import Sampler, SamplingMetadata, top_k_top_p_cut
+    from nanovllm.layers.sampler import Sampler
+    from nanovllm.layers.sampling_filters import top_k_top_p_cut
+    from nanovllm.layers.sampling_metadata import SamplingMetadata
     gen = torch.Generator().manual_seed(11)
     batch, vocab = 6, 5_000
     logits = (torch.randn(batch, vocab, generator=gen) * 2).to(DTYPE)
@@ -817,9 +820,11 @@ def test_fused_sampler_sorted_path_in_blocks_of_rows_draws_what_the_whole_filter
     (here 2, so a partial last block) and gets the same tokens as the Gumbel kernel on the whole
     batch's filtered logits, with the same seeds. In the processed logprobs modes the logprobs are
     those filtered logits (kept from the draw) or their log_softmax."""
-    from nanovllm.layers import sampler as sampler_module
-    from nanovllm.layers.sampler import Sampler, SamplingMetadata, filter_logits
-    monkeypatch.setattr(sampler_module, "SORT_ROWS", 2)
+    from nanovllm.layers import logprobs as logprobs_module, sampler as sampler_module, sampling_filters
+    from nanovllm.layers.sampler import Sampler
+    from nanovllm.layers.sampling_filters import filter_logits
+    from nanovllm.layers.sampling_metadata import SamplingMetadata
+    monkeypatch.setattr(sampling_filters, "SORT_ROWS", 2)
     gen = torch.Generator().manual_seed(13)
     batch, vocab = 5, 3_000
     logits = (torch.randn(batch, vocab, generator=gen) * 2).to(DTYPE)
@@ -837,8 +842,9 @@ def test_fused_sampler_sorted_path_in_blocks_of_rows_draws_what_the_whole_filter
     sampler = Sampler(torch.Generator(device=DEVICE), logprobs_mode=mode or "raw_logprobs")
     sampler.fused = True
     blocks = []   # the rows filter_logits is given: each row once, for the draw and the scores alike
-    monkeypatch.setattr(sampler_module, "filter_logits",
-                        lambda x, md, rows: blocks.append(rows) or filter_logits(x, md, rows))
+    counted = lambda x, md, rows: blocks.append(rows) or filter_logits(x, md, rows)
+    for module in (sampler_module, logprobs_module):
+        monkeypatch.setattr(module, "filter_logits", counted)
     for draw in range(4):
         seeds = torch.randint(0, 1 << 62, (batch,), generator=gen)
         monkeypatch.setattr(sampler, "_row_seeds", lambda *args: seeds.to(DEVICE))
@@ -865,7 +871,8 @@ def test_fused_sampler_logprobs_from_the_kernels_equal_the_torch_path(mode, case
     edited logits as they are), a batch without filters, an all-greedy batch. The same tokens, and
     the same logprobs, ranks and best values."""
     from nanovllm.kernels import triton_logprobs
-    from nanovllm.layers.sampler import Sampler, SamplingMetadata
+    from nanovllm.layers.sampler import Sampler
+    from nanovllm.layers.sampling_metadata import SamplingMetadata
     gen = torch.Generator().manual_seed(17)
     batch, vocab, num_top = 5, 3_000, 3
     logits = (torch.randn(batch, vocab, generator=gen) * 2).to(DTYPE)

@@ -22,7 +22,7 @@ from nanovllm.engine.streaming import OutputStreamer
 from nanovllm.engine.stat_logger import StatLogger
 from nanovllm.engine.tp_workers import TPWorkers, resolve_method, run_method
 from nanovllm.inputs import PromptType
-from nanovllm.layers.sampler import SamplerOutput
+from nanovllm.layers.sampling_metadata import SamplerOutput
 from nanovllm.logger import init_logger
 from nanovllm.metrics import EngineMetrics, Metric
 from nanovllm.model_config import ModelConfig

@@ -27,7 +27,8 @@ from nanovllm.engine.upload import upload
 from nanovllm.kernels import compile_ahead, device as device_info
 from nanovllm.kernels.counters import NUM_COUNTERS
 from nanovllm.layers.attention import Attention, AttentionMetadata, MixedDecodes, SharedPrefixes, select_backend
-from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
+from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampling_metadata import SamplerOutput, SamplingMetadata
 from nanovllm.engine.profiler import ProfilerConfig, RankProfiler
 from nanovllm.logger import init_logger
 from nanovllm.model.loader import init_dummy_weights, load_model

@@ -6,7 +6,7 @@ that grows with the sequence, and reading each step's sampled tokens before laun
 would end async scheduling for the whole batch. So each penalised sequence gets a row of one
 [rows, vocab + 1] int32 table on the device when it first samples; its prompt's tokens are
 marked then, once, and after every step the sampler adds the tokens it drew
-(layers/sampler.py, count_sampled). An entry holds 2 x (times the token is in the output) +
+(layers/logit_edits.py, count_sampled). An entry holds 2 x (times the token is in the output) +
 (1 if it is in the prompt); the last column takes the padding ids of the prompt upload.
 
 A row stays with its sequence until the sequence finishes (through preemption too, so nothing

@@ -11,7 +11,8 @@ import torch
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.upload import upload
-from nanovllm.layers.sampler import SamplerOutput, kernel_token_logprobs, token_logprobs
+from nanovllm.layers.logprobs import kernel_token_logprobs, token_logprobs
+from nanovllm.layers.sampling_metadata import SamplerOutput
 
 
 @dataclass

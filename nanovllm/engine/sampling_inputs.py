@@ -8,7 +8,7 @@ from nanovllm.engine.penalty_counts import PenaltyCounts
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.structured_output import BitmaskFiller, grammar_bitmask
 from nanovllm.engine.upload import upload
-from nanovllm.layers.sampler import SamplingMetadata
+from nanovllm.layers.sampling_metadata import SamplingMetadata
 from nanovllm.utils.arrays import padded
 
 

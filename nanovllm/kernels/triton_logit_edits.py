@@ -1,6 +1,6 @@
 """In-place edits of the logits before sampling, in Triton, each one pass over the rows it
 touches: penalties from token counts, and grammars' bitmasks. The plain-torch references are
-layers/sampler.py's apply_penalties and apply_token_bitmask.
+layers/logit_edits.py's apply_penalties and apply_token_bitmask.
 
 Penalties: each program reads a block of one penalised row's float32 logits and the same block
 of its row of token counts (engine/penalty_counts.py: 2 x output count + 1 if in the prompt),

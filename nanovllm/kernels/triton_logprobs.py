@@ -11,13 +11,13 @@
    random logits a row's best lie in about num_top of its ~75 chunks, so most programs end early.
 torch combines the chunks: the log-sum-exp from the maxima and masses, the rank from the counts
 (1 + the logits above the token's), the num_top best of the chunks' candidates. The plain-torch
-reference is layers/sampler.py's `token_logprobs`: log_softmax in float32, a gather, a
+reference is layers/logprobs.py's `token_logprobs`: log_softmax in float32, a gather, a
 comparison over the row and torch.topk, the CUDA path before perf_notes row 93.
 
 The other logprobs modes (config.py's LOGPROBS_MODES) read the same passes differently: "*_logits"
 reports the values themselves (no log-sum-exp), and "processed_*" reads each row's logits as the
 sampler draws from them, those below the fused sampler's cut at -inf and the rest divided by the
-row's temperature (perf_notes row 124), as layers/sampler.py's `processed_scores` does in torch.
+row's temperature (perf_notes row 124), as layers/logprobs.py's `processed_scores` does in torch.
 """
 import torch
 import triton
@@ -90,7 +90,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, 
                    cuts: torch.Tensor | None = None, temperatures: torch.Tensor | None = None):
     """logits: [B, V] (raw, or edited as the sampler drew from them), on CUDA, num_top <= MAX_TOP ->
     ([B] logprobs of token_ids, [B] their ranks, and with num_top > 0 the [B, num_top] best logprobs
-    and their ids, best first), as sampler.token_logprobs computes them from the log_softmax.
+    and their ids, best first), as layers/logprobs.py's token_logprobs computes them from the log_softmax.
     as_logits: the logits' values in place of logprobs. cuts and temperatures ([B] float32, both or
     neither): the logits of the processed distribution, -inf below a row's cut and divided by its
     temperature above it."""

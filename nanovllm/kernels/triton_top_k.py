@@ -2,7 +2,7 @@
 
 The cut is the smallest logit that top-k, then top-p keep (a token survives if its logit reaches
 it); the fused sampler (triton_sampler.py) then never draws below it. The plain-torch reference
-is layers/sampler.py's `top_k_top_p_cut`.
+is layers/sampling_filters.py's `top_k_top_p_cut`.
 
 1. Candidates. The row is cut into sub-blocks of SUB logits and each sub-block's maximum is
    taken; t0, the k-th largest of those maxima, is at most the row's k-th largest logit (k
@@ -234,7 +234,7 @@ def top_k_top_p_cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
                     temperatures: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """logits: [B, V] (16-bit or float32, rows contiguous); top_k: [B] in 1..max_top_k; top_p: [B]
     or None; temperatures: [B] float32; min_p: [B] float32 or None -> [B] float32 cuts (as
-    layers/sampler.py's reference on the logits that min-p keeps; min-p's own cut is the sampler's)."""
+    layers/sampling_filters.py's reference on the logits that min-p keeps; min-p's own cut is the sampler's)."""
     batch, vocab_size = logits.shape
     assert logits.stride(1) == 1 and 1 <= max_top_k <= vocab_size
     device, stride, has_top_p = logits.device, logits.stride(0), top_p is not None

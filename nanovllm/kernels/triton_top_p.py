@@ -4,7 +4,7 @@ so that top-p alone (vLLM's own example: temperature 0.8, top_p 0.95) sorts no v
 The cut is the row's largest logit c whose tokens at or above it hold at least top_p of the
 row's probability (softmax at the row's temperature). Those are exactly the tokens that top-p
 keeps when it walks the tokens from the most likely on and stops once the tokens before it hold
-top_p (ties with the last kept token included), as layers/sampler.py's `top_k_top_p_cut`, the
+top_p (ties with the last kept token included), as layers/sampling_filters.py's `top_k_top_p_cut`, the
 plain-torch reference, does with a full sort.
 
 1. Stats: each chunk of a row finds its largest logit and its mass relative to it (online, as
@@ -208,7 +208,7 @@ def top_p_cut(logits: torch.Tensor, top_p: torch.Tensor, temperatures: torch.Ten
               min_p: torch.Tensor | None = None, block: int = BLOCK, num_warps: int = 4) -> torch.Tensor:
     """logits: [B, V] (16-bit or float32, rows contiguous); top_p: [B] float32 (1.0: off);
     temperatures: [B] float32; min_p: [B] float32 or None -> [B] float32 cuts (-inf where top_p is
-    off), as layers/sampler.py's top_k_top_p_cut with top_k = V on the logits that min-p keeps
+    off), as layers/sampling_filters.py's top_k_top_p_cut with top_k = V on the logits that min-p keeps
     (min-p's own cut is the sampler's). The kernels specialise on no batch-dependent value: a
     batch of a new size compiles nothing."""
     batch, vocab_size = logits.shape
