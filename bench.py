@@ -9,6 +9,7 @@
     python bench.py --logprobs 5               # every token also with its logprob and the 5 best
     python bench.py --logprobs 5 --logprobs-mode processed_logprobs   # ... of the distribution drawn from
     python bench.py --prompt-logprobs 1        # every prompt token scored too (as lm-eval's loglikelihood)
+    python bench.py --logprob-token-ids 3,17   # every token also with the logprobs of ids 3 and 17
     python bench.py --num-seqs 64 --n 8        # parallel sampling: 8 completions of each prompt
     python bench.py --tokenizer synthetic      # outputs detokenized as a real model's are (no download)
     python bench.py --workload default,latency # several workloads, one engine start-up
@@ -155,6 +156,9 @@ def main():
                         "(default: none)")
     p.add_argument("--n", type=int, default=1,
                    help="SamplingParams.n of every request: completions sampled from each prompt (parallel sampling)")
+    p.add_argument("--logprob-token-ids", default=None,
+                   help="SamplingParams.logprob_token_ids of every request, comma-separated (e.g. 3,17,42): "
+                        "those ids' logprobs at every token")
     p.add_argument("--flat-logprobs", action="store_true",
                    help="SamplingParams.flat_logprobs: the logprobs as FlatLogprobs (flat lists) instead of dicts")
     p.add_argument("--tokenizer", default=None,
@@ -234,6 +238,8 @@ def request_options(args) -> dict:
     return (({} if off else values) | ({} if args.n == 1 else dict(n=args.n))
             | ({} if args.logprobs is None else dict(logprobs=args.logprobs))
             | ({} if args.prompt_logprobs is None else dict(prompt_logprobs=args.prompt_logprobs))
+            | ({} if args.logprob_token_ids is None else
+               dict(logprob_token_ids=[int(i) for i in args.logprob_token_ids.split(",")]))
             | (dict(flat_logprobs=True) if args.flat_logprobs else {}))
 
 

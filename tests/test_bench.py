@@ -81,3 +81,10 @@ def test_bench_scores_prompt_tokens():
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.splitlines()[-1])["workload"] == "latency prompt_logprobs=2"
+
+
+def test_bench_asks_for_chosen_ids_logprobs():
+    proc = subprocess.run([sys.executable, "bench.py", "--workload", "latency", "--logprob-token-ids", "3,17", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.splitlines()[-1])["workload"] == "latency logprob_token_ids=[3, 17]"

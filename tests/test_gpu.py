@@ -555,21 +555,25 @@ def test_logit_edit_kernels_compile_at_start_up(gpu_model_dir):
 @pytest.mark.parametrize("logprobs_mode", ["raw_logprobs", "processed_logprobs"])
 def test_sampling_kernels_compile_at_start_up(gpu_model_dir, logprobs_mode):
     """The sampler's warm-up gives its two passes their variants for a plain batch (logits in the
-    model's dtype) and an edited one (float32), and the two logprobs kernels theirs (the raw
-    logits' dtype; in the processed modes the processed variant in both, and the raw one for prompt
-    logprobs), so that no kind of first request compiles anything on an empty Triton cache
-    (perf_notes rows 84, 93, 124)."""
-    from nanovllm.kernels.triton_logprobs import _best_kernel, _stats_kernel
+    model's dtype) and an edited one (float32), and the logprobs kernels theirs (the raw logits'
+    dtype; in the processed modes the processed variant in both, and the raw one for prompt
+    logprobs; chosen ids' kernel the same, less the prompts' one), so that no kind of first
+    request compiles anything on an empty Triton cache (perf_notes rows 84, 93, 124, 126)."""
+    from nanovllm.kernels.triton_logprobs import _best_kernel, _ids_kernel, _stats_kernel
     from nanovllm.kernels.triton_sampler import _draw_kernel, _group_stats_kernel
-    variants = forget_variants(_group_stats_kernel, _draw_kernel, _stats_kernel, _best_kernel)
+    variants = forget_variants(_group_stats_kernel, _draw_kernel, _stats_kernel, _best_kernel, _ids_kernel)
     llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, logprobs_mode=logprobs_mode)
     at_start_up = variants()
-    assert at_start_up[2:] == ([1, 1] if logprobs_mode.startswith("raw") else [3, 3])
+    assert at_start_up[2:] == ([1, 1, 1] if logprobs_mode.startswith("raw") else [3, 3, 2])
     llm.generate(PROMPTS[:2], SamplingParams(temperature=0.7, max_tokens=8), use_tqdm=False)
     llm.generate(PROMPTS[:2], [SamplingParams(temperature=0.7, max_tokens=8, presence_penalty=0.5, logprobs=0),
                                SamplingParams(temperature=0.7, max_tokens=8, logprobs=5)], use_tqdm=False)
     llm.generate(PROMPTS[:2], [SamplingParams(temperature=0.0, max_tokens=8, logprobs=2),
                                SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=2)], use_tqdm=False)
+    llm.generate(PROMPTS[:2], SamplingParams(temperature=0.7, max_tokens=8, logprob_token_ids=[3, 5]), use_tqdm=False)
+    llm.generate(PROMPTS[:2], [SamplingParams(temperature=0.7, max_tokens=8, logprob_token_ids=[3, 5]),
+                               SamplingParams(temperature=0.7, max_tokens=8, presence_penalty=0.5,
+                                              logprob_token_ids=[4])], use_tqdm=False)
     assert variants() == at_start_up
 
 

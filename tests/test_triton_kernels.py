@@ -657,8 +657,9 @@ def test_logprobs_kernels_equal_the_log_softmax_reference(mode, dtype, vocab, nu
     may name other ids of that value. In every logprobs mode: "*_logits" the values themselves;
     "processed_*" those of the processed distribution, each row cut (a cut at the 50th best logit,
     at the sampled token's, at a row of ties, none) and divided by its temperature, as
-    sampler.processed_scores makes them."""
-    from nanovllm.kernels.triton_logprobs import token_logprobs
+    layers/logprobs.py's processed_scores makes them. ids_logprobs likewise for chosen ids
+    (logprob_token_ids), against chosen_logprobs' gather and comparison."""
+    from nanovllm.kernels.triton_logprobs import ids_logprobs, token_logprobs
     from nanovllm.layers.logprobs import token_logprobs as reference
     gen = torch.Generator().manual_seed(vocab + num_top)
     batch = 6
@@ -683,6 +684,15 @@ def test_logprobs_kernels_equal_the_log_softmax_reference(mode, dtype, vocab, nu
         logits.to(DEVICE), token_ids.to(DEVICE), num_top, mode.endswith("logits"), **processed))
     assert torch.allclose(logprobs.double(), expected.logprobs, rtol=0, atol=1e-5)
     assert ranks.tolist() == expected.ranks.tolist()
+    # Chosen ids (logprob_token_ids) of rows out of order: the sampled token, a -inf entry, ties, the last id
+    rows = torch.tensor([5, 2, 4, 0])
+    ids = torch.stack([token_ids[rows], torch.tensor([1, 0, 3, vocab - 1]), torch.tensor([0, 3, 0, 2])], dim=1)
+    values, id_ranks = (t.cpu() for t in ids_logprobs(logits.to(DEVICE), rows.to(DEVICE), ids.to(DEVICE),
+                                                       mode.endswith("logits"), **processed))
+    chosen = scores[rows].gather(1, ids)
+    assert torch.allclose(values.double(), chosen, rtol=0, atol=1e-5)
+    assert id_ranks.tolist() == [((scores[row] > value[:, None]).sum(-1) + 1).tolist()
+                                 for row, value in zip(rows, chosen)]
     if num_top == 0:
         assert top_logprobs is None and top_ids is None
         return
@@ -868,8 +878,9 @@ def test_fused_sampler_logprobs_from_the_kernels_equal_the_torch_path(mode, case
     processed modes) against its torch path (MAX_TOP 0: log_softmax, or processed_scores' torch
     mask and division, then token_logprobs) on the same batch and seeds: a batch with logit_bias
     on two rows and top-k, top-p and min-p rows beside a greedy one (whose processed logits are its
-    edited logits as they are), a batch without filters, an all-greedy batch. The same tokens, and
-    the same logprobs, ranks and best values."""
+    edited logits as they are), a batch without filters, an all-greedy batch; two rows with chosen
+    ids (logprob_token_ids, the kernels' ids_logprobs). The same tokens, and the same logprobs,
+    ranks and best values, the chosen ids in their rows' first places."""
     from nanovllm.kernels import triton_logprobs
     from nanovllm.layers.sampler import Sampler
     from nanovllm.layers.sampling_metadata import SamplingMetadata
@@ -889,7 +900,9 @@ def test_fused_sampler_logprobs_from_the_kernels_equal_the_torch_path(mode, case
                           all_greedy=all_greedy, any_greedy=True, top_k=None, top_p=None, min_p=None, row_seeds=[],
                           banned_rows=None, banned_tokens=None, max_num_logprobs=num_top,
                           bias_rows=on_device(torch.tensor([1, 4])), bias_tokens=on_device(torch.tensor([7, 9])),
-                          bias_values=on_device(torch.tensor([3.0, -2.0])))
+                          bias_values=on_device(torch.tensor([3.0, -2.0])),
+                          logprob_rows=on_device(torch.tensor([3, 1])),
+                          logprob_token_ids=on_device(torch.tensor([[7, 2_999], [9, 7]])))
     for name, value in filters.items():
         setattr(md, name, value)
     seeds = torch.randint(0, 1 << 62, (batch,), generator=gen).to(DEVICE)
@@ -905,6 +918,8 @@ def test_fused_sampler_logprobs_from_the_kernels_equal_the_torch_path(mode, case
     assert kernels.ranks.tolist() == torch_path.ranks.tolist()
     assert torch.allclose(kernels.logprobs, torch_path.logprobs, rtol=0, atol=1e-5)
     assert torch.allclose(kernels.top_logprobs, torch_path.top_logprobs, rtol=0, atol=1e-5)
+    assert kernels.top_ranks.tolist() == torch_path.top_ranks.tolist()
+    assert kernels.top_ids[[3, 1], :2].tolist() == [[7, 2_999], [9, 7]]
     assert kernels.logprobs.isfinite().all()
     if mode.startswith("processed") and case == "filters and a greedy row":   # row 0 keeps its 5 best
         assert kernels.top_logprobs[0].isfinite().all() and (kernels.ranks[0] <= 5)

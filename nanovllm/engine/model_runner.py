@@ -227,7 +227,8 @@ class ModelRunner:
     def _profile_kv_budget(self) -> int:
         """Bytes left for the KV cache: run the largest step (max_num_batched_tokens tokens over
         up to max_num_seqs sequences, then logits and sampling on the sampler's largest paths:
-        the sorted top-k and the raw log_softmax for logprob_token_ids), measure the peak, and keep
+        the sorted top-k and, past the logprobs kernels' MAX_TOP, the raw log_softmax kept for the
+        logprobs and logprob_token_ids), measure the peak, and keep
         gpu_memory_utilization of the card. Logit edits (penalties, logit_bias, allowed_token_ids,
         min_tokens) on top of those paths also keep a float32 copy of the logits (0.58 GiB at 1,024
         rows of 151,936); that rare combination, as in vLLM, is left to the rest of the card.
@@ -265,7 +266,7 @@ class ModelRunner:
                                                                            np.zeros((1, 3), np.int32)))
                             for b in decodes]
         # top_k without max_top_k or max_set_top_k sorts every row: the sampler's largest path; and
-        # logprob_token_ids keep the whole log_softmax (the logprobs' largest path)
+        # the logprobs at the engine's cap, with logprob_token_ids (a whole log_softmax kept past MAX_TOP)
         md = SamplingMetadata(
             temperatures=torch.ones(num_seqs, device=self.device),
             is_greedy=torch.zeros(num_seqs, dtype=torch.bool, device=self.device), all_greedy=False,

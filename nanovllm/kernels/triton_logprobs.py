@@ -42,6 +42,14 @@ def _read(row_ptr, ids, mask, row, cuts_ptr, temperatures_ptr, PROCESSED: tl.con
 
 
 @triton.jit
+def _store_stats(x, stats_ptr, out):
+    """stats[out] = (the largest of x, x's mass relative to it: sum(exp(x - largest)))."""
+    largest = tl.max(x, 0)
+    tl.store(stats_ptr + out * 2, largest)
+    tl.store(stats_ptr + out * 2 + 1, tl.sum(tl.exp(x - tl.where(largest > float("-inf"), largest, 0.0)), 0))
+
+
+@triton.jit
 def _stats_kernel(logits_ptr, row_stride, token_ids_ptr, vocab_size, cuts_ptr, temperatures_ptr, stats_ptr,
                   above_ptr, chosen_ptr, BLOCK: tl.constexpr, PROCESSED: tl.constexpr):
     """stats[row, chunk] = (largest logit, mass relative to it); above[row, chunk]: its logits
@@ -51,14 +59,37 @@ def _stats_kernel(logits_ptr, row_stride, token_ids_ptr, vocab_size, cuts_ptr, t
     ids = chunk * BLOCK + tl.arange(0, BLOCK)
     x = _read(row_ptr, ids, ids < vocab_size, row, cuts_ptr, temperatures_ptr, PROCESSED)
     chosen = _read(row_ptr, tl.load(token_ids_ptr + row), True, row, cuts_ptr, temperatures_ptr, PROCESSED)
-    largest = tl.max(x, 0)
-    mass = tl.sum(tl.exp(x - tl.where(largest > float("-inf"), largest, 0.0)), 0)
     out = row * num_chunks + chunk
-    tl.store(stats_ptr + out * 2, largest)
-    tl.store(stats_ptr + out * 2 + 1, mass)
+    _store_stats(x, stats_ptr, out)
     tl.store(above_ptr + out, tl.sum((x > chosen).to(tl.int32), 0))
     if chunk == 0:
         tl.store(chosen_ptr + row, chosen)
+
+
+@triton.jit(do_not_specialize=["num_ids"])
+def _ids_kernel(logits_ptr, row_stride, rows_ptr, ids_ptr, num_ids, vocab_size, cuts_ptr, temperatures_ptr,
+                stats_ptr, above_ptr, values_ptr, BLOCK: tl.constexpr, PROCESSED: tl.constexpr):
+    """For rows[i] and its ids ids[i, :num_ids]: stats[i, chunk] as _stats_kernel's; above[i, chunk, j]:
+    the chunk's logits above id j's; values[i, j]: id j's logit (written by chunk 0)."""
+    i, chunk, num_chunks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    row = tl.load(rows_ptr + i)
+    row_ptr = logits_ptr + row.to(tl.int64) * row_stride
+    ids = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = _read(row_ptr, ids, ids < vocab_size, row, cuts_ptr, temperatures_ptr, PROCESSED)
+    out = i * num_chunks + chunk
+    _store_stats(x, stats_ptr, out)
+    for j in range(num_ids):
+        value = _read(row_ptr, tl.load(ids_ptr + i * num_ids + j), True, row, cuts_ptr, temperatures_ptr, PROCESSED)
+        tl.store(above_ptr + out * num_ids + j, tl.sum((x > value).to(tl.int32), 0))
+        if chunk == 0:
+            tl.store(values_ptr + i * num_ids + j, value)
+
+
+def _log_norms(stats: torch.Tensor) -> torch.Tensor:
+    """stats: [R, chunks, 2] (_store_stats') -> [R, 1]: each row's log-sum-exp."""
+    largest, mass = stats.unbind(-1)
+    row_max = largest.max(1, keepdim=True).values
+    return row_max + (mass * (largest - row_max).exp()).sum(1, keepdim=True).log()
 
 
 @triton.jit(do_not_specialize=["num_top"])
@@ -102,16 +133,14 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, 
     chosen = torch.empty(rows, dtype=torch.float32, device=logits.device)
     launch(_stats_kernel, (rows, num_chunks), logits, logits.stride(0), token_ids, vocab_size, cuts, temperatures,
            stats, above, chosen, BLOCK=BLOCK, PROCESSED=cuts is not None, num_warps=4)
-    largest, mass = stats.unbind(-1)
     ranks = above.sum(1) + 1
-    if as_logits:
-        log_norm = 0.0
-    else:   # the rows' log-sum-exp, from the chunks' maxima and masses
-        row_max = largest.max(1, keepdim=True).values
-        log_norm = row_max + (mass * (largest - row_max).exp()).sum(1, keepdim=True).log()
-        chosen = (chosen[:, None] - log_norm).squeeze(1)
+    log_norm = 0.0
+    if not as_logits:   # the rows' log-sum-exp, from the chunks' maxima and masses
+        log_norm = _log_norms(stats)
+        chosen = chosen - log_norm[:, 0]
     if num_top == 0:
         return chosen, ranks, None, None
+    largest = stats[..., 0]
     floors = (largest.topk(num_top, dim=1).values[:, -1].contiguous() if num_top <= num_chunks else
               torch.full((rows,), float("-inf"), device=logits.device))
     top_values = torch.full((rows, num_chunks, num_top), float("-inf"), device=logits.device)
@@ -123,3 +152,20 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, 
     keys = torch.where(top_ids < 0, float("-inf"), top_values.clamp_min(torch.finfo(torch.float32).min))
     best = keys.topk(num_top, dim=1).indices
     return chosen, ranks, top_values.gather(1, best) - log_norm, top_ids.gather(1, best)
+
+
+def ids_logprobs(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, as_logits: bool = False,
+                 cuts: torch.Tensor | None = None, temperatures: torch.Tensor | None = None):
+    """The logprobs and ranks of chosen ids (SamplingParams.logprob_token_ids), in one pass over their
+    rows: logits [B, V] on CUDA, rows [L], ids [L, K] -> ([L, K] logprobs of each row's ids, [L, K]
+    their ranks), as layers/logprobs.py's chosen_logprobs computes them from the log_softmax.
+    as_logits, cuts and temperatures as token_logprobs' (cuts and temperatures by row of logits)."""
+    vocab_size = logits.shape[1]
+    (num_rows, num_ids), num_chunks = ids.shape, triton.cdiv(vocab_size, BLOCK)
+    assert logits.stride(1) == 1 and ids.is_contiguous() and (cuts is None) == (temperatures is None)
+    stats = torch.empty(num_rows, num_chunks, 2, dtype=torch.float32, device=logits.device)
+    above = torch.empty(num_rows, num_chunks, num_ids, dtype=torch.int32, device=logits.device)
+    values = torch.empty(num_rows, num_ids, dtype=torch.float32, device=logits.device)
+    launch(_ids_kernel, (num_rows, num_chunks), logits, logits.stride(0), rows, ids, num_ids, vocab_size, cuts,
+           temperatures, stats, above, values, BLOCK=BLOCK, PROCESSED=cuts is not None, num_warps=4)
+    return (values if as_logits else values - _log_norms(stats)), above.sum(1) + 1

@@ -1,7 +1,7 @@
 """Logprobs of a sampled batch in torch: each drawn token's logprob and rank, the rows' top N,
 chosen ids' (logprob_token_ids), and the scores of the processed logprobs modes. On CUDA, for up to
-kernels/triton_logprobs.py's MAX_TOP best and without logprob_token_ids, two Triton passes do it
-instead (kernel_token_logprobs); the torch code is their reference and the path for the rest."""
+kernels/triton_logprobs.py's MAX_TOP best, Triton passes over the logits do it instead
+(kernel_token_logprobs); the torch code is their reference and the path for the rest."""
 import torch
 
 from nanovllm.layers.sampling_filters import filter_logits, row_blocks
@@ -46,14 +46,18 @@ def processed_cuts(cut: torch.Tensor | None, md: SamplingMetadata, num_rows: int
 
 
 def kernel_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, as_logits: bool = False,
-                          **processed) -> SamplerOutput:
+                          chosen: tuple[torch.Tensor, torch.Tensor] | None = None, **processed) -> SamplerOutput:
     """token_logprobs' outputs from the logits (CUDA, num_top <= kernels/triton_logprobs.py's MAX_TOP)
     in two passes over them, without a [B, V] float32 log_softmax. as_logits: the values themselves;
-    processed: kernels/triton_logprobs.py's cuts and temperatures."""
+    chosen: chosen_logprobs' rows and ids, scored in one more pass over those rows; processed:
+    kernels/triton_logprobs.py's cuts and temperatures."""
     from nanovllm.kernels import triton_logprobs
     out = SamplerOutput(token_ids)
     out.logprobs, out.ranks, out.top_logprobs, out.top_ids = triton_logprobs.token_logprobs(
         logits, token_ids, num_top, as_logits, **processed)
+    if chosen is not None:
+        rows, ids = chosen
+        put_chosen(out, rows, ids, *triton_logprobs.ids_logprobs(logits, rows, ids, as_logits, **processed))
     return out
 
 
@@ -72,10 +76,16 @@ def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int
 
 def chosen_logprobs(out: SamplerOutput, logprobs: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor):
     """In out's top-N: rows `rows` get the logprobs and ranks of their own ids ([L, K] padded; K
-    <= max_num_logprobs) in place of their best; top_ranks gives every row's ranks (1..N for the others)."""
-    num_rows, num_top = out.top_ids.shape
-    out.top_ranks = torch.arange(1, num_top + 1, device=logprobs.device).expand(num_rows, num_top).clone()
+    <= max_num_logprobs) in place of their best (put_chosen)."""
     values = logprobs[rows].gather(-1, ids)                                        # [L, K]
     ranks = torch.stack([(logprobs[row] > value[:, None]).sum(-1) + 1 for row, value in zip(rows, values)])
+    put_chosen(out, rows, ids, values, ranks)
+
+
+def put_chosen(out: SamplerOutput, rows: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor):
+    """Rows `rows` of out's top-N take their ids ([L, K]) with those ids' logprobs and ranks ([L, K]
+    each) in their first K places; top_ranks gives every row's ranks (1..N for the other rows)."""
+    num_rows, num_top = out.top_ids.shape
+    out.top_ranks = torch.arange(1, num_top + 1, device=ids.device).expand(num_rows, num_top).clone()
     k = ids.shape[1]
     out.top_ids[rows, :k], out.top_logprobs[rows, :k], out.top_ranks[rows, :k] = ids, values, ranks

@@ -43,8 +43,9 @@ class Sampler:
         machine, ~0.05 s once Triton's cache holds them). Each batch is sampled twice: as it
         comes, in the model's dtype, and with its first row penalised and held to an all-allowing
         grammar bitmask, for the logit-edit kernels (after which the batch is float32; perf_notes
-        row 84); each with one logprob a row (the logprobs kernels, on the raw logits or, in the
-        processed modes, on the processed ones, and then once on raw ones for prompt logprobs). A
+        row 84); each with one logprob a row and the logprob of a chosen id in the first (the
+        logprobs kernels, on the raw logits or, in the processed modes, on the processed ones, and
+        then once on raw ones for prompt logprobs). A
         dry pass over the same batches first queues every kernel variant's compile at once
         (kernels/compile_ahead.py), so that they compile side by side rather than one by one. The
         noise generator is left as it was. -> False if there is nothing to compile (the CPU path)."""
@@ -68,6 +69,7 @@ class Sampler:
                                           max_top_k=top_k if top_k > 0 else None,
                                           top_p=full(top_p) if top_p < 1.0 else None, min_p=None,
                                           row_seeds=[], banned_rows=None, banned_tokens=None, max_num_logprobs=1,
+                                          logprob_rows=one(0, torch.int64), logprob_token_ids=one(0, torch.int64)[None],
                                           **row_edits)
                     self(torch.randn(rows, vocab_size, generator=values, device=device, dtype=dtype), md)
                 if self.logprobs_mode.startswith("processed"):   # (prompt logprobs: from the raw logits in every mode)
@@ -82,12 +84,11 @@ class Sampler:
 
     def _logprobs_in_kernels(self, logits: torch.Tensor, md: SamplingMetadata) -> bool:
         """Whether kernels/triton_logprobs.py serves this batch's logprobs: on CUDA, for up to
-        MAX_TOP of a row's best, without logprob_token_ids (which want the whole row's scores); in
-        the raw modes with the raw logits kept (the edits work in place on float32 logits, on a copy
-        of others), in the processed modes where the fused sampler's cut stands for the filters."""
+        MAX_TOP of a row's best; in the raw modes with the raw logits kept (the edits work in place
+        on float32 logits, on a copy of others), in the processed modes where the fused sampler's
+        cut stands for the filters."""
         from nanovllm.kernels.triton_logprobs import MAX_TOP
-        if not (self.fused and md.max_num_logprobs is not None and md.max_num_logprobs <= MAX_TOP
-                and md.logprob_rows is None):
+        if not (self.fused and md.max_num_logprobs is not None and md.max_num_logprobs <= MAX_TOP):
             return False
         if self.logprobs_mode.startswith("raw"):
             return not (md.edits_logits and logits.dtype == torch.float32)
@@ -190,11 +191,12 @@ class Sampler:
             count_sampled(md, token_ids)
         if md.max_num_logprobs is None:
             return SamplerOutput(token_ids)
+        chosen = None if md.logprob_rows is None else (md.logprob_rows, md.logprob_token_ids)
         if in_kernels and mode.startswith("raw"):
-            return kernel_token_logprobs(raw_logits, token_ids, md.max_num_logprobs, as_logits)
+            return kernel_token_logprobs(raw_logits, token_ids, md.max_num_logprobs, as_logits, chosen)
         if in_kernels:   # the processed modes
             cuts, temperatures = processed_cuts(cut, md, len(logits), logits.device)
-            return kernel_token_logprobs(logits, token_ids, md.max_num_logprobs, as_logits, cuts=cuts,
+            return kernel_token_logprobs(logits, token_ids, md.max_num_logprobs, as_logits, chosen, cuts=cuts,
                                          temperatures=temperatures)
         if scores is None:   # the processed modes
             scores = processed_scores(logits, md, as_logits, cut=cut, filtered=filtered)
