@@ -45,10 +45,10 @@ class Sampler:
         grammar bitmask, for the logit-edit kernels (after which the batch is float32; perf_notes
         row 84); each with one logprob a row and the logprob of a chosen id in the first (the
         logprobs kernels, on the raw logits or, in the processed modes, on the processed ones, and
-        then once on raw ones for prompt logprobs). A
-        dry pass over the same batches first queues every kernel variant's compile at once
-        (kernels/compile_ahead.py), so that they compile side by side rather than one by one. The
-        noise generator is left as it was. -> False if there is nothing to compile (the CPU path)."""
+        then once on raw ones for prompt logprobs). A dry pass over the same batches first queues
+        every kernel variant's compile at once (kernels/compile_ahead.py), so that they compile side
+        by side rather than one by one. The noise generator is left as it was. -> False if there is
+        nothing to compile (the CPU path)."""
         if not self.fused:
             return False
         device, state = self.generator.device, self.generator.get_state()
@@ -201,6 +201,6 @@ class Sampler:
         if scores is None:   # the processed modes
             scores = processed_scores(logits, md, as_logits, cut=cut, filtered=filtered)
         out = token_logprobs(scores, token_ids, md.max_num_logprobs)
-        if md.logprob_rows is not None:
-            chosen_logprobs(out, scores, md.logprob_rows, md.logprob_token_ids)
+        if chosen is not None:
+            chosen_logprobs(out, scores, *chosen)
         return out
