@@ -112,6 +112,11 @@ def make_workload(args, on_cpu: bool):
     return prompts, [(random.randint(lo_out, hi_out), 0.6) for _ in range(n)]
 
 
+def token_ids(text: str) -> list[int]:
+    """--logprob-token-ids' value: comma-separated integers (a bad one is argparse's error naming the flag)."""
+    return [int(i) for i in text.split(",")]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b", help=f"a path, a hub id, or a preset: {', '.join(PRESETS)}")
@@ -156,7 +161,7 @@ def main():
                         "(default: none)")
     p.add_argument("--n", type=int, default=1,
                    help="SamplingParams.n of every request: completions sampled from each prompt (parallel sampling)")
-    p.add_argument("--logprob-token-ids", default=None,
+    p.add_argument("--logprob-token-ids", type=token_ids, default=None,
                    help="SamplingParams.logprob_token_ids of every request, comma-separated (e.g. 3,17,42): "
                         "those ids' logprobs at every token")
     p.add_argument("--flat-logprobs", action="store_true",
@@ -238,8 +243,7 @@ def request_options(args) -> dict:
     return (({} if off else values) | ({} if args.n == 1 else dict(n=args.n))
             | ({} if args.logprobs is None else dict(logprobs=args.logprobs))
             | ({} if args.prompt_logprobs is None else dict(prompt_logprobs=args.prompt_logprobs))
-            | ({} if args.logprob_token_ids is None else
-               dict(logprob_token_ids=[int(i) for i in args.logprob_token_ids.split(",")]))
+            | ({} if args.logprob_token_ids is None else dict(logprob_token_ids=args.logprob_token_ids))
             | (dict(flat_logprobs=True) if args.flat_logprobs else {}))
 
 

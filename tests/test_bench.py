@@ -88,3 +88,6 @@ def test_bench_asks_for_chosen_ids_logprobs():
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.splitlines()[-1])["workload"] == "latency logprob_token_ids=[3, 17]"
+    bad = subprocess.run([sys.executable, "bench.py", "--logprob-token-ids", "3,x"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert bad.returncode == 2 and "argument --logprob-token-ids: invalid token_ids value: '3,x'" in bad.stderr
