@@ -117,16 +117,9 @@ def token_ids(text: str) -> list[int]:
     return [int(i) for i in text.split(",")]
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3-0.6b", help=f"a path, a hub id, or a preset: {', '.join(PRESETS)}")
-    p.add_argument("--engine", choices=["nanovllm", "vllm"], default="nanovllm")
-    p.add_argument("--workload", default="default",
-                   help="default, prefix or latency; a comma-separated list runs each in turn in one engine "
-                        "(one start-up)")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="timed runs of each workload in the one engine (the prefix cache reset before each), "
-                        "to see an engine's run-to-run spread without a start-up per run")
+def add_workload_arguments(p: argparse.ArgumentParser):
+    """The workload's size and lengths and the engine's batch limits (bench.py's flags, shared with the
+    tools in tests/ that run its workload)."""
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--min-input-len", type=int, default=100)
     p.add_argument("--max-input-len", type=int, default=1024)
@@ -135,13 +128,11 @@ def main():
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     p.add_argument("--max-num-seqs", type=int, default=None, help="max_num_seqs (default: the engine's own)")
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--custom-all-reduce", choices=["default", "on", "off"], default="default",
-                   help="TP > 1: the engine's own all-reduce kernels (on) or NCCL alone (off); default: "
-                        "the engine's default (on for both)")
-    p.add_argument("--attention-backend", choices=["auto", "triton", "flash_attn", "torch"], default="auto",
-                   help="nanovllm's attention_backend (auto: flash-attn when installed, else Triton)")
-    p.add_argument("--kv-cache-dtype", default="auto", help="'auto' (the model's dtype), 'fp8', 'fp8_e5m2', ...")
+
+
+def add_request_arguments(p: argparse.ArgumentParser):
+    """The requests' sampling and logprobs options, and the tokenizer that detokenizes them (bench.py's
+    flags, shared with the tools in tests/ that run its workload)."""
     p.add_argument("--top-k", type=int, default=0, help="SamplingParams.top_k of the sampled requests (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="SamplingParams.top_p of the sampled requests")
     p.add_argument("--min-p", type=float, default=0.0, help="SamplingParams.min_p of the sampled requests")
@@ -169,6 +160,27 @@ def main():
     p.add_argument("--tokenizer", default=None,
                    help="detokenize with this tokenizer (a path or hub id), or 'synthetic': a byte-level BPE of "
                         "Qwen3's 151,936 ids built here (default: a preset runs without a tokenizer, ids only)")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-0.6b", help=f"a path, a hub id, or a preset: {', '.join(PRESETS)}")
+    p.add_argument("--engine", choices=["nanovllm", "vllm"], default="nanovllm")
+    p.add_argument("--workload", default="default",
+                   help="default, prefix or latency; a comma-separated list runs each in turn in one engine "
+                        "(one start-up)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="timed runs of each workload in the one engine (the prefix cache reset before each), "
+                        "to see an engine's run-to-run spread without a start-up per run")
+    add_workload_arguments(p)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--custom-all-reduce", choices=["default", "on", "off"], default="default",
+                   help="TP > 1: the engine's own all-reduce kernels (on) or NCCL alone (off); default: "
+                        "the engine's default (on for both)")
+    p.add_argument("--attention-backend", choices=["auto", "triton", "flash_attn", "torch"], default="auto",
+                   help="nanovllm's attention_backend (auto: flash-attn when installed, else Triton)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="'auto' (the model's dtype), 'fp8', 'fp8_e5m2', ...")
+    add_request_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="also print one JSON line with the results")
     args = p.parse_args()

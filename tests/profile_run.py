@@ -11,7 +11,7 @@
     PYTHONPATH=. python3 tests/profile_run.py [--model qwen3-0.6b] [--workload default] [--tp 2] [--profile-steps 200]
         [--max-num-seqs 512] [--top-k 20 --top-p 0.95] [--presence-penalty 0.5 ...] [--runs 2] [--no-profile] [--pause 5]
         [--n 8] [--logprobs 20 [--flat-logprobs]] [--prompt-logprobs 1] [--tokenizer synthetic]
-        [--cprofile | --cprofile-steps 3 8]
+        [--cprofile | --cprofile-steps 3 8]     (bench.py's workload and request flags, and this tool's own)
         [--num-seqs 128 --min-input-len 6000 --max-input-len 8000 --min-output-len 16 --max-output-len 64
          --max-model-len 8192]     (the long-prompt workload; the default workload's lengths otherwise)
 """
@@ -28,7 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import make_workload, preset_dir, request_options, tokenizer_options, warm_up
+from bench import (add_request_arguments, add_workload_arguments, make_workload, preset_dir, request_options,
+                   sampling_filters, tokenizer_options, warm_up)
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.heap import fewer_collections
 
@@ -106,18 +107,16 @@ def timed_step(engine, waits, finished, index, host_profile_steps, dump_dir) -> 
     return kind, elapsed, elapsed - (waits.seconds - waited)
 
 
-def main():
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--workload", default="default")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--max-num-seqs", type=int, default=None, help="as bench.py's")
+    add_workload_arguments(p)
+    add_request_arguments(p)
     p.add_argument("--profile-steps", type=int, default=0,
                    help="profile only this many engine steps, from --profile-start on (0: the whole run). "
                         "Gathering the events of a whole Qwen3-8B TP=2 run took longer than 4 minutes")
     p.add_argument("--profile-start", type=int, default=10, help="the first profiled step with --profile-steps")
-    p.add_argument("--top-k", type=int, default=0, help="as bench.py's")
-    p.add_argument("--top-p", type=float, default=1.0, help="as bench.py's")
     p.add_argument("--runs", type=int, default=1, help="host-view runs before the profiled one, each with its "
                                                        "slowest steps")
     p.add_argument("--no-profile", action="store_true", help="the host-view runs only")
@@ -130,21 +129,18 @@ def main():
     p.add_argument("--cprofile-dump", metavar="DIR", help="save the --cprofile-steps' stats here (step<N>.prof)")
     p.add_argument("--pause", type=float, default=0.0, help="seconds the GPU sits idle before each host-view run "
                                                             "after the first (as before a process's first run)")
-    for flag, default in (("num-seqs", 256), ("min-input-len", 100), ("max-input-len", 1024),
-                          ("min-output-len", 100), ("max-output-len", 1024), ("max-model-len", 4096)):
-        p.add_argument(f"--{flag}", type=int, default=default, help="as bench.py's")
-    for flag, default in (("presence-penalty", 0.0), ("frequency-penalty", 0.0), ("repetition-penalty", 1.0)):
-        p.add_argument(f"--{flag}", type=float, default=default, help="as bench.py's")
-    p.add_argument("--n", type=int, default=1, help="as bench.py's")
-    p.add_argument("--logprobs", type=int, default=None, help="as bench.py's")
-    p.add_argument("--prompt-logprobs", type=int, default=None, help="as bench.py's")
-    p.add_argument("--flat-logprobs", action="store_true", help="as bench.py's")
-    p.add_argument("--tokenizer", default=None, help="as bench.py's (a path, a hub id or 'synthetic')")
-    args = p.parse_args()
-    params = dict(top_k=args.top_k, top_p=args.top_p, **request_options(args))
+    args = p.parse_args(argv)
     args.seed = 0
+    return args
+
+
+def main():
+    args = parse_args()
+    params = sampling_filters(args) | request_options(args)
+    engine_options = {} if args.logprobs_mode is None else dict(logprobs_mode=args.logprobs_mode)
     llm = LLM(preset_dir(args.model), load_format="dummy", max_model_len=args.max_model_len,
-              tensor_parallel_size=args.tp, max_num_seqs=args.max_num_seqs, **tokenizer_options(args.tokenizer))
+              tensor_parallel_size=args.tp, max_num_seqs=args.max_num_seqs, **tokenizer_options(args.tokenizer),
+              **engine_options)
     prompts, settings = make_workload(args, on_cpu=False)
     warm_up(llm, SamplingParams, args)
 

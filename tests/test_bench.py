@@ -91,3 +91,17 @@ def test_bench_asks_for_chosen_ids_logprobs():
     bad = subprocess.run([sys.executable, "bench.py", "--logprob-token-ids", "3,x"], cwd=ROOT, capture_output=True,
                          text=True, timeout=600)
     assert bad.returncode == 2 and "argument --logprob-token-ids: invalid token_ids value: '3,x'" in bad.stderr
+
+
+def test_profile_run_takes_bench_flags():
+    """tests/profile_run.py builds its requests with bench.py's helpers from bench.py's own flags, so a
+    flag bench.py gains cannot leave the tool behind (it did twice: --min-p, --logprob-token-ids)."""
+    import bench
+    import profile_run
+    args = profile_run.parse_args(["--model", "qwen3-8b", "--min-p", "0.1", "--logprob-token-ids", "3,17",
+                                   "--num-seqs", "8", "--logprobs-mode", "raw_logits", "--profile-steps", "5"])
+    assert bench.sampling_filters(args) == {"min_p": 0.1}
+    assert bench.request_options(args) == {"logprob_token_ids": [3, 17]}
+    assert (args.num_seqs, args.logprobs_mode, args.profile_steps, args.seed) == (8, "raw_logits", 5, 0)
+    prompts, settings = bench.make_workload(args, on_cpu=False)
+    assert len(prompts) == len(settings) == 8
