@@ -49,8 +49,8 @@ def sample(rows: int, vocab_size: int, num_logprobs: int | None) -> SamplerOutpu
     return out
 
 
-def score(logits: torch.Tensor, targets: torch.Tensor, num_top: int) -> SamplerOutput:
-    """As prompt_logprobs._score, with random logprobs and ranks and num_top random best."""
+def score(logits: torch.Tensor, targets: torch.Tensor, num_top: int, as_logits: bool = False) -> SamplerOutput:
+    """As prompt_logprobs._score, with random logprobs (or logits) and ranks and num_top random best."""
     rows = len(targets)
     out = SamplerOutput(token_ids=targets, logprobs=-10 * torch.rand(rows), ranks=torch.randint(1, 100, (rows,)))
     if num_top:

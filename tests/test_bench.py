@@ -1,6 +1,7 @@
 """The README's main job, `python bench.py`, runs on the CPU path and reports its figures."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -105,3 +106,13 @@ def test_profile_run_takes_bench_flags():
     assert (args.num_seqs, args.logprobs_mode, args.profile_steps, args.seed) == (8, "raw_logits", 5, 0)
     prompts, settings = bench.make_workload(args, on_cpu=False)
     assert len(prompts) == len(settings) == 8
+
+
+def test_bench_host_runs_with_logprobs():
+    """tests/bench_host.py stands in for the sampler and prompt scoring; its stand-ins must keep the
+    engine's signatures (its prompt-score stand-in had lost logprobs_mode's as_logits)."""
+    proc = subprocess.run([sys.executable, "tests/bench_host.py", "--num-seqs", "8", "--scale", "8", "--runs", "1",
+                           "--logprobs", "2", "--prompt-logprobs", "1", "--tokenizer", "synthetic"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ | {"PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.fullmatch(r"run 1: \d+ steps in [\d.]+ s, [\d.]+ ms a step", proc.stdout.splitlines()[-1])
