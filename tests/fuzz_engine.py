@@ -6,7 +6,8 @@ chunked prefill, prefix caching, async scheduling, CUDA graphs, scheduling polic
 a reasoning parser, the logprobs mode) and a random run of requests (random sampling options, among them penalties,
 stops, bad words, allowed ids, logprobs, truncation, thinking budgets and, with xgrammar, a choice,
 regex or JSON grammar; output kinds, priorities and cache salts), requests it must refuse, aborts
-and sleeps (levels 0-2, modes "keep" and "abort") between step() calls. Checked:
+and sleeps (levels 0-2, modes "keep" and "abort") between step() calls. Every fourth seed samples its
+rows with a top_k above 16 on the sampler's sorted path (SORTED_PATH_TOP_K_MAX). Checked:
 - a bad request (out-of-vocabulary id, a prompt too long, an unfinished request's id, ...) is a
   ValueError and changes nothing else;
 - every request that is not aborted is reported finished exactly once, and the engine counts as
@@ -35,12 +36,14 @@ their runs alone.
         [--tensor-parallel-size 2]
 """
 import argparse
+import functools
 import importlib.util
 import random
 from dataclasses import dataclass, field, replace
 
 from nanovllm import LLM, EngineArgs, LLMEngine, SamplingParams
 from nanovllm.engine.output_processor import DETOKENIZE_CONTEXT
+from nanovllm.layers import sampling_filters
 from nanovllm.sampling_params import BeamSearchParams, RequestOutputKind, StructuredOutputsParams
 
 HAS_XGRAMMAR = importlib.util.find_spec("xgrammar") is not None   # (structured outputs' optional dependency)
@@ -50,6 +53,9 @@ MAX_MODEL_LEN = 160
 # left for an output token, empty
 BAD_PROMPTS = {"vocabulary": [1, VOCAB_SIZE], "long": [1] * (MAX_MODEL_LEN + 1), "full": [1] * MAX_MODEL_LEN,
                "empty": []}
+# Every fourth seed (3, 7, ...) lowers sampling_filters.SELECT_TOP_K_MAX to this, so that its rows with top_k 50
+# take the sampler's sorted path, which the tiny vocabulary never reaches at 1,024 (on_sorted_path_every_fourth_seed)
+SORTED_PATH_TOP_K_MAX = 16
 WORDS = "The quick brown fox jumps over the lazy dog Hello world blocks , . !".split()   # (in its tokenizer's corpus)
 
 
@@ -162,6 +168,22 @@ class Run:
             self.finished[output.request_id] = output
 
 
+def on_sorted_path_every_fourth_seed(run):
+    """run(model, seed, ...) with SELECT_TOP_K_MAX at SORTED_PATH_TOP_K_MAX where seed % 4 == 3 (its runs
+    alone too), and as it was otherwise; the seeds draw what they drew before."""
+    @functools.wraps(run)
+    def wrapped(model: str, seed: int, **engine_kwargs) -> int:
+        saved = sampling_filters.SELECT_TOP_K_MAX
+        if seed % 4 == 3:
+            sampling_filters.SELECT_TOP_K_MAX = SORTED_PATH_TOP_K_MAX
+        try:
+            return run(model, seed, **engine_kwargs)
+        finally:
+            sampling_filters.SELECT_TOP_K_MAX = saved
+    return wrapped
+
+
+@on_sorted_path_every_fourth_seed
 def run_seed(model: str, seed: int, **engine_kwargs) -> int:
     """One seed's run (see the module's docstring); raises AssertionError on a broken invariant
     -> the number of greedy or seeded completions that differ from their run alone."""
@@ -477,6 +499,7 @@ def sleep(rng: random.Random, llm: LLM, mode: str):
         llm.collective_rpc("reload_weights")
 
 
+@on_sorted_path_every_fourth_seed
 def run_llm_seed(model: str, seed: int, **engine_kwargs) -> int:
     """One seed's run of LLM calls at random (generate, chat, enqueue / wait_for_completion with
     other calls between, beam_search, bad calls, a generate interrupted by Ctrl-C, sleeps, prefix
