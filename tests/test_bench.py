@@ -1,4 +1,5 @@
-"""The README's main job, `python bench.py`, runs on the CPU path and reports its figures."""
+"""The README's main job, `python bench.py`, runs on the CPU path and reports its figures; the developer
+tools in tests/ that reuse its workload and flags keep up with them."""
 import json
 import os
 import re
