@@ -147,7 +147,7 @@ class Config:
             if name in kwargs and not _asks_nothing(kwargs.pop(name), idle):
                 raise ValueError(f"{name} is not supported ({lack}); leave it at {idle!r}.")
         for name in sorted(IGNORED_ARGUMENTS.keys() & kwargs.keys()):
-            logger.info(f"{name}={kwargs.pop(name)!r:.80} is not used: {IGNORED_ARGUMENTS[name]}.")
+            logger.info(f"{name}={kwargs.pop(name)!r:.80} is not used: {IGNORED_ARGUMENTS[name][1]}.")
         names = {f.name for f in fields(cls) if f.init}
         for name in sorted(set(kwargs) - names):
             known = names | IDLE_ARGUMENTS.keys() | IGNORED_ARGUMENTS.keys()

@@ -1098,15 +1098,10 @@ def test_generate_collects_garbage_less_often_and_restores_the_thresholds(llm, m
     (dict(hf_overrides="max_position_embeddings=8"), "hf_overrides must be dict or None, got 'max_position_embeddings=8'."),
     (dict(hf_overrides={"quantization_config": {"quant_method": "gptq"}}),
      "the checkpoint is quantized (quant_method 'gptq'); nanovllm loads unquantized checkpoints only."),
-    (dict(compilation_config={"cudagraph_capture_sizes": [1, 2]}),
-     "compilation_config is not supported (the engine compiles and captures CUDA graphs its own way; "
-     "enforce_eager=True turns the graphs off); leave it at None."),
     (dict(data_parallel_size=2), "data_parallel_size is not supported (tensor parallelism on one host only); "
                                  "leave it at 1."),
     (dict(limit_mm_per_prompt={"image": 1}), "limit_mm_per_prompt is not supported (text-only models); leave it at "
                                              "None."),
-    (dict(optimization_level=0), "optimization_level is not supported (the engine compiles and captures CUDA graphs "
-                                 "its own way; enforce_eager=True turns the graphs off); leave it at 2."),
     (dict(enable_prompt_embeds=True), "enable_prompt_embeds is not supported (a prompt is text or token ids, not "
                                       "embeddings); leave it at False."),
     (dict(spec_method="ngram"), "spec_method is not supported (no speculative decoding); leave it at None."),
@@ -1327,6 +1322,14 @@ def test_vllm_engine_arguments_that_mean_our_behaviour_are_accepted(qwen3_dir):
     assert any(line.startswith("max_lora_rank=<object object at ") and line.endswith(" is not used: no LoRA "
                                                                                      "(enable_lora=False).")
                for line in lines)
+    # vLLM's compile and CUDA-graph settings, as its examples pass them
+    with log_lines("nanovllm.config") as lines:
+        LLM(qwen3_dir, num_kvcache_blocks=4, compilation_config={"cudagraph_capture_sizes": [1, 2, 4]},
+            optimization_level=0)
+    assert lines == ["compilation_config={'cudagraph_capture_sizes': [1, 2, 4]} is not used: the engine compiles "
+                     "and captures CUDA graphs its own way; enforce_eager=True turns the graphs off.",
+                     "optimization_level=0 is not used: the engine compiles and captures CUDA graphs its own way; "
+                     "enforce_eager=True turns the graphs off."]
     config = llm.llm_engine.config   # vLLM's None: the engine's choice
     assert (config.enable_prefix_caching, config.enable_chunked_prefill, config.attention_backend) == (True, True, "auto")
     assert llm.llm_engine.block_manager.num_blocks == 16

@@ -180,11 +180,14 @@ def test_vllm_only_engine_arguments_come_from_the_command_line(qwen3_dir):
     those that leave the outputs alone, any value) the engine starts; otherwise the engine's
     ValueError names the argument. EngineArgs reads them as vLLM's defaults."""
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    idle = ["--data-parallel-size", "1", "--no-enable-dbo", "--limit-mm-per-prompt", "{}", "--worker-cls", "auto",
-            "--kv-transfer-config", "null", "--max-lora-rank", "64", "--prefix-caching-hash-algo", "xxhash"]
+    idle = ["--data-parallel-size", "1", "--enable-dbo", "--limit-mm-per-prompt", "{}", "--worker-cls", "auto",
+            "--kv-transfer-config", "null", "--max-lora-rank", "64", "--prefix-caching-hash-algo", "xxhash",
+            "--fully-sharded-loras", "--no-disable-cascade-attn", "--compilation-config", '{"cudagraph_mode": "NONE"}']
     args = parser.parse_args(["--model", qwen3_dir, "--block-size", "16", "--num-kvcache-blocks", "8", *idle])
     engine_args = EngineArgs.from_cli_args(args)
-    assert (engine_args.data_parallel_size, engine_args.enable_dbo, engine_args.max_lora_rank) == (1, False, "64")
+    assert (engine_args.data_parallel_size, engine_args.enable_dbo, engine_args.max_lora_rank) == (1, True, 64)
+    assert (engine_args.fully_sharded_loras, engine_args.disable_cascade_attn) == (True, False)
+    assert engine_args.compilation_config == {"cudagraph_mode": "NONE"}
     assert LLMEngine.from_engine_args(engine_args).block_manager.num_blocks == 8
     llm = LLM.from_engine_args(engine_args)              # vLLM's LLM.from_engine_args too
     assert (llm.llm_engine.config.model, llm.llm_engine.block_manager.num_blocks) == (qwen3_dir, 8)
@@ -193,6 +196,7 @@ def test_vllm_only_engine_arguments_come_from_the_command_line(qwen3_dir):
         engine = LLMEngine.from_vllm_config(config, disable_log_stats=disable)
         assert engine.block_manager.num_blocks == 8 and (engine.stat_logger is not None) == stats
     assert (EngineArgs().data_parallel_size, EngineArgs().worker_cls) == (1, "auto")
+    assert (EngineArgs().optimization_level, EngineArgs().max_lora_rank, EngineArgs().use_tqdm_on_load) == (2, 16, True)
     for flags, message in [(["--data-parallel-size", "2"], "data_parallel_size is not supported"),
                            (["--mamba-backend", "triton"], "mamba_backend is not supported (no Mamba")]:
         engine_args = EngineArgs.from_cli_args(parser.parse_args(["--model", qwen3_dir, *flags]))

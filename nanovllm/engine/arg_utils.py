@@ -19,15 +19,16 @@ def _settings() -> dict:
 
 def _vllm_only_flags() -> dict:
     """vLLM's arguments that nanovllm has no use for (vllm_only_arguments.py) -> (argparse options, help):
-    typed as their vLLM default, so that a flag at that default compares equal to it."""
+    typed as their vLLM default, so that a flag at that default compares equal to it (and a boolean
+    one takes vLLM's --name / --no-name)."""
     flags = {}
-    for name, (idle, lack) in IDLE_ARGUMENTS.items():
-        if not name.startswith("_"):
-            kind = {bool: bool, int: int, float: float, str: str}.get(type(idle))
-            options = _flag_options(kind) if kind else {"type": _json_or_text}
-            flags[name] = (options, f"vLLM's; only {idle!r} here ({lack})")
-    for name, instead in IGNORED_ARGUMENTS.items():
-        flags[name] = ({"type": str}, f"vLLM's; not used ({instead})")
+    for arguments, text in ((IDLE_ARGUMENTS, "only {default!r} here ({reason})"),
+                            (IGNORED_ARGUMENTS, "not used ({reason})")):
+        for name, (default, reason) in arguments.items():
+            if not name.startswith("_"):
+                kind = {bool: bool, int: int, float: float, str: str}.get(type(default))
+                options = _flag_options(kind) if kind else {"type": _json_or_text}
+                flags[name] = (options, "vLLM's; " + text.format(default=default, reason=reason))
     return flags
 
 
@@ -44,8 +45,8 @@ class EngineArgs:
         if name in kwargs:
             return kwargs[name]
         default = _settings().get(name, MISSING)
-        if default is MISSING and name in IDLE_ARGUMENTS:
-            default = IDLE_ARGUMENTS[name][0]
+        if default is MISSING:
+            default = {**IDLE_ARGUMENTS, **IGNORED_ARGUMENTS}.get(name, (MISSING,))[0]
         if default is MISSING:
             raise AttributeError(f"EngineArgs has no argument {name!r}.")
         return default
