@@ -5,11 +5,16 @@ in its own harness, ranked its Triton templates above cuBLAS at 128 rows. This t
 graph with the weights read from HBM (as the decode graphs see them), a tiled GEMM with each
 configuration of a small grid against `F.linear`, for the Qwen3-0.6B projection shapes.
 
-    PYTHONPATH=. python3 tests/bench_gemm.py [--rows 32 64 128 192 256] [--quick | --libraries | --layouts]
+    PYTHONPATH=. python3 tests/bench_gemm.py [--rows 32 64 128 192 256] [--quick | --libraries | --layouts | --buckets]
 
 --layouts: instead of the Triton sweep, the same product through cuBLAS three ways: F.linear(x, W)
 (W [N, K], the engine's), x @ W^T with W^T stored [K, N], and W @ x^T (the output [N, M]
 transposed: cuBLAS then sees M as the wide side).
+
+--buckets: instead of the Triton sweep, the products as the engine runs them (F.linear for qkv and
+gate_up, split_k_before_norm's partial products for o and down) at every given row count, and for
+each the fastest count at least as large (docs/perf_notes.md Next 18: the decode graphs pad a step's
+sequences to multiples of 16, so a slow bucket could borrow a larger one's product).
 
 --libraries: instead of the Triton sweep, F.linear through torch's cuBLAS and cuBLASLt paths
 (`torch.backends.cuda.preferred_blas_library`) and with TunableOp's choice (`torch.cuda.tunable`,
@@ -181,6 +186,29 @@ def split(rows):
         print_times(name, m, times, total, "  " + " ".join(f"tri{s}: {c}" for s, c in best.items()))
 
 
+def buckets(rows):
+    """The engine's own products at each row count, best of three timings, then per row count the
+    fastest row count at least as large, per shape and for the four together."""
+    from nanovllm.layers.linear import split_k_before_norm, split_k_partials
+    table = {}
+    for name, m, x, w0, weights in cases(rows):
+        splits = split_k_before_norm(m, *w0.shape[::-1]) if name in ("o", "down") else 1
+        if splits > 1:
+            calls = [lambda w=w: split_k_partials(x, w, splits).parts for w in weights]
+        else:
+            calls = [lambda w=w: F.linear(x, w) for w in weights]
+        table[name, m] = min(us_per_call_in_graph(calls) for _ in range(3))
+        if m == rows[-1]:
+            print(name, " ".join(f"{r}:{table[name, r]:.2f}" for r in rows), flush=True)
+    print("bucket: us a layer (sum of the four), best larger bucket")
+    for m in rows:
+        larger = [r for r in rows if r >= m]
+        best = min((sum(table[s, r] for s in SHAPES), r) for r in larger)
+        per_shape = " ".join(f"{s} {min(table[s, r] for r in larger) - table[s, m]:+.2f}" for s in SHAPES)
+        print(f"{m:4} {sum(table[s, m] for s in SHAPES):6.2f} us  best >= it: {best[0]:6.2f} at {best[1]}   "
+              f"per shape (best larger - own): {per_shape}")
+
+
 def print_times(name: str, m: int, times: dict, total: dict, note: str = ""):
     """One table row of microseconds per variant; each also added to total."""
     for variant, us in times.items():
@@ -195,7 +223,11 @@ def main():
     p.add_argument("--libraries", action="store_true", help="cuBLAS, cuBLASLt and TunableOp instead of Triton")
     p.add_argument("--layouts", action="store_true", help="three operand layouts through cuBLAS instead of Triton")
     p.add_argument("--split", action="store_true", help="split-K partial products, with the add + RMSNorm after them")
+    p.add_argument("--buckets", action="store_true", help="the engine's own products at each row count (e.g. "
+                   "--rows 32 48 ... 256), against larger row counts")
     args = p.parse_args()
+    if args.buckets:
+        return buckets(args.rows)
     if args.split:
         return split(args.rows)
     if args.libraries:
