@@ -50,7 +50,7 @@ IDLE_ARGUMENTS = {
              mm_tensor_ipc="direct_rpc", mm_ipc_gpu_memory_gb=0, disable_chunked_mm_input=False,
              io_processor_plugin=None, enable_mm_processor_stats=False),
     **_group("no Mamba or diffusion models", mamba_cache_dtype="auto", mamba_ssm_cache_dtype="auto",
-             mamba_block_size=None, mamba_cache_mode="none", mamba_backend=None,
+             mamba_block_size=None, mamba_cache_mode="none", mamba_backend="triton",
              enable_mamba_cache_stochastic_rounding=False, mamba_cache_philox_rounds=0, mamba_config=None,
              prefix_match_unit=None, diffusion_config=None),
     **_group("a prompt is text or token ids, not embeddings", enable_prompt_embeds=False),

@@ -198,7 +198,7 @@ def test_vllm_only_engine_arguments_come_from_the_command_line(qwen3_dir):
     assert (EngineArgs().data_parallel_size, EngineArgs().worker_cls) == (1, "auto")
     assert (EngineArgs().optimization_level, EngineArgs().max_lora_rank, EngineArgs().use_tqdm_on_load) == (2, 16, True)
     for flags, message in [(["--data-parallel-size", "2"], "data_parallel_size is not supported"),
-                           (["--mamba-backend", "triton"], "mamba_backend is not supported (no Mamba")]:
+                           (["--mamba-backend", "flashinfer"], "mamba_backend is not supported (no Mamba")]:
         engine_args = EngineArgs.from_cli_args(parser.parse_args(["--model", qwen3_dir, *flags]))
         with pytest.raises(ValueError, match=re.escape(message)):
             LLMEngine.from_engine_args(engine_args)
