@@ -38,6 +38,7 @@ their runs alone.
 import argparse
 import functools
 import importlib.util
+import math
 import random
 from dataclasses import dataclass, field, replace
 
@@ -343,20 +344,28 @@ def count_differences_alone(model: str, config: dict, run: Run) -> int:
     (a near tie says rounding): each alone run asks for every token's logprob, so that the lead is known
     wherever the other token was (logprob_token_ids or a top 20 would leave it out where masks or top-k
     made the choice), in the distribution the token was chosen from (processed: after logit_bias and
-    penalties; a raw lead can be large where those decided)."""
-    alone_config = {**config, "max_num_seqs": 1, "max_logprobs": -1, "logprobs_mode": "processed_logprobs"}
-    every_logprob = dict(logprobs=-1, logprob_token_ids=None)
-    engine = LLMEngine.from_engine_args(EngineArgs(model=model, **alone_config))
+    penalties; a raw lead can be large where those decided). Where the other token was masked there
+    (a lead of inf, e.g. under top_k=1), the request runs alone once more for its raw lead."""
+    alone_config = {**config, "max_num_seqs": 1, "max_logprobs": -1}
+    engines = {}
+
+    def run_alone(mode: str, request_id: str, prompt: list[int], params: SamplingParams) -> list:
+        if mode not in engines:
+            engines[mode] = LLMEngine.from_engine_args(EngineArgs(model=model, **{**alone_config, "logprobs_mode": mode}))
+        engine = engines[mode]
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, replace(
+            params, output_kind=RequestOutputKind.FINAL_ONLY, logprobs=-1, logprob_token_ids=None))
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                outputs = output.outputs
+        return outputs
+
     differences = 0
     for request_id in run.finished:
         prompt, params = run.requests[request_id]
         if params.temperature > 0 and params.seed is None:
             continue
-        engine.add_request(request_id, {"prompt_token_ids": prompt},
-                           replace(params, output_kind=RequestOutputKind.FINAL_ONLY, **every_logprob))
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                alone = output.outputs
+        alone = run_alone("processed_logprobs", request_id, prompt, params)
         for completion in alone:
             tokens, text = run.completions[(request_id, completion.index)]
             if (tokens, text) == (list(completion.token_ids), completion.text):
@@ -367,12 +376,22 @@ def count_differences_alone(model: str, config: dict, run: Run) -> int:
                 print(f"  {request_id}.{completion.index}: {len(tokens)} tokens against {len(completion.token_ids)} "
                       f"alone, {text!r} against {completion.text!r} ({params})")
                 continue
-            top = completion.logprobs[at]
-            lead = top[completion.token_ids[at]].logprob - top[tokens[at]].logprob
+            lead = leads(completion, at, tokens[at])
+            if math.isinf(lead):
+                raw = run_alone("raw_logprobs", request_id, prompt, params)[completion.index]
+                same = raw.token_ids[:at + 1] == completion.token_ids[:at + 1]
+                lead = f"{lead} (raw logprobs: {f'by {leads(raw, at, tokens[at])}' if same else 'drawn otherwise'})"
             print(f"  {request_id}.{completion.index}: token {at} is {tokens[at]}, alone {completion.token_ids[at]}, "
                   f"which led it by {lead} ({params})")
-    engine.close()
+    for engine in engines.values():
+        engine.close()
     return differences
+
+
+def leads(completion, at: int, other: int) -> float:
+    """By how much the completion's token at `at` led `other` there, in its logprobs."""
+    top = completion.logprobs[at]
+    return top[completion.token_ids[at]].logprob - top[other].logprob
 
 
 # ---- the LLM facade ---------------------------------------------------------------------------
