@@ -27,7 +27,7 @@ def _vllm_only_flags() -> dict:
         for name, (default, reason) in arguments.items():
             if not name.startswith("_"):
                 kind = {bool: bool, int: int, float: float, str: str}.get(type(default))
-                options = _flag_options(kind) if kind else {"type": _json_or_text}
+                options = _flag_options(kind) if kind else {"nargs": "*", "type": _json_or_text, "action": _Values}
                 flags[name] = (options, "vLLM's; " + text.format(default=default, reason=reason))
     return flags
 
@@ -85,6 +85,14 @@ def _flag_options(annotation) -> dict:
     if dict in kinds or kinds == {object}:
         return {"type": json.loads}
     return {"type": str}
+
+
+class _Values(argparse.Action):
+    """A vLLM flag whose value is not a scalar (a config as JSON, a list, a bool that may be None):
+    `--name` alone is True, `--name 1 2 4` a list, `--name '{"a": 1}'` the one value."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, True if not values else values[0] if len(values) == 1 else values)
 
 
 def _json_or_text(text: str):
