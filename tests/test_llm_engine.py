@@ -43,11 +43,12 @@ def test_the_vllm_engine_example_runs(qwen3_dir, tokenizer):
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     args = parser.parse_args(["--model", qwen3_dir, "--dtype", "float32", "--block_size", "16",
                               "--num-kvcache-blocks=64", "--no-enable-prefix-caching", "--max-model-len", "256",
-                              "--hf-overrides", '{"rms_norm_eps": 1e-06}'])
+                              "--hf-overrides", '{"rms_norm_eps": 1e-06}', "--served-model-name", "tiny", "alias"])
     engine_args = EngineArgs.from_cli_args(args)
     assert (engine_args.block_size, engine_args.enable_prefix_caching, engine_args.max_num_seqs) == (16, False, None)
     engine = LLMEngine.from_engine_args(engine_args)
     assert engine.config.hf_config.rms_norm_eps == 1e-6 and not engine.config.enable_prefix_caching
+    assert engine.model_config.served_model_name == "tiny"
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     pending = [("Hello world", params), (PROMPTS[1], params), ({"prompt_token_ids": PROMPTS[2]}, params)]
     finished, request_id = {}, 0

@@ -84,6 +84,8 @@ def _flag_options(annotation) -> dict:
         return {"type": kinds.pop()}
     if dict in kinds or kinds == {object}:
         return {"type": json.loads}
+    if any(getattr(kind, "__origin__", None) is list for kind in kinds):
+        return {"type": str, "nargs": "+"}      # vLLM's: --served-model-name a b
     return {"type": str}
 
 
