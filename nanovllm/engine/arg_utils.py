@@ -80,6 +80,8 @@ def _flag_options(annotation) -> dict:
     kinds = set(annotation.__args__) - {type(None)} if isinstance(annotation, types.UnionType) else {annotation}
     if kinds == {bool}:
         return {"action": argparse.BooleanOptionalAction}
+    if kinds == {bool, str}:
+        return {"type": str, "nargs": "?", "const": True}   # vLLM's: --hf-token alone is True
     if kinds in ({int}, {float}):
         return {"type": kinds.pop()}
     if dict in kinds or kinds == {object}:
