@@ -49,7 +49,8 @@ def test_the_vllm_engine_example_runs(qwen3_dir, tokenizer):
     engine = LLMEngine.from_engine_args(engine_args)
     assert engine.config.hf_config.rms_norm_eps == 1e-6 and not engine.config.enable_prefix_caching
     assert engine.model_config.served_model_name == "tiny"
-    assert (parser.parse_args(["--hf-token"]).hf_token, parser.parse_args(["--hf-token", "hf_x"]).hf_token) == (True, "hf_x")
+    hf_tokens = [parser.parse_args(flags).hf_token for flags in (["--hf-token"], ["--hf-token", "hf_x"])]
+    assert hf_tokens == [True, "hf_x"]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     pending = [("Hello world", params), (PROMPTS[1], params), ({"prompt_token_ids": PROMPTS[2]}, params)]
     finished, request_id = {}, 0
