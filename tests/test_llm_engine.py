@@ -186,13 +186,15 @@ def test_vllm_only_engine_arguments_come_from_the_command_line(qwen3_dir):
     idle = ["--data-parallel-size", "1", "--enable-dbo", "--limit-mm-per-prompt", "{}", "--worker-cls", "auto",
             "--kv-transfer-config", "null", "--max-lora-rank", "64", "--prefix-caching-hash-algo", "xxhash",
             "--fully-sharded-loras", "--no-disable-cascade-attn", "--compilation-config", '{"cudagraph_mode": "NONE"}',
-            "--cudagraph-capture-sizes", "1", "2", "4", "--disable-hybrid-kv-cache-manager"]
+            "--cudagraph-capture-sizes", "1", "2", "4", "--disable-hybrid-kv-cache-manager",
+            "-tp", "1", "-O3", "-dp", "1"]
     args = parser.parse_args(["--model", qwen3_dir, "--block-size", "16", "--num-kvcache-blocks", "8", *idle])
     engine_args = EngineArgs.from_cli_args(args)
     assert (engine_args.data_parallel_size, engine_args.enable_dbo, engine_args.max_lora_rank) == (1, True, 64)
     assert (engine_args.fully_sharded_loras, engine_args.disable_cascade_attn) == (True, False)
     assert engine_args.compilation_config == {"cudagraph_mode": "NONE"}
     assert (engine_args.cudagraph_capture_sizes, engine_args.disable_hybrid_kv_cache_manager) == ([1, 2, 4], True)
+    assert (engine_args.tensor_parallel_size, engine_args.optimization_level) == (1, 3)   # vLLM's short flags
     assert LLMEngine.from_engine_args(engine_args).block_manager.num_blocks == 8
     llm = LLM.from_engine_args(engine_args)              # vLLM's LLM.from_engine_args too
     assert (llm.llm_engine.config.model, llm.llm_engine.block_manager.num_blocks) == (qwen3_dir, 8)

@@ -10,6 +10,15 @@ from nanovllm.config import Config
 from nanovllm.vllm_only_arguments import IDLE_ARGUMENTS, IGNORED_ARGUMENTS
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"   # vLLM's
+SHORT_FLAGS = {   # vLLM's short spellings of its flags (-O3 for --optimization-level 3: FlexibleArgumentParser)
+    "quantization": "-q", "tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "nnodes": "-n",
+    "node_rank": "-r", "decode_context_parallel_size": "-dcp", "prefill_context_parallel_size": "-pcp",
+    "data_parallel_size": "-dp", "data_parallel_rank": "-dpn", "data_parallel_start_rank": "-dpr",
+    "data_parallel_size_local": "-dpl", "data_parallel_address": "-dpa", "data_parallel_rpc_port": "-dpp",
+    "data_parallel_backend": "-dpb", "data_parallel_hybrid_lb": "-dph", "data_parallel_external_lb": "-dpe",
+    "data_parallel_multi_port_external_lb": "-dpm", "enable_expert_parallel": "-ep", "speculative_config": "-sc",
+    "diffusion_config": "-dc", "compilation_config": "-cc", "attention_config": "-ac",
+}
 
 
 def _settings() -> dict:
@@ -59,13 +68,11 @@ class EngineArgs:
         """One flag per argument; only the flags given reach from_cli_args (the rest keep Config's
         defaults). Dict-valued arguments take JSON."""
         parser.add_argument("--model", default=DEFAULT_MODEL, help="a local directory or a Hugging Face hub id")
-        for f in fields(Config):
-            if f.init and f.name != "model":
-                parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=argparse.SUPPRESS,
-                                    help=f"default: {f.default!r}", **_flag_options(f.type))
-        for name, (options, text) in _vllm_only_flags().items():
-            parser.add_argument("--" + name.replace("_", "-"), dest=name, default=argparse.SUPPRESS, help=text,
-                                **options)
+        flags = {f.name: (_flag_options(f.type), f"default: {f.default!r}")
+                 for f in fields(Config) if f.init and f.name != "model"}
+        for name, (options, text) in {**flags, **_vllm_only_flags()}.items():
+            spellings = ["--" + name.replace("_", "-")] + ([SHORT_FLAGS[name]] if name in SHORT_FLAGS else [])
+            parser.add_argument(*spellings, dest=name, default=argparse.SUPPRESS, help=text, **options)
         return parser
 
     @classmethod
