@@ -351,7 +351,8 @@ def count_differences_alone(model: str, config: dict, run: Run) -> int:
 
     def run_alone(mode: str, request_id: str, prompt: list[int], params: SamplingParams) -> list:
         if mode not in engines:
-            engines[mode] = LLMEngine.from_engine_args(EngineArgs(model=model, **{**alone_config, "logprobs_mode": mode}))
+            engine_args = EngineArgs(model=model, **{**alone_config, "logprobs_mode": mode})
+            engines[mode] = LLMEngine.from_engine_args(engine_args)
         engine = engines[mode]
         engine.add_request(request_id, {"prompt_token_ids": prompt}, replace(
             params, output_kind=RequestOutputKind.FINAL_ONLY, logprobs=-1, logprob_token_ids=None))

@@ -65,8 +65,8 @@ class EngineArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """One flag per argument; only the flags given reach from_cli_args (the rest keep Config's
-        defaults). Dict-valued arguments take JSON."""
+        """One flag per argument (and vLLM's short spellings, SHORT_FLAGS); only the flags given reach
+        from_cli_args (the rest keep Config's defaults). Dict-valued arguments take JSON."""
         parser.add_argument("--model", default=DEFAULT_MODEL, help="a local directory or a Hugging Face hub id")
         flags = {f.name: (_flag_options(f.type), f"default: {f.default!r}")
                  for f in fields(Config) if f.init and f.name != "model"}
