@@ -49,6 +49,7 @@ def test_the_vllm_engine_example_runs(qwen3_dir, tokenizer):
     engine = LLMEngine.from_engine_args(engine_args)
     assert engine.config.hf_config.rms_norm_eps == 1e-6 and not engine.config.enable_prefix_caching
     assert engine.model_config.served_model_name == "tiny"
+    assert engine.stat_logger is not None and EngineArgs().disable_log_stats is False   # vLLM's EngineArgs default
     hf_tokens = [parser.parse_args(flags).hf_token for flags in (["--hf-token"], ["--hf-token", "hf_x"])]
     assert hf_tokens == [True, "hf_x"]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -198,7 +199,9 @@ def test_vllm_only_engine_arguments_come_from_the_command_line(qwen3_dir):
     assert LLMEngine.from_engine_args(engine_args).block_manager.num_blocks == 8
     llm = LLM.from_engine_args(engine_args)              # vLLM's LLM.from_engine_args too
     assert (llm.llm_engine.config.model, llm.llm_engine.block_manager.num_blocks) == (qwen3_dir, 8)
-    config = EngineArgs(model=qwen3_dir, num_kvcache_blocks=8, disable_log_stats=False).create_engine_config()
+    plain = LLM(qwen3_dir, num_kvcache_blocks=8)       # LLM()'s own default: no stats
+    assert llm.llm_engine.stat_logger is not None and plain.llm_engine.stat_logger is None
+    config = EngineArgs(model=qwen3_dir, num_kvcache_blocks=8).create_engine_config()   # (stats logged by default)
     for disable, stats in ((False, True), (True, False)):   # and LLMEngine.from_vllm_config
         engine = LLMEngine.from_vllm_config(config, disable_log_stats=disable)
         assert engine.block_manager.num_blocks == 8 and (engine.stat_logger is not None) == stats

@@ -43,11 +43,14 @@ def _vllm_only_flags() -> dict:
 
 class EngineArgs:
     """EngineArgs(model=..., max_num_seqs=8, ...): the arguments are checked when the engine is
-    made (Config.from_kwargs); unset ones read as Config's defaults."""
+    made (Config.from_kwargs); unset ones read as Config's defaults, but for vLLM's EngineArgs
+    defaults that differ from LLM()'s (ENGINE_DEFAULTS: an engine made from engine arguments logs
+    its stats, as vLLM's does)."""
+    ENGINE_DEFAULTS = {"disable_log_stats": False}
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
         self.model = model
-        self.kwargs = kwargs
+        self.kwargs = {**self.ENGINE_DEFAULTS, **kwargs}
 
     def __getattr__(self, name: str):
         kwargs = self.__dict__.get("kwargs", {})

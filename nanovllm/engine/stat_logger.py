@@ -10,7 +10,7 @@ logger = init_logger(__name__)
 
 
 class StatLogger:
-    def __init__(self, interval_s: float = 5.0):
+    def __init__(self, interval_s: float = 10.0):   # vLLM's VLLM_LOG_STATS_INTERVAL default
         self.interval_s = interval_s
         self.since = time.monotonic()
         self.num_prompt_tokens = self.num_generation_tokens = 0
