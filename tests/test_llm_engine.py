@@ -24,7 +24,7 @@ def engine(qwen3_dir, request):
 
 def run_to_end(engine) -> list:
     outputs = []
-    while engine.has_unfinished_requests():
+    while engine.has_unfinished_requests_dp(engine.has_unfinished_requests()):   # (vLLM's data-parallel loop)
         outputs += engine.step()
     return outputs
 

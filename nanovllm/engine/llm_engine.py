@@ -250,6 +250,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.finished_asleep)
 
+    def has_unfinished_requests_dp(self, has_unfinished: bool) -> bool:
+        """vLLM's: whether any data-parallel rank has unfinished requests; with one rank, this one's."""
+        return has_unfinished
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests) + len(self.finished_asleep)
 
