@@ -44,6 +44,11 @@ def test_the_vllm_engine_example_runs(qwen3_dir, tokenizer):
     args = parser.parse_args(["--model", qwen3_dir, "--dtype", "float32", "--block_size", "16",
                               "--num-kvcache-blocks=64", "--no-enable-prefix-caching", "--max-model-len", "256",
                               "--hf-overrides", '{"rms_norm_eps": 1e-06}', "--served-model-name", "tiny", "alias"])
+    # vLLM's JSON arguments key by key, and -O
+    dotted = parser.parse_args(["--hf-overrides.rope_theta", "1e6", "--hf_overrides.rope_parameters.factor=4.0",
+                                "-cc.mode", "none", "-O3", "--max_num_seqs=8"])
+    assert dotted.hf_overrides == {"rope_theta": 1e6, "rope_parameters": {"factor": 4.0}}
+    assert (dotted.compilation_config, dotted.optimization_level, dotted.max_num_seqs) == ({"mode": "none"}, 3, 8)
     engine_args = EngineArgs.from_cli_args(args)
     assert (engine_args.block_size, engine_args.enable_prefix_caching, engine_args.max_num_seqs) == (16, False, None)
     engine = LLMEngine.from_engine_args(engine_args)
