@@ -71,7 +71,8 @@ class EngineArgs:
         """One flag per argument (and vLLM's short spellings, SHORT_FLAGS); only the flags given reach
         from_cli_args (the rest keep Config's defaults). Dict-valued arguments take JSON."""
         parser.add_argument("--model", default=DEFAULT_MODEL, help="a local directory or a Hugging Face hub id")
-        flags = {f.name: (_flag_options(f.type), f"default: {f.default!r}")
+        defaults = {**_settings(), **EngineArgs.ENGINE_DEFAULTS}
+        flags = {f.name: (_flag_options(f.type), f"default: {defaults[f.name]!r}")
                  for f in fields(Config) if f.init and f.name != "model"}
         for name, (options, text) in {**flags, **_vllm_only_flags()}.items():
             spellings = ["--" + name.replace("_", "-")] + ([SHORT_FLAGS[name]] if name in SHORT_FLAGS else [])
