@@ -73,7 +73,7 @@ class EngineArgs:
         parser.add_argument("--model", default=DEFAULT_MODEL, help="a local directory or a Hugging Face hub id")
         defaults = {**_settings(), **EngineArgs.ENGINE_DEFAULTS}
         flags = {f.name: (_flag_options(f.type), f"default: {defaults[f.name]!r}")
-                 for f in fields(Config) if f.init and f.name != "model"}
+                 for f in fields(Config) if f.name in defaults}
         for name, (options, text) in {**flags, **_vllm_only_flags()}.items():
             spellings = ["--" + name.replace("_", "-")] + ([SHORT_FLAGS[name]] if name in SHORT_FLAGS else [])
             parser.add_argument(*spellings, dest=name, default=argparse.SUPPRESS, help=text, **options)
