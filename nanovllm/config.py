@@ -85,7 +85,7 @@ class Config:
     quantization: str | None = None         # only None: checkpoints are loaded unquantized
     device: str = "auto"
     seed: int | None = 0                    # None: a random seed (vLLM's meaning)
-    max_model_len: int | None = None
+    max_model_len: int | None = None        # None: the model's; -1: the model's, cut to what the KV cache holds
     # True: a sliding-window model attends to its whole context, max_model_len capped at the window
     # (vLLM's meaning). nanovllm has no sliding-window attention, so without it a longer max_model_len
     # is refused.
@@ -131,13 +131,14 @@ class Config:
     attention_backend: str | None = "auto"   # "auto" (or None) | "triton" | "flash_attn" | "torch"
     kv_cache_dtype: str = "auto"        # "auto" (the model's dtype) | "bfloat16" | "fp8" | "fp8_e4m3" | "fp8_e5m2"
     async_scheduling: bool | None = None   # None: on with CUDA (overlaps host work with the GPU)
-    disable_log_stats: bool = True         # False: log throughput, queues and cache use every 5 s
+    disable_log_stats: bool = True         # False: log throughput, queues and cache use every 10 s
     # Derived in __post_init__.
     model_path: str = field(init=False)
     hf_config: PretrainedConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
     kv_cache_torch_dtype: torch.dtype = field(init=False)
     reasoning_markers: tuple[str, str] | None = field(init=False)   # (start, end); None: no budget
+    fit_max_model_len: bool = field(init=False)   # max_model_len=-1: cut to the KV cache once it is sized
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":
@@ -216,8 +217,9 @@ class Config:
         self.kv_cache_torch_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
         rope_settings(self.hf_config)   # an unsupported RoPE variant refused here, before any worker starts
         max_len = max_positions(self.hf_config)
-        explicit_len = self.max_model_len is not None
-        if self.max_model_len is None:
+        self.fit_max_model_len = self.max_model_len == -1
+        explicit_len = self.max_model_len not in (None, -1)
+        if not explicit_len:
             self.max_model_len = max_len
         elif self.max_model_len > max_len:
             scaled = ", with its RoPE scaling" if max_len != self.hf_config.max_position_embeddings else ""
@@ -271,8 +273,8 @@ class Config:
                            f"{', '.join(GENERATION_FIELDS)}.")
         check(self.load_format in ("auto", "safetensors", "dummy"),
               f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}.")
-        check(self.max_model_len is None or self.max_model_len >= 1,
-              f"max_model_len must be at least 1, got {self.max_model_len}.")
+        check(self.max_model_len is None or self.max_model_len >= 1 or self.max_model_len == -1,
+              f"max_model_len must be at least 1, or -1 (what the KV cache holds), got {self.max_model_len}.")
         check(self.max_num_seqs is None or self.max_num_seqs >= 1,
               f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
         check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
@@ -334,6 +336,13 @@ class Config:
             if value % n:
                 raise ValueError(f"the model's {name} ({value}) is not divisible by "
                                  f"tensor_parallel_size ({n}).")
+
+    def fit_to_kv_cache(self, num_blocks: int):
+        """max_model_len=-1 (vLLM's auto-fit): the model's length, cut to the tokens num_blocks blocks hold."""
+        capacity = num_blocks * self.block_size
+        if self.fit_max_model_len and capacity < self.max_model_len:
+            logger.info(f"max_model_len {self.max_model_len} cut to {capacity}, the tokens the KV cache holds.")
+            self.max_model_len = capacity
 
     @property
     def logprobs_cap(self) -> int:

@@ -259,8 +259,7 @@ class SamplingParams:
               f"repetition_penalty must be a finite number greater than zero, got {self.repetition_penalty}.")
         check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}.")
         check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
-        check(self.top_k >= -1,
-              f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
+        check(self.top_k >= -1, f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")   # (-1 as 0)
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
         check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}.")
         check(self.min_tokens >= 0,

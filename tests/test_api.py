@@ -675,7 +675,7 @@ def test_sampler_kernels_warm_up_for_the_models_own_top_k_or_top_p(qwen3_dir, mo
 @pytest.mark.parametrize("kwargs, message", [
     (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5."),
     (dict(temperature=-1.0), "temperature must be non-negative, got -1.0."),
-    (dict(top_k=-5), "top_k must be 0 or -1 (disable), or at least 1, got -5."),
+    (dict(top_k=-5), "top_k must be 0 (disable), or at least 1, got -5."),
     (dict(min_p=2.0), "min_p must be in [0, 1], got 2.0."),
     (dict(max_tokens=0), "max_tokens must be at least 1, got 0."),
     (dict(n=0), "n must be at least 1, got 0."),

@@ -220,6 +220,56 @@ def test_vllm_only_engine_arguments_come_from_the_command_line(qwen3_dir):
             LLMEngine.from_engine_args(engine_args)
 
 
+def test_flags_read_as_vllm_reads_them(tmp_path):
+    """vLLM's forms beyond one flag and its value: human-readable numbers (16k, 2K; max_model_len auto),
+    --config FILE.yaml (its flags before the command line's, which win; false as --no-x), and a dotted
+    key's list (-cc.sizes+ 1,2). A config file that cannot be used is a ValueError."""
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--max-model-len", "32k", "--max-num-batched-tokens", "2K", "--kv-cache-memory-bytes",
+                              "1.5g", "-cc.sizes+", "1,2", "-cc.sizes+=4", "--hf-overrides.a", "8k"])
+    assert (args.max_model_len, args.max_num_batched_tokens, args.kv_cache_memory_bytes) == (32000, 2048, 1_500_000_000)
+    assert (args.compilation_config, args.hf_overrides) == ({"sizes": ["1", "2", "4"]}, {"a": 8000})
+    lengths = [parser.parse_args(["--max-model-len", text]).max_model_len for text in ("auto", "-1", "512")]
+    assert lengths == [-1, -1, 512]
+    with pytest.raises(SystemExit):   # (argparse's error: Decimals are not allowed with binary suffixes like K)
+        parser.parse_args(["--max-model-len", "1.5K"])
+    config = tmp_path / "engine.yaml"
+    config.write_text("max_num_seqs: 8\nmax-model-len: 1k\nenable_prefix_caching: false\nenforce-eager: true\n"
+                      "served-model-name: [a, b]\nhf-overrides:\n  rope_theta: 1000000\n")
+    args = parser.parse_args(["--config", str(config), "--max-num-seqs", "4"])
+    assert (args.max_num_seqs, args.max_model_len) == (4, 1000)
+    assert (args.enable_prefix_caching, args.enforce_eager) == (False, True)
+    assert (args.served_model_name, args.hf_overrides) == (["a", "b"], {"rope_theta": 1000000})
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    for flags, message in [(["--config", str(config), "--config", str(config)], "More than one config file specified!"),
+                           (["--max-num-seqs", "4", "--config"], "No config file specified!"),
+                           (["--config", "engine.json"], "Config file must be of a yaml/yml type. json supplied"),
+                           (["--config", str(tmp_path / "none.yaml")], "cannot be read: [Errno 2] No such file"),
+                           (["--config", str(tmp_path / "list.yaml")], "must hold a mapping of flags to values")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parser.parse_args(flags)
+
+
+def test_max_model_len_auto_fits_the_kv_cache(qwen3_dir):
+    """max_model_len=-1 (vLLM's auto-fit): the model's length (512), cut to what the KV cache holds;
+    a request longer than that is refused, a shorter one runs."""
+    engine = LLMEngine.from_engine_args(EngineArgs(model=qwen3_dir, max_model_len=-1, block_size=16,
+                                                   num_kvcache_blocks=4))
+    assert engine.model_config.max_model_len == 64 and engine.scheduler.max_model_len == 64
+    too_long = "prompt 0 (length 65) is longer than the maximum model length of 64."
+    with pytest.raises(ValueError, match=re.escape(too_long)):
+        engine.add_request("long", {"prompt_token_ids": [1] * 65}, SamplingParams(max_tokens=1))
+    engine.add_request("fits", {"prompt_token_ids": [1] * 60}, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in run_to_end(engine) if o.finished] == [4]
+    assert_idle(engine)
+    roomy = LLMEngine.from_engine_args(EngineArgs(model=qwen3_dir, max_model_len=-1, block_size=16,
+                                                  num_kvcache_blocks=64))
+    assert roomy.model_config.max_model_len == 512
+    with pytest.raises(ValueError, match=re.escape("max_model_len must be at least 1, or -1 (what the KV cache "
+                                                   "holds), got -2.")):
+        EngineArgs(model=qwen3_dir, max_model_len=-2).create_engine_config()
+
+
 def test_engine_methods_as_vllms(qwen3_dir):
     """vLLM's LLMEngine methods beside the step loop: the supported tasks, the stats line on demand,
     LoRA calls (no adapters here), cache resets with vLLM's options, apply_model, a token prompt's
@@ -229,7 +279,7 @@ def test_engine_methods_as_vllms(qwen3_dir):
     assert engine.get_supported_tasks() == ("generate",) and engine.list_loras() == set()
     with log_lines("nanovllm.engine.stat_logger") as lines:
         engine.do_log_stats()
-        engine.do_log_stats_with_interval()   # (its 5 s have not passed)
+        engine.do_log_stats_with_interval()   # (its 10 s have not passed)
     assert len(lines) == 1 and lines[0].startswith("Avg prompt throughput: 0.0 tokens/s")
     with pytest.raises(ValueError, match="add_lora is not supported \\(nanovllm runs the base model only\\)"):
         engine.add_lora(object())

@@ -7,6 +7,7 @@ import types
 from dataclasses import MISSING, fields
 
 from nanovllm.config import Config
+from nanovllm.utils.argparse_utils import human_readable_int, human_readable_int_or_auto
 from nanovllm.vllm_only_arguments import IDLE_ARGUMENTS, IGNORED_ARGUMENTS
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"   # vLLM's
@@ -19,6 +20,10 @@ SHORT_FLAGS = {   # vLLM's short spellings of its flags (-O3 for --optimization-
     "data_parallel_multi_port_external_lb": "-dpm", "enable_expert_parallel": "-ep", "speculative_config": "-sc",
     "diffusion_config": "-dc", "compilation_config": "-cc", "attention_config": "-ac",
 }
+# vLLM's flags that take 16k, 1.5m or 8G for 16,000, 1,500,000 or 8 * 2**30 (max_model_len also auto: -1)
+HUMAN_READABLE = {"max_model_len": human_readable_int_or_auto, "max_num_batched_tokens": human_readable_int,
+                  "kv_cache_memory_bytes": human_readable_int, "max_num_scheduled_tokens": human_readable_int,
+                  "safetensors_prefetch_block_size": human_readable_int}
 
 
 def _settings() -> dict:
@@ -75,6 +80,8 @@ class EngineArgs:
         flags = {f.name: (_flag_options(f.type), f"default: {defaults[f.name]!r}")
                  for f in fields(Config) if f.name in defaults}
         for name, (options, text) in {**flags, **_vllm_only_flags()}.items():
+            if name in HUMAN_READABLE:
+                options = {**options, "type": HUMAN_READABLE[name]}
             spellings = ["--" + name.replace("_", "-")] + ([SHORT_FLAGS[name]] if name in SHORT_FLAGS else [])
             parser.add_argument(*spellings, dest=name, default=argparse.SUPPRESS, help=text, **options)
         return parser

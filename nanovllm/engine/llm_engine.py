@@ -93,6 +93,7 @@ class LLMEngine:
             raise
         if self.workers is not None:   # NCCL cannot abort under live CUDA graphs (TPWorkers._watch)
             self.workers.abort_on_death = self.model_runner.graphs is None
+        config.fit_to_kv_cache(self.model_runner.num_kvcache_blocks)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
