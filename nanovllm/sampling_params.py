@@ -1,7 +1,7 @@
 """SamplingParams: how to pick each next token and when to stop (vLLM's fields and defaults)."""
 import copy
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from dataclasses import fields as dataclass_fields
 from enum import Enum
 
@@ -118,7 +118,7 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int | None = 16         # None: until max_model_len
     min_tokens: int = 0
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = None            # a list after __post_init__ (None: [])
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
@@ -131,7 +131,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    bad_words: list[str] | None = None             # never generated (their last token is banned after the rest)
+    bad_words: list[str] | None = None             # never generated (a word's last token banned after the rest)
     logit_bias: dict[int, float] | None = None     # added to the raw logits of those token ids
     allowed_token_ids: list[int] | None = None     # only these ids may be sampled
     truncate_prompt_tokens: int | None = None      # keep only the prompt's last k tokens (-1: max_model_len)
@@ -152,10 +152,15 @@ class SamplingParams:
     routed_experts_prompt_start: int = 0           # MoE routing output, which nanovllm does not return
     # Stop a completion stuck repeating itself (RepetitionDetectionParams, or a dict of its fields)
     repetition_detection: RepetitionDetectionParams | dict | None = None
-    # Normalised copies, filled in __post_init__.
-    stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
+        # vLLM's normal forms: -1 for no seed, True for one logprob (as the OpenAI API's logprobs)
+        if self.seed == -1:
+            self.seed = None
+        if self.logprobs is True:
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
         self.structured_outputs = StructuredOutputsParams.parse(self.structured_outputs)
         if isinstance(self.repetition_detection, dict):
             try:
@@ -170,11 +175,9 @@ class SamplingParams:
             self.temperature = MIN_TEMPERATURE
         if self.is_greedy and self.n > 1:
             raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
-        if isinstance(self.stop, str):
-            self.stop_strings = [self.stop]
-        else:
-            self.stop_strings = list(self.stop or [])
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0
         if self.thinking_token_budget == -1:
@@ -257,7 +260,9 @@ class SamplingParams:
               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
         check(0.0 < self.repetition_penalty < math.inf,   # (inf would turn a logit of 0 into NaN)
               f"repetition_penalty must be a finite number greater than zero, got {self.repetition_penalty}.")
+        check(math.isfinite(self.temperature), f"temperature must be a finite number, got {self.temperature}.")
         check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}.")
+        check(self.temperature <= 2.0, f"temperature must be in [0, 2], got {self.temperature}.")
         check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
         check(self.top_k >= -1, f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")   # (-1 as 0)
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")

@@ -306,7 +306,7 @@ def check_finish(tokens: list[int], num_prompt_tokens: int, finish_reason: str, 
         elif isinstance(stop_reason, int):
             assert stop_reason in params.stop_token_ids and tokens[-1] == stop_reason, where
         else:
-            assert stop_reason in params.stop_strings, where
+            assert stop_reason in params.stop, where
     else:
         assert (finish_reason, stop_reason) in (("repetition", "repetition_detected"), ("error", None)), where
 
@@ -322,7 +322,7 @@ def check_text(tokens: list[int], text: str, prompt: list[int], finish_reason: s
     options = dict(skip_special_tokens=params.skip_special_tokens,
                    spaces_between_special_tokens=params.spaces_between_special_tokens)
     context = prompt[max(len(prompt) - DETOKENIZE_CONTEXT, 0):]
-    if finish_reason == "stop" and stop_reason not in params.stop_strings and not params.include_stop_str_in_output:
+    if finish_reason == "stop" and stop_reason not in params.stop and not params.include_stop_str_in_output:
         tokens = tokens[:-1]
     before, after = tokenizer.decode(context, **options), tokenizer.decode(context + tokens, **options)
     whole = after[len(before):] if after.startswith(before) else tokenizer.decode(tokens, **options)
@@ -330,7 +330,7 @@ def check_text(tokens: list[int], text: str, prompt: list[int], finish_reason: s
     lossy = "\ufffd" in whole
     if lossy:
         text, whole = text.replace("\ufffd", ""), whole.replace("\ufffd", "")
-    if stop_reason not in params.stop_strings:   # (a stop token id, None, or repetition detection's reason)
+    if stop_reason not in params.stop:   # (a stop token id, None, or repetition detection's reason)
         assert whole.startswith(text) if lossy else text == whole, where
     elif params.include_stop_str_in_output:
         assert text.endswith(stop_reason) and whole.startswith(text), where

@@ -675,6 +675,8 @@ def test_sampler_kernels_warm_up_for_the_models_own_top_k_or_top_p(qwen3_dir, mo
 @pytest.mark.parametrize("kwargs, message", [
     (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5."),
     (dict(temperature=-1.0), "temperature must be non-negative, got -1.0."),
+    (dict(temperature=2.5), "temperature must be in [0, 2], got 2.5."),
+    (dict(temperature=float("nan")), "temperature must be a finite number, got nan."),
     (dict(top_k=-5), "top_k must be 0 (disable), or at least 1, got -5."),
     (dict(min_p=2.0), "min_p must be in [0, 1], got 2.0."),
     (dict(max_tokens=0), "max_tokens must be at least 1, got 0."),
@@ -801,13 +803,22 @@ def test_sampling_params_from_optional():
         SamplingParams.from_optional(temperature=-1.0)
 
 
+def test_sampling_params_normal_forms_are_vllms():
+    """As vLLM's __post_init__ leaves them: stop and bad_words lists (None: []), seed -1 as no seed,
+    logprobs=True and prompt_logprobs=True as 1."""
+    params = SamplingParams(stop="x", seed=-1, logprobs=True, prompt_logprobs=True)
+    assert (params.stop, params.bad_words, params.seed) == (["x"], [], None)
+    assert (params.logprobs, params.prompt_logprobs) == (1, 1)
+    assert (SamplingParams().stop, SamplingParams(stop=("a", "b")).stop) == ([], ["a", "b"])
+
+
 def test_sampling_params_clone_is_deep():
     params = SamplingParams(temperature=0.5, stop=["x"], logit_bias={3: 1.0})
     copy = params.clone()
     assert copy == params and copy is not params
     copy.logit_bias[3] = 2.0
-    copy.stop_strings.append("y")
-    assert params.logit_bias == {3: 1.0} and params.stop_strings == ["x"]
+    copy.stop.append("y")
+    assert params.logit_bias == {3: 1.0} and params.stop == ["x"]
     shallow = SamplingParams(logit_bias={3: 1.0}, skip_clone=True).clone()   # vLLM's skip_clone: shallow
     assert shallow.logit_bias is not None and shallow.logit_bias is shallow.clone().logit_bias
 

@@ -69,7 +69,7 @@ class OutputProcessor:
         has_text = self._tokenizer is not None and sp.detokenize
         text_of_token = seq.finish_reason is None or sp.include_stop_str_in_output   # a stop token's is left out
         # Detokenized each step only where the text is read before the end; else once, at the end
-        each_step = has_text and (seq.streamed or bool(sp.stop_strings))
+        each_step = has_text and (seq.streamed or bool(sp.stop))
         if each_step and text_of_token:
             delta = self._detokenize(seq)
             if may_stop and seq.finish_reason is None and delta:
@@ -207,7 +207,7 @@ class OutputProcessor:
     def _check_stop_strings(seq: Sequence, num_new_chars: int):
         """Find a stop string that ends in the newest text (it may start in earlier text)."""
         text = seq.output_text
-        for stop in seq.sampling_params.stop_strings:
+        for stop in seq.sampling_params.stop:
             index = text.find(stop, max(len(text) - num_new_chars - len(stop) + 1, 0))
             if index != -1:
                 keep = len(stop) if seq.sampling_params.include_stop_str_in_output else 0

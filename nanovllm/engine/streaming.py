@@ -73,6 +73,6 @@ class OutputStreamer:
 
 
 def _held_back(params) -> int:
-    if not params.stop_strings or params.include_stop_str_in_output:
+    if not params.stop or params.include_stop_str_in_output:
         return 0
-    return max(len(stop) for stop in params.stop_strings) - 1
+    return max(len(stop) for stop in params.stop) - 1
