@@ -12,6 +12,7 @@ from nanovllm.engine.reasoning import ReasoningConfig, reasoning_markers
 from nanovllm.engine.structured_output import StructuredOutputsConfig
 from nanovllm.layers.rotary import max_positions, rope_settings
 from nanovllm.logger import init_logger
+from nanovllm.model.fp8 import FP8Checkpoint, fp8_checkpoint
 from nanovllm.utils.hub import check_directory_or_hub_id, resolve_model_path
 from nanovllm.utils.validation import check_field_types
 from nanovllm.vllm_only_arguments import IDLE_ARGUMENTS, IGNORED_ARGUMENTS
@@ -82,7 +83,7 @@ class Config:
     # StructuredOutputsConfig, or a dict of its fields
     structured_outputs_config: object = None
     dtype: str | torch.dtype = "auto"       # "auto", a name in DTYPES, or one of their torch dtypes
-    quantization: str | None = None         # only None: checkpoints are loaded unquantized
+    quantization: str | None = None         # None, or "fp8" for an fp8 checkpoint (read from it when None)
     device: str = "auto"
     seed: int | None = 0                    # None: a random seed (vLLM's meaning)
     max_model_len: int | None = None        # None: the model's; -1: the model's, cut to what the KV cache holds
@@ -139,6 +140,7 @@ class Config:
     kv_cache_torch_dtype: torch.dtype = field(init=False)
     reasoning_markers: tuple[str, str] | None = field(init=False)   # (start, end); None: no budget
     fit_max_model_len: bool = field(init=False)   # max_model_len=-1: cut to the KV cache once it is sized
+    fp8_checkpoint: FP8Checkpoint | None = field(init=False)   # fp8 weights, dequantized as they load
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":
@@ -203,11 +205,15 @@ class Config:
             if isinstance(current, dict) and isinstance(value, dict):   # a dict attribute is updated, not replaced
                 value = {**current, **value}
             setattr(self.hf_config, name, value)
-        quantized = getattr(self.hf_config, "quantization_config", None)
-        if quantized:
-            method = quantized.get("quant_method") if isinstance(quantized, dict) else type(quantized).__name__
-            raise ValueError(f"the checkpoint is quantized (quant_method {method!r}); nanovllm loads "
-                             f"unquantized checkpoints only.")
+        self.fp8_checkpoint = fp8_checkpoint(getattr(self.hf_config, "quantization_config", None))
+        if self.fp8_checkpoint:
+            if self.quantization not in (None, "fp8"):
+                raise ValueError(f"quantization={self.quantization!r} does not match the checkpoint's "
+                                 f"quant_method 'fp8'.")
+            self.quantization = "fp8"   # (as vLLM's model_config reads it)
+        elif self.quantization == "fp8":
+            raise ValueError("quantization='fp8' is not supported for an unquantized checkpoint: nanovllm does not "
+                             "quantize weights as they load; it loads fp8 checkpoints (quant_method 'fp8').")
         architectures = getattr(self.hf_config, "architectures", None) or []
         if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
             raise ValueError(f"model architectures {architectures} are not supported; "
@@ -298,9 +304,9 @@ class Config:
               f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
         check(self.tokenizer_mode in ("auto", "slow"),
               f"tokenizer_mode must be 'auto' or 'slow', got {self.tokenizer_mode!r}.")
-        check(self.quantization is None,
+        check(self.quantization in (None, "fp8"),
               f"quantization={self.quantization!r} is not supported: nanovllm loads unquantized checkpoints "
-              f"(an fp8 KV cache is kv_cache_dtype='fp8').")
+              f"and fp8 ones (an fp8 KV cache is kv_cache_dtype='fp8').")
         check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes >= 1,
               f"kv_cache_memory_bytes must be at least 1, got {self.kv_cache_memory_bytes}.")
         check(self.swap_space >= 0, f"swap_space must be non-negative, got {self.swap_space}.")

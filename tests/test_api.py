@@ -1108,7 +1108,8 @@ def test_generate_collects_garbage_less_often_and_restores_the_thresholds(llm, m
     (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes must be at least 1, got 0."),
     (dict(hf_overrides="max_position_embeddings=8"), "hf_overrides must be dict or None, got 'max_position_embeddings=8'."),
     (dict(hf_overrides={"quantization_config": {"quant_method": "gptq"}}),
-     "the checkpoint is quantized (quant_method 'gptq'); nanovllm loads unquantized checkpoints only."),
+     "the checkpoint is quantized (quant_method 'gptq'); nanovllm loads unquantized checkpoints and fp8 ones "
+     "(quant_method 'fp8') only."),
     (dict(data_parallel_size=2), "data_parallel_size is not supported (tensor parallelism on one host only); "
                                  "leave it at 1."),
     (dict(limit_mm_per_prompt={"image": 1}), "limit_mm_per_prompt is not supported (text-only models); leave it at "

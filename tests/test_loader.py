@@ -1,11 +1,12 @@
 """Strict weight loading: a checkpoint that does not fit the model is a clear error."""
+import re
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nanovllm import LLM
+from nanovllm import LLM, SamplingParams
 
 
 def edited_checkpoint(src, dst, edit):
@@ -59,3 +60,112 @@ def test_moe_experts_are_stacked_and_checked(qwen3_moe_dir, tmp_path):
     path = edited_checkpoint(qwen3_moe_dir, tmp_path / "m", lambda t: t.pop(f"{prefix}.up_proj.weight"))
     with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\): model.layers.0.mlp.experts.w13 \(shard \(2, 'up'\)\)"):
         LLM(path)
+
+
+
+BLOCK = (24, 40)   # (output rows, input columns) a scale: the tiny model's 64- and 128-wide weights end in part blocks
+
+
+def block_scales(scale: torch.Tensor, shape) -> torch.Tensor:
+    """A scale a BLOCK, spread over a weight of this shape."""
+    return scale.repeat_interleave(BLOCK[0], 0)[:shape[0]].repeat_interleave(BLOCK[1], 1)[:, :shape[1]]
+
+
+def fp8_checkpoints(src, tmp_path) -> tuple[str, str]:
+    """src's projections in float8 e4m3 with a scale a BLOCK (the format of vLLM's fp8 checkpoints and
+    Qwen3-*-FP8: `<name>_scale_inv`, here in a file of their own), and the same weights dequantized in a
+    plain checkpoint: (fp8 dir, reference dir)."""
+    import json
+    fp8_dir, ref_dir = tmp_path / "fp8", tmp_path / "ref"
+    shutil.copytree(src, fp8_dir)
+    shutil.copytree(src, ref_dir)
+    quantized, scales, dequantized = load_file(f"{src}/model.safetensors"), {}, {}
+    for name, w in list(quantized.items()):
+        if name.endswith("_proj.weight"):
+            rows, cols = (-(-n // b) for n, b in zip(w.shape, BLOCK))
+            padded = torch.nn.functional.pad(w, (0, cols * BLOCK[1] - w.shape[1], 0, rows * BLOCK[0] - w.shape[0]))
+            scale = padded.reshape(rows, BLOCK[0], cols, BLOCK[1]).abs().amax(dim=(1, 3)) / 448.0   # (e4m3's max)
+            quantized[name] = (w / block_scales(scale, w.shape)).to(torch.float8_e4m3fn)
+            scales[f"{name}_scale_inv"] = scale
+            dequantized[name] = quantized[name].float() * block_scales(scale, w.shape)
+    save_file(quantized, f"{fp8_dir}/model.safetensors", metadata={"format": "pt"})
+    save_file(scales, f"{fp8_dir}/scales.safetensors", metadata={"format": "pt"})
+    save_file(load_file(f"{src}/model.safetensors") | dequantized, f"{ref_dir}/model.safetensors",
+              metadata={"format": "pt"})
+    config = json.loads((fp8_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(BLOCK)}
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    return str(fp8_dir), str(ref_dir)
+
+
+def test_fp8_checkpoint_loads_dequantized(qwen3_dir, tmp_path):
+    """An fp8 checkpoint (weights and their block scales in separate files, part blocks at the edges) loads
+    as its dequantized weights: the same parameters and greedy tokens as the plain checkpoint of those
+    weights, which HF transformers runs to the same tokens; quantization reads "fp8"."""
+    from conftest import hf_greedy, make_prompts
+    fp8_dir, ref_dir = fp8_checkpoints(qwen3_dir, tmp_path)
+    sizes = dict(dtype="float32", block_size=16, num_kvcache_blocks=32)
+    fp8, ref = LLM(fp8_dir, **sizes), LLM(ref_dir, quantization=None, **sizes)
+    assert fp8.llm_engine.model_config.quantization == "fp8"
+    for (name, a), (_, b) in zip(fp8.llm_engine.model_runner.model.named_parameters(),
+                                 ref.llm_engine.model_runner.model.named_parameters()):
+        assert torch.equal(a, b), name
+    ref_weights = load_file(f"{ref_dir}/model.safetensors")
+    assert not torch.equal(ref_weights["model.layers.0.mlp.down_proj.weight"],
+                           load_file(f"{qwen3_dir}/model.safetensors")["model.layers.0.mlp.down_proj.weight"])
+    prompts = make_prompts()[:4]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = [o.outputs[0].token_ids for o in fp8.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert tokens == hf_greedy(ref_dir, prompts, 8)
+    assert LLM(fp8_dir, quantization="fp8", **sizes).llm_engine.config.quantization == "fp8"
+
+
+def test_fp8_moe_checkpoint_loads_dequantized(qwen3_moe_dir, tmp_path):
+    """Each expert's fp8 projection is dequantized before it is stacked (Qwen3-30B-A3B-FP8's layout)."""
+    fp8_dir, ref_dir = fp8_checkpoints(qwen3_moe_dir, tmp_path)
+    sizes = dict(dtype="float32", block_size=16, num_kvcache_blocks=8)
+    fp8, ref = LLM(fp8_dir, **sizes), LLM(ref_dir, **sizes)
+    for (name, a), (_, b) in zip(fp8.llm_engine.model_runner.model.named_parameters(),
+                                 ref.llm_engine.model_runner.model.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_fp8_checkpoint_errors(qwen3_dir, tmp_path):
+    """A scale of the wrong shape, a weight without its scale, quantization="fp8" for a plain checkpoint
+    (vLLM's online quantization) and fp8 weights without a quantization_config are clear errors."""
+    import json
+    fp8_dir, _ = fp8_checkpoints(qwen3_dir, tmp_path)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    scales = load_file(f"{fp8_dir}/scales.safetensors")
+    bad = tmp_path / "bad"
+    shutil.copytree(fp8_dir, bad)
+    save_file(scales | {f"{name}_scale_inv": torch.ones(2, 2)}, f"{bad}/scales.safetensors")
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint tensor {name!r}: its scale has shape (2, 2), not "
+                                                   f"(3, 2) (a scale a [24, 40] block of a (64, 64) weight).")):
+        LLM(str(bad))
+    save_file({k: v for k, v in scales.items() if k != f"{name}_scale_inv"}, f"{bad}/scales.safetensors")
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint tensor {name!r}: it is torch.float8_e4m3fn, but the "
+                                                   f"checkpoint has no {name}_scale_inv or {name}_scale.")):
+        LLM(str(bad))
+    (bad / "config.json").write_text(json.dumps(json.loads((bad / "config.json").read_text())
+                                                | {"quantization_config": None}))
+    with pytest.raises(ValueError, match="it is torch.float8_e4m3fn, but config.json has no fp8 quantization_config."):
+        LLM(str(bad))
+    with pytest.raises(ValueError, match=re.escape("quantization='fp8' is not supported for an unquantized "
+                                                   "checkpoint: nanovllm does not quantize weights as they load")):
+        LLM(qwen3_dir, quantization="fp8")
+
+
+def test_fp8_dequantize_by_tensor_row_or_block():
+    """`<name>_scale` (one number or one a row) and `<name>_scale_inv` blocks, part blocks at the edges."""
+    from nanovllm.model.fp8 import dequantize
+    w = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [0.5, -1.0, 2.0]]).to(torch.float8_e4m3fn)
+    assert torch.equal(dequantize(w, torch.tensor(2.0), None), w.float() * 2)
+    assert torch.equal(dequantize(w, torch.tensor([[1.0], [2.0], [4.0]]), None),
+                       w.float() * torch.tensor([[1.0], [2.0], [4.0]]))
+    blocks = torch.tensor([[1.0, 10.0], [100.0, 1000.0]])   # [2, 2] blocks: rows 0-1 | 2, columns 0-1 | 2
+    expected = w.float() * torch.tensor([[1.0, 1, 10], [1, 1, 10], [100, 100, 1000]])
+    assert torch.equal(dequantize(w, blocks, (2, 2)), expected)
+    with pytest.raises(ValueError, match=re.escape("its scale has 2 values, neither one nor one a row of a (3, 3)")):
+        dequantize(w, torch.ones(2), None)

@@ -137,7 +137,7 @@ class ModelRunner:
         if cfg.load_format == "dummy":
             init_dummy_weights(self.model, cfg.seed + self.tp.rank)
         else:
-            load_model(self.model, cfg.model_path, cfg.hf_config.tie_word_embeddings)
+            load_model(self.model, cfg.model_path, cfg.hf_config.tie_word_embeddings, cfg.fp8_checkpoint)
 
     def _capture_graphs(self) -> DecodeGraphs:
         cfg = self.config

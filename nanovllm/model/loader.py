@@ -8,6 +8,7 @@ from safetensors import safe_open
 from torch import nn
 
 from nanovllm.layers.linear import copy_checked
+from nanovllm.model.fp8 import FP8_DTYPES, SCALE_SUFFIXES, UNUSED_SUFFIXES, FP8Checkpoint, dequantize
 
 # Checkpoint tensors that hold nothing we need.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -45,10 +46,15 @@ def _param_for(model: nn.Module, ckpt_name: str) -> tuple[str, object]:
     return ckpt_name, None
 
 
-def load_model(model: nn.Module, path: str, tie_word_embeddings: bool):
+def load_model(model: nn.Module, path: str, tie_word_embeddings: bool, fp8: FP8Checkpoint | None = None):
+    """fp8: the checkpoint's fp8 weights are dequantized by their scales as they load (model/fp8.py)."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in model directory {path!r}.")
+    file_of = {}   # checkpoint tensor -> its file (an fp8 weight's scale may be in another)
+    for file in files:
+        with safe_open(file, "pt", "cpu") as f:
+            file_of |= dict.fromkeys(f.keys(), file)
     params = dict(model.named_parameters())
     expected = _expected_shards(model)
     loaded = set()
@@ -59,14 +65,21 @@ def load_model(model: nn.Module, path: str, tie_word_embeddings: bool):
                     continue
                 if ckpt_name == "lm_head.weight" and tie_word_embeddings:
                     continue  # the same tensor as the embedding
+                if fp8 and ckpt_name.endswith(UNUSED_SUFFIXES):
+                    continue
+                if fp8 and ckpt_name.endswith(SCALE_SUFFIXES) and ckpt_name.rsplit("_scale", 1)[0] in file_of:
+                    continue  # read with its weight
                 name, shard_id = _param_for(model, ckpt_name)
                 if name not in params:
                     raise ValueError(f"checkpoint tensor {ckpt_name!r} in {os.path.basename(file)} "
                                      f"matches no model parameter.")
                 param = params[name]
                 try:
+                    tensor = f.get_tensor(ckpt_name)
+                    if tensor.dtype in FP8_DTYPES:
+                        tensor = _dequantized(tensor, ckpt_name, fp8, file_of, param.device)
                     weight_loader = getattr(param, "weight_loader", default_weight_loader)
-                    weight_loader(param, f.get_tensor(ckpt_name), shard_id)
+                    weight_loader(param, tensor, shard_id)
                 except ValueError as e:
                     raise ValueError(f"checkpoint tensor {ckpt_name!r}: {e}") from None
                 loaded.add((name, shard_id))
@@ -74,6 +87,20 @@ def load_model(model: nn.Module, path: str, tie_word_embeddings: bool):
     if missing:
         raise ValueError(f"the checkpoint in {path!r} lacks {len(missing)} tensor(s): {', '.join(missing[:8])}"
                          + (" ..." if len(missing) > 8 else ""))
+
+
+def _dequantized(weight: torch.Tensor, name: str, fp8: FP8Checkpoint | None, file_of: dict,
+                 device: torch.device) -> torch.Tensor:
+    """An fp8 checkpoint tensor times its scale (on the parameter's device, for speed)."""
+    if fp8 is None:
+        raise ValueError(f"it is {weight.dtype}, but config.json has no fp8 quantization_config.")
+    scale_name = next((name + suffix for suffix in SCALE_SUFFIXES if name + suffix in file_of), None)
+    if scale_name is None:
+        raise ValueError(f"it is {weight.dtype}, but the checkpoint has no {name}_scale_inv or {name}_scale.")
+    with safe_open(file_of[scale_name], "pt", "cpu") as f:
+        scale = f.get_tensor(scale_name)
+    block = fp8.weight_block_size if scale_name.endswith("_scale_inv") else None
+    return dequantize(weight.to(device), scale.to(device), block)
 
 
 @torch.no_grad()
