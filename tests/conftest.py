@@ -1,11 +1,14 @@
 """Fixtures: tiny random Qwen3 / Qwen2 checkpoints (real architecture, small sizes) with a small
 byte-level BPE tokenizer saved beside them, and HF transformers as the reference."""
 import contextlib
+import json
 import logging
 import math
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
@@ -71,6 +74,44 @@ def build_model_dir(path, arch: str, tokenizer: PreTrainedTokenizerFast, seed: i
     GenerationConfig(eos_token_id=eos, do_sample=False).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+FP8_BLOCK = (24, 40)   # (output rows, input columns) a scale: the tiny weights' edges fall in part blocks
+
+
+def block_scales(scale: torch.Tensor, shape) -> torch.Tensor:
+    """One scale an FP8_BLOCK, spread over a weight of this shape."""
+    rows, cols = FP8_BLOCK
+    return scale.repeat_interleave(rows, 0)[:shape[0]].repeat_interleave(cols, 1)[:, :shape[1]]
+
+
+def fp8_checkpoints(src, tmp_path) -> tuple[str, str]:
+    """src's projections in float8 e4m3 with a scale an FP8_BLOCK (the format of vLLM's fp8 checkpoints and
+    Qwen3-*-FP8: `<name>_scale_inv`, here in a file of their own), and the same weights dequantized in a
+    plain checkpoint: (fp8 dir, reference dir)."""
+    fp8_dir, ref_dir = tmp_path / "fp8", tmp_path / "ref"
+    shutil.copytree(src, fp8_dir)
+    shutil.copytree(src, ref_dir)
+    quantized, scales, dequantized = load_file(f"{src}/model.safetensors"), {}, {}
+    for name, w in list(quantized.items()):
+        if name.endswith("_proj.weight"):
+            grid = [-(-n // b) for n, b in zip(w.shape, FP8_BLOCK)]
+            padded = torch.nn.functional.pad(w, (0, grid[1] * FP8_BLOCK[1] - w.shape[1],
+                                                 0, grid[0] * FP8_BLOCK[0] - w.shape[0]))
+            amax = padded.reshape(grid[0], FP8_BLOCK[0], grid[1], FP8_BLOCK[1]).abs().amax(dim=(1, 3))
+            scale = amax / torch.finfo(torch.float8_e4m3fn).max
+            quantized[name] = (w / block_scales(scale, w.shape)).to(torch.float8_e4m3fn)
+            scales[f"{name}_scale_inv"] = scale
+            dequantized[name] = quantized[name].float() * block_scales(scale, w.shape)
+    save_file(quantized, f"{fp8_dir}/model.safetensors", metadata={"format": "pt"})
+    save_file(scales, f"{fp8_dir}/scales.safetensors", metadata={"format": "pt"})
+    save_file(load_file(f"{src}/model.safetensors") | dequantized, f"{ref_dir}/model.safetensors",
+              metadata={"format": "pt"})
+    config = json.loads((fp8_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(FP8_BLOCK)}
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    return str(fp8_dir), str(ref_dir)
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from conftest import (VOCAB_SIZE, build_model_dir, check_logprobs_close, check_within_top_k_top_p, make_prompts,
-                      tokens_and_tops)
+from conftest import (VOCAB_SIZE, build_model_dir, check_logprobs_close, check_within_top_k_top_p, fp8_checkpoints,
+                      make_prompts, tokens_and_tops)
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.attention import has_flash_attn
 
@@ -291,6 +291,31 @@ def test_kv_cache_is_sized_from_memory(gpu_model_dir):
     runner = llm.llm_engine.model_runner
     assert runner.num_kvcache_blocks == 8 * 4      # capped at max_num_seqs full-length sequences
     assert set(runner.timings) >= {"load_s", "kv_cache_s", "cuda_graphs_s", "compile_ahead_s"}
+
+
+def test_max_model_len_auto_fits_the_kv_cache_on_gpu(gpu_model_dir):
+    """max_model_len=-1 on a cache sized from memory: the model's 2,048 tokens where they fit, else what the
+    cache holds (kv_cache_memory_bytes for 3 blocks of 256 tokens: 768)."""
+    assert LLM(gpu_model_dir, max_model_len=-1, max_num_seqs=8).llm_engine.config.max_model_len == 2048
+    block_bytes = 2 * 256 * SIZES["num_key_value_heads"] * SIZES["head_dim"] * SIZES["num_hidden_layers"] * 2
+    llm = LLM(gpu_model_dir, max_model_len=-1, max_num_seqs=8, kv_cache_memory_bytes=3 * block_bytes)
+    assert llm.llm_engine.config.max_model_len == 768
+    outs = llm.generate([{"prompt_token_ids": [1] * 700}], SamplingParams(max_tokens=68, ignore_eos=True),
+                        use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 68
+
+
+def test_fp8_checkpoint_logprobs_close_to_hf(gpu_model_dir, tmp_path):
+    """An fp8 checkpoint, its weights dequantized on the GPU as they load, is close to HF transformers
+    running the dequantized weights (the same bf16 parameters as those weights' plain checkpoint)."""
+    fp8_dir, ref_dir = fp8_checkpoints(gpu_model_dir, tmp_path)
+    llm = LLM(fp8_dir, dtype="bfloat16", max_model_len=1024)
+    plain = LLM(ref_dir, dtype="bfloat16", max_model_len=1024, enforce_eager=True)
+    for (name, a), (_, b) in zip(llm.llm_engine.model_runner.model.named_parameters(),
+                                 plain.llm_engine.model_runner.model.named_parameters()):
+        assert torch.equal(a, b), name
+    ours, _ = run(llm)
+    assert check_logprobs_close(ours, hf_reference(ref_dir)) >= len(PROMPTS) // 2
 
 
 def test_sleep_gives_memory_back_and_wakes_up_to_the_same_tokens(gpu_model_dir):

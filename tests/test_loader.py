@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from conftest import fp8_checkpoints, hf_greedy, make_prompts
 from nanovllm import LLM, SamplingParams
 
 
@@ -63,47 +64,10 @@ def test_moe_experts_are_stacked_and_checked(qwen3_moe_dir, tmp_path):
 
 
 
-BLOCK = (24, 40)   # (output rows, input columns) a scale: the tiny model's 64- and 128-wide weights end in part blocks
-
-
-def block_scales(scale: torch.Tensor, shape) -> torch.Tensor:
-    """A scale a BLOCK, spread over a weight of this shape."""
-    return scale.repeat_interleave(BLOCK[0], 0)[:shape[0]].repeat_interleave(BLOCK[1], 1)[:, :shape[1]]
-
-
-def fp8_checkpoints(src, tmp_path) -> tuple[str, str]:
-    """src's projections in float8 e4m3 with a scale a BLOCK (the format of vLLM's fp8 checkpoints and
-    Qwen3-*-FP8: `<name>_scale_inv`, here in a file of their own), and the same weights dequantized in a
-    plain checkpoint: (fp8 dir, reference dir)."""
-    import json
-    fp8_dir, ref_dir = tmp_path / "fp8", tmp_path / "ref"
-    shutil.copytree(src, fp8_dir)
-    shutil.copytree(src, ref_dir)
-    quantized, scales, dequantized = load_file(f"{src}/model.safetensors"), {}, {}
-    for name, w in list(quantized.items()):
-        if name.endswith("_proj.weight"):
-            rows, cols = (-(-n // b) for n, b in zip(w.shape, BLOCK))
-            padded = torch.nn.functional.pad(w, (0, cols * BLOCK[1] - w.shape[1], 0, rows * BLOCK[0] - w.shape[0]))
-            scale = padded.reshape(rows, BLOCK[0], cols, BLOCK[1]).abs().amax(dim=(1, 3)) / 448.0   # (e4m3's max)
-            quantized[name] = (w / block_scales(scale, w.shape)).to(torch.float8_e4m3fn)
-            scales[f"{name}_scale_inv"] = scale
-            dequantized[name] = quantized[name].float() * block_scales(scale, w.shape)
-    save_file(quantized, f"{fp8_dir}/model.safetensors", metadata={"format": "pt"})
-    save_file(scales, f"{fp8_dir}/scales.safetensors", metadata={"format": "pt"})
-    save_file(load_file(f"{src}/model.safetensors") | dequantized, f"{ref_dir}/model.safetensors",
-              metadata={"format": "pt"})
-    config = json.loads((fp8_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(BLOCK)}
-    (fp8_dir / "config.json").write_text(json.dumps(config))
-    return str(fp8_dir), str(ref_dir)
-
-
 def test_fp8_checkpoint_loads_dequantized(qwen3_dir, tmp_path):
     """An fp8 checkpoint (weights and their block scales in separate files, part blocks at the edges) loads
     as its dequantized weights: the same parameters and greedy tokens as the plain checkpoint of those
     weights, which HF transformers runs to the same tokens; quantization reads "fp8"."""
-    from conftest import hf_greedy, make_prompts
     fp8_dir, ref_dir = fp8_checkpoints(qwen3_dir, tmp_path)
     sizes = dict(dtype="float32", block_size=16, num_kvcache_blocks=32)
     fp8, ref = LLM(fp8_dir, **sizes), LLM(ref_dir, quantization=None, **sizes)
