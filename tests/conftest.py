@@ -85,32 +85,45 @@ def block_scales(scale: torch.Tensor, shape) -> torch.Tensor:
     return scale.repeat_interleave(rows, 0)[:shape[0]].repeat_interleave(cols, 1)[:, :shape[1]]
 
 
-def fp8_checkpoints(src, tmp_path) -> tuple[str, str]:
-    """src's projections in float8 e4m3 with a scale an FP8_BLOCK (the format of vLLM's fp8 checkpoints and
-    Qwen3-*-FP8: `<name>_scale_inv`, here in a file of their own), and the same weights dequantized in a
-    plain checkpoint: (fp8 dir, reference dir)."""
-    fp8_dir, ref_dir = tmp_path / "fp8", tmp_path / "ref"
+def fp8_checkpoints(src, tmp_path, scheme: str = "block") -> tuple[str, str]:
+    """src's projections in float8 e4m3, and the same weights dequantized in a plain checkpoint: (fp8 dir,
+    reference dir). scheme "block": a scale an FP8_BLOCK (quant_method "fp8", `<name>_scale_inv`, as vLLM's
+    fp8 checkpoints and Qwen3-*-FP8 hold them; here in a file of their own); "channel": a scale an output row
+    (compressed-tensors, `<name>_scale`, as llm-compressor writes them)."""
+    fp8_dir, ref_dir = tmp_path / f"fp8_{scheme}", tmp_path / f"ref_{scheme}"
     shutil.copytree(src, fp8_dir)
     shutil.copytree(src, ref_dir)
     quantized, scales, dequantized = load_file(f"{src}/model.safetensors"), {}, {}
     for name, w in list(quantized.items()):
         if name.endswith("_proj.weight"):
-            grid = [-(-n // b) for n, b in zip(w.shape, FP8_BLOCK)]
-            padded = torch.nn.functional.pad(w, (0, grid[1] * FP8_BLOCK[1] - w.shape[1],
-                                                 0, grid[0] * FP8_BLOCK[0] - w.shape[0]))
-            amax = padded.reshape(grid[0], FP8_BLOCK[0], grid[1], FP8_BLOCK[1]).abs().amax(dim=(1, 3))
-            scale = amax / torch.finfo(torch.float8_e4m3fn).max
-            quantized[name] = (w / block_scales(scale, w.shape)).to(torch.float8_e4m3fn)
-            scales[f"{name}_scale_inv"] = scale
-            dequantized[name] = quantized[name].float() * block_scales(scale, w.shape)
-    save_file(quantized, f"{fp8_dir}/model.safetensors", metadata={"format": "pt"})
-    save_file(scales, f"{fp8_dir}/scales.safetensors", metadata={"format": "pt"})
+            if scheme == "block":
+                grid = [-(-n // b) for n, b in zip(w.shape, FP8_BLOCK)]
+                padded = torch.nn.functional.pad(w, (0, grid[1] * FP8_BLOCK[1] - w.shape[1],
+                                                     0, grid[0] * FP8_BLOCK[0] - w.shape[0]))
+                amax = padded.reshape(grid[0], FP8_BLOCK[0], grid[1], FP8_BLOCK[1]).abs().amax(dim=(1, 3))
+                scale = amax / torch.finfo(torch.float8_e4m3fn).max
+                full, scales[f"{name}_scale_inv"] = block_scales(scale, w.shape), scale
+            else:
+                amax = w.abs().amax(dim=1, keepdim=True)
+                full = scales[f"{name}_scale"] = amax / torch.finfo(torch.float8_e4m3fn).max
+            quantized[name] = (w / full).to(torch.float8_e4m3fn)
+            dequantized[name] = quantized[name].float() * full
+    if scheme == "block":
+        save_file(quantized, f"{fp8_dir}/model.safetensors", metadata={"format": "pt"})
+        save_file(scales, f"{fp8_dir}/scales.safetensors", metadata={"format": "pt"})
+        quantization = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                        "weight_block_size": list(FP8_BLOCK)}
+    else:
+        save_file(quantized | scales, f"{fp8_dir}/model.safetensors", metadata={"format": "pt"})
+        quantization = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+                        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                            "type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True, "dynamic": False},
+                            "input_activations": {"type": "float", "num_bits": 8, "strategy": "token",
+                                                  "dynamic": True}}}}
     save_file(load_file(f"{src}/model.safetensors") | dequantized, f"{ref_dir}/model.safetensors",
               metadata={"format": "pt"})
     config = json.loads((fp8_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(FP8_BLOCK)}
-    (fp8_dir / "config.json").write_text(json.dumps(config))
+    (fp8_dir / "config.json").write_text(json.dumps(config | {"quantization_config": quantization}))
     return str(fp8_dir), str(ref_dir)
 
 

@@ -1109,7 +1109,7 @@ def test_generate_collects_garbage_less_often_and_restores_the_thresholds(llm, m
     (dict(hf_overrides="max_position_embeddings=8"), "hf_overrides must be dict or None, got 'max_position_embeddings=8'."),
     (dict(hf_overrides={"quantization_config": {"quant_method": "gptq"}}),
      "the checkpoint is quantized (quant_method 'gptq'); nanovllm loads unquantized checkpoints and fp8 ones "
-     "(quant_method 'fp8') only."),
+     "(quant_method 'fp8' or 'compressed-tensors') only."),
     (dict(data_parallel_size=2), "data_parallel_size is not supported (tensor parallelism on one host only); "
                                  "leave it at 1."),
     (dict(limit_mm_per_prompt={"image": 1}), "limit_mm_per_prompt is not supported (text-only models); leave it at "

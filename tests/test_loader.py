@@ -64,11 +64,13 @@ def test_moe_experts_are_stacked_and_checked(qwen3_moe_dir, tmp_path):
 
 
 
-def test_fp8_checkpoint_loads_dequantized(qwen3_dir, tmp_path):
-    """An fp8 checkpoint (weights and their block scales in separate files, part blocks at the edges) loads
-    as its dequantized weights: the same parameters and greedy tokens as the plain checkpoint of those
-    weights, which HF transformers runs to the same tokens; quantization reads "fp8"."""
-    fp8_dir, ref_dir = fp8_checkpoints(qwen3_dir, tmp_path)
+@pytest.mark.parametrize("scheme", ["block", "channel"])
+def test_fp8_checkpoint_loads_dequantized(qwen3_dir, tmp_path, scheme):
+    """An fp8 checkpoint loads as its dequantized weights: the same parameters and greedy tokens as the
+    plain checkpoint of those weights, which HF transformers runs to the same tokens; quantization reads
+    "fp8". Block scales (quant_method fp8; in a file of their own, part blocks at the edges) and a scale a
+    row (compressed-tensors)."""
+    fp8_dir, ref_dir = fp8_checkpoints(qwen3_dir, tmp_path, scheme)
     sizes = dict(dtype="float32", block_size=16, num_kvcache_blocks=32)
     fp8, ref = LLM(fp8_dir, **sizes), LLM(ref_dir, quantization=None, **sizes)
     assert fp8.llm_engine.model_config.quantization == "fp8"
@@ -105,8 +107,9 @@ def test_fp8_checkpoint_errors(qwen3_dir, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(fp8_dir, bad)
     save_file(scales | {f"{name}_scale_inv": torch.ones(2, 2)}, f"{bad}/scales.safetensors")
-    with pytest.raises(ValueError, match=re.escape(f"checkpoint tensor {name!r}: its scale has shape (2, 2), not "
-                                                   f"(3, 2) (a scale a [24, 40] block of a (64, 64) weight).")):
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint tensor {name!r}: its scale has shape (2, 2): neither "
+                                                   f"one number, one a row (64), nor one a [24, 40] block (3, 2) of a "
+                                                   f"(64, 64) weight.")):
         LLM(str(bad))
     save_file({k: v for k, v in scales.items() if k != f"{name}_scale_inv"}, f"{bad}/scales.safetensors")
     with pytest.raises(ValueError, match=re.escape(f"checkpoint tensor {name!r}: it is torch.float8_e4m3fn, but the "
@@ -122,7 +125,7 @@ def test_fp8_checkpoint_errors(qwen3_dir, tmp_path):
 
 
 def test_fp8_dequantize_by_tensor_row_or_block():
-    """`<name>_scale` (one number or one a row) and `<name>_scale_inv` blocks, part blocks at the edges."""
+    """A scale of one number, one a row, or one a block (part blocks at the edges)."""
     from nanovllm.model.fp8 import dequantize
     w = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [0.5, -1.0, 2.0]]).to(torch.float8_e4m3fn)
     assert torch.equal(dequantize(w, torch.tensor(2.0), None), w.float() * 2)
@@ -131,5 +134,25 @@ def test_fp8_dequantize_by_tensor_row_or_block():
     blocks = torch.tensor([[1.0, 10.0], [100.0, 1000.0]])   # [2, 2] blocks: rows 0-1 | 2, columns 0-1 | 2
     expected = w.float() * torch.tensor([[1.0, 1, 10], [1, 1, 10], [100, 100, 1000]])
     assert torch.equal(dequantize(w, blocks, (2, 2)), expected)
-    with pytest.raises(ValueError, match=re.escape("its scale has 2 values, neither one nor one a row of a (3, 3)")):
+    with pytest.raises(ValueError, match=re.escape("its scale has shape (2,): neither one number, one a row (3) of")):
         dequantize(w, torch.ones(2), None)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"quant_method": "awq", "bits": 4}, "the checkpoint is quantized (quant_method 'awq'); nanovllm loads unquantized "
+                                         "checkpoints and fp8 ones (quant_method 'fp8' or 'compressed-tensors') only."),
+    ({"quant_method": "fp8", "weight_block_size": [128]},
+     "quantization_config weight_block_size must be two positive integers, got [128]."),
+    ({"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {
+        "type": "int", "num_bits": 4, "strategy": "group"}}}},
+     "the checkpoint is quantized (compressed-tensors, config group 'group_0': weights of type 'int', 4 bits, "
+     "strategy 'group'); nanovllm loads its fp8 weights only"),
+    ({"quant_method": "compressed-tensors", "config_groups": {
+        "a": {"weights": {"type": "float", "num_bits": 8, "strategy": "block", "block_structure": [128, 128]}},
+        "b": {"weights": {"type": "float", "num_bits": 8, "strategy": "block", "block_structure": [64, 64]}}}},
+     "the checkpoint's config groups have different block structures: [(64, 64), (128, 128)]."),
+])
+def test_quantization_configs_that_are_refused(config, message):
+    from nanovllm.model.fp8 import fp8_checkpoint
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fp8_checkpoint(config)

@@ -99,8 +99,7 @@ def _dequantized(weight: torch.Tensor, name: str, fp8: FP8Checkpoint | None, fil
         raise ValueError(f"it is {weight.dtype}, but the checkpoint has no {name}_scale_inv or {name}_scale.")
     with safe_open(file_of[scale_name], "pt", "cpu") as f:
         scale = f.get_tensor(scale_name)
-    block = fp8.weight_block_size if scale_name.endswith("_scale_inv") else None
-    return dequantize(weight.to(device), scale.to(device), block)
+    return dequantize(weight.to(device), scale.to(device), fp8.weight_block_size)
 
 
 @torch.no_grad()
