@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import build_model_dir, hf_greedy, make_prompts
+from conftest import build_model_dir, fp8_checkpoints, hf_greedy, make_prompts
 from nanovllm import LLM, SamplingParams
 
 PROMPTS = make_prompts()
@@ -45,6 +45,14 @@ def test_tp2_matches_tp1(model_dir, async_scheduling):
              **(SMALL | dict(num_kvcache_blocks=14, max_num_batched_tokens=32))) as llm:
         assert greedy(llm) == expected          # with preemption and chunked prefill
         assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_tp2_fp8_checkpoint_matches_hf_on_its_weights(qwen3_dir, tmp_path):
+    """Each rank dequantizes the fp8 weights before taking its shard (block scales: the shards' edges fall
+    inside blocks)."""
+    fp8_dir, ref_dir = fp8_checkpoints(qwen3_dir, tmp_path)
+    with LLM(fp8_dir, tensor_parallel_size=2, **SMALL) as llm:
+        assert greedy(llm, PROMPTS[:4]) == hf_greedy(ref_dir, PROMPTS[:4], 10)
 
 
 def test_tp2_prompt_logprobs_match_tp1(qwen3_dir):
