@@ -305,6 +305,24 @@ def test_max_model_len_auto_fits_the_kv_cache_on_gpu(gpu_model_dir):
     assert len(outs[0].outputs[0].token_ids) == 68
 
 
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_del_frees_the_engine_at_once(gpu_model_dir, enforce_eager):
+    """`del llm` frees the engine by reference counting alone (no cycle holds it until the garbage collector
+    runs), so its GPU memory is back for the process's next LLM."""
+    import gc
+    import weakref
+    llm = LLM(gpu_model_dir, max_model_len=1024, max_num_seqs=8, enforce_eager=enforce_eager)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
+    runner = weakref.ref(llm.llm_engine.model_runner)
+    gc.collect()
+    gc.disable()
+    try:
+        del llm
+        assert runner() is None
+    finally:
+        gc.enable()
+
+
 def test_fp8_checkpoint_logprobs_close_to_hf(gpu_model_dir, tmp_path):
     """An fp8 checkpoint, its weights dequantized on the GPU as they load, is close to HF transformers
     running the dequantized weights (the same bf16 parameters as those weights' plain checkpoint)."""

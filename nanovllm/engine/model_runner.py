@@ -3,7 +3,7 @@ whole, other steps in pieces) and the sampler; turns a SchedulerOutput into samp
 import bisect
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -43,6 +43,28 @@ MAX_GRAPH_BATCH_SIZE = 512
 
 def runner_device(config: Config, rank: int) -> torch.device:
     return torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class SplitRules:
+    """How the attention kernels cut a step of num_seqs sequences' work, for the runner and the decode
+    graphs. (An object of its own: the graphs keeping the runner's bound methods would tie them to the
+    runner in a reference cycle, and an engine dropped with `del llm` would hold its GPU memory until
+    the garbage collector ran.)"""
+    num_kv_heads: int
+    num_sms: int
+    max_model_len: int
+    shared_prefix_tile_seqs: int | None   # sequences a shared-prefix tile (None: no shared-prefix kernel)
+
+    def decode_split(self, num_seqs: int) -> tuple[int, int]:
+        from nanovllm.kernels.triton_attention import decode_split_config
+        return decode_split_config(num_seqs, self.num_kv_heads, self.num_sms, self.max_model_len)
+
+    def shared_prefix_splits(self, num_seqs: int) -> int:
+        """The most parts the shared-prefix kernel reads a tile's prefix in, for a step of num_seqs
+        sequences (as if they made one run: whole tiles, the GPU filled by their parts)."""
+        from nanovllm.kernels.triton_attention import shared_prefix_splits
+        return shared_prefix_splits(-(-num_seqs // self.shared_prefix_tile_seqs), self.num_kv_heads, self.num_sms)
 
 
 class ModelRunner:
@@ -94,6 +116,8 @@ class ModelRunner:
             layer = self.attention_layers[0]
             self.shared_prefix_tile_seqs = shared_prefix_tile_rows(layer.num_heads, layer.num_kv_heads)
         self.num_sms = device_info.num_sms(self.device) if self.device.type == "cuda" else 1
+        self.splits = SplitRules(self.attention_layers[0].num_kv_heads, self.num_sms, config.max_model_len,
+                                 self.shared_prefix_tile_seqs)
         self.sampler = (Sampler(torch.Generator(device=self.device).manual_seed(config.seed), config.logprobs_mode)
                         if tp.rank == 0 else None)
         self.penalty_counts = PenaltyCounts(self.vocab_size, self.device, config.max_num_seqs) if tp.rank == 0 else None
@@ -142,10 +166,10 @@ class ModelRunner:
     def _capture_graphs(self) -> DecodeGraphs:
         cfg = self.config
         return DecodeGraphs(self.model, min(cfg.max_num_seqs, MAX_GRAPH_BATCH_SIZE), self.max_blocks_per_seq,
-                            cfg.hf_config.hidden_size, cfg.torch_dtype, self.device, self.decode_split,
+                            cfg.hf_config.hidden_size, cfg.torch_dtype, self.device, self.splits.decode_split,
                             pool=None if self.pieces is None else self.pieces.pool,
                             shared_prefix_tile_seqs=self.shared_prefix_tile_seqs,
-                            shared_prefix_splits_for=self.shared_prefix_splits)
+                            shared_prefix_splits_for=self.splits.shared_prefix_splits)
 
     def _add_compile_ahead(self, seconds: float | None):
         """Counts a dry pass's seconds (None: none ran) into the start-up's compile_ahead_s."""
@@ -259,7 +283,7 @@ class ModelRunner:
         short = host_batch(kv_cache.even_split(num_tokens, num_seqs))
         powers_of_two = [1 << i for i in range((num_tokens - 1).bit_length())]
         smaller = [host_batch(kv_cache.even_split(n, -(-n // max(lens)))) for n in powers_of_two]
-        decodes = [host_batch([1] * n) for n in decode_variant_sizes(cfg.max_num_seqs, self.decode_split)]
+        decodes = [host_batch([1] * n) for n in decode_variant_sizes(cfg.max_num_seqs, self.splits.decode_split)]
         other_steps = [self._device_inputs(b) for b in [short, *smaller, *decodes]]
         if self.backend.supports_shared_prefixes:   # and each variant's kernels with shared prefixes
             other_steps += [self._device_inputs(b, shared=SharedPrefixPlan(np.zeros(len(b.seq_lens), np.int32),
@@ -298,18 +322,6 @@ class ModelRunner:
         return kv_cache.cuda_budget(self.device, cfg.gpu_memory_utilization, peak)
 
     # ---- one step ---------------------------------------------------------------------------
-    def decode_split(self, num_seqs: int) -> tuple[int, int]:
-        from nanovllm.kernels.triton_attention import decode_split_config
-        return decode_split_config(num_seqs, self.attention_layers[0].num_kv_heads, self.num_sms,
-                                   self.config.max_model_len)
-
-    def shared_prefix_splits(self, num_seqs: int) -> int:
-        """The most parts the shared-prefix kernel reads a tile's prefix in, for a step of num_seqs
-        sequences (as if they made one run: whole tiles, the GPU filled by their parts)."""
-        from nanovllm.kernels.triton_attention import shared_prefix_splits
-        return shared_prefix_splits(-(-num_seqs // self.shared_prefix_tile_seqs), self.attention_layers[0].num_kv_heads,
-                                    self.num_sms)
-
     def plan_shared_prefixes(self, batch: HostBatch) -> SharedPrefixPlan | None:
         """A decode step's runs of sequences that begin with the same pages, where reading those once
         a run saves enough (engine/shared_prefix.py); None: none, or a backend that reads each
@@ -347,7 +359,7 @@ class ModelRunner:
         if shared is not None:
             prefix_lens, tiles, tile_count, *rest = rest
             shared = SharedPrefixes(prefix_lens, tiles, tile_count, len(tiles),
-                                    self.shared_prefix_splits(len(batch.seq_lens)))
+                                    self.splits.shared_prefix_splits(len(batch.seq_lens)))
         cu_seqlens_k = rest
         if pending:
             input_ids[rows] = self.last_sampled[sources]
@@ -357,12 +369,12 @@ class ModelRunner:
             max_query_len=max_query_len, max_seq_len=max(batch.seq_lens),
             cu_seqlens_k=cu_seqlens_k[0] if cu_seqlens_k else None)
         if max_query_len == 1 and self.device.type == "cuda":
-            meta.decode_split = self.decode_split(len(batch.seq_lens))
+            meta.decode_split = self.splits.decode_split(len(batch.seq_lens))
             meta.shared_prefixes = shared
         if decode_seqs:
             at, pick = (decode_rows, decode_seqs_t) if front is None else (front, front)   # (a slice: views)
             meta.decodes = MixedDecodes(rows=at, block_tables=block_tables[pick], seq_lens=seq_lens[pick],
-                                        split=self.decode_split(len(decode_seqs)),
+                                        split=self.splits.decode_split(len(decode_seqs)),
                                         max_prefill_seq_len=max_prefill_seq_len)
         return input_ids, positions, meta
 
