@@ -1,4 +1,6 @@
-"""Strict weight loading: a checkpoint that does not fit the model is a clear error."""
+"""Strict weight loading (a checkpoint that does not fit the model is a clear error), and fp8 checkpoints
+dequantized as they load."""
+import json
 import re
 import shutil
 
@@ -63,7 +65,6 @@ def test_moe_experts_are_stacked_and_checked(qwen3_moe_dir, tmp_path):
         LLM(path)
 
 
-
 @pytest.mark.parametrize("scheme", ["block", "channel"])
 def test_fp8_checkpoint_loads_dequantized(qwen3_dir, tmp_path, scheme):
     """An fp8 checkpoint loads as its dequantized weights: the same parameters and greedy tokens as the
@@ -100,7 +101,6 @@ def test_fp8_moe_checkpoint_loads_dequantized(qwen3_moe_dir, tmp_path):
 def test_fp8_checkpoint_errors(qwen3_dir, tmp_path):
     """A scale of the wrong shape, a weight without its scale, quantization="fp8" for a plain checkpoint
     (vLLM's online quantization) and fp8 weights without a quantization_config are clear errors."""
-    import json
     fp8_dir, _ = fp8_checkpoints(qwen3_dir, tmp_path)
     name = "model.layers.1.self_attn.o_proj.weight"
     scales = load_file(f"{fp8_dir}/scales.safetensors")
