@@ -51,8 +51,8 @@ def load_model(model: nn.Module, path: str, tie_word_embeddings: bool, fp8: FP8C
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in model directory {path!r}.")
-    file_of = {}   # checkpoint tensor -> its file (an fp8 weight's scale may be in another)
-    for file in files:
+    file_of = {}   # of an fp8 checkpoint: tensor -> its file (a weight's scale may be in another)
+    for file in files if fp8 else []:
         with safe_open(file, "pt", "cpu") as f:
             file_of |= dict.fromkeys(f.keys(), file)
     params = dict(model.named_parameters())
@@ -77,7 +77,7 @@ def load_model(model: nn.Module, path: str, tie_word_embeddings: bool, fp8: FP8C
                 try:
                     tensor = f.get_tensor(ckpt_name)
                     if tensor.dtype in FP8_DTYPES:
-                        tensor = _dequantized(tensor, ckpt_name, fp8, file_of, param.device)
+                        tensor = _dequantized(tensor, ckpt_name, fp8, file_of, (file, f), param.device)
                     weight_loader = getattr(param, "weight_loader", default_weight_loader)
                     weight_loader(param, tensor, shard_id)
                 except ValueError as e:
@@ -89,16 +89,21 @@ def load_model(model: nn.Module, path: str, tie_word_embeddings: bool, fp8: FP8C
                          + (" ..." if len(missing) > 8 else ""))
 
 
-def _dequantized(weight: torch.Tensor, name: str, fp8: FP8Checkpoint | None, file_of: dict,
+def _dequantized(weight: torch.Tensor, name: str, fp8: FP8Checkpoint | None, file_of: dict, reading: tuple,
                  device: torch.device) -> torch.Tensor:
-    """An fp8 checkpoint tensor times its scale (on the parameter's device, for speed)."""
+    """An fp8 checkpoint tensor times its scale (on the parameter's device, for speed). reading: the
+    file being read and its open handle, which serves the scale when it lies beside its weight."""
     if fp8 is None:
         raise ValueError(f"it is {weight.dtype}, but config.json has no fp8 quantization_config.")
     scale_name = next((name + suffix for suffix in SCALE_SUFFIXES if name + suffix in file_of), None)
     if scale_name is None:
         raise ValueError(f"it is {weight.dtype}, but the checkpoint has no {name}_scale_inv or {name}_scale.")
-    with safe_open(file_of[scale_name], "pt", "cpu") as f:
-        scale = f.get_tensor(scale_name)
+    file, handle = reading
+    if file_of[scale_name] == file:
+        scale = handle.get_tensor(scale_name)
+    else:
+        with safe_open(file_of[scale_name], "pt", "cpu") as other:
+            scale = other.get_tensor(scale_name)
     return dequantize(weight.to(device), scale.to(device), fp8.weight_block_size)
 
 
