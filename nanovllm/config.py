@@ -13,6 +13,7 @@ from nanovllm.engine.structured_output import StructuredOutputsConfig
 from nanovllm.layers.rotary import max_positions, rope_settings
 from nanovllm.logger import init_logger
 from nanovllm.model.fp8 import FP8Checkpoint, fp8_checkpoint
+from nanovllm.pooling_params import PoolerConfig, is_sentence_transformers_model
 from nanovllm.utils.hub import check_directory_or_hub_id, resolve_model_path
 from nanovllm.utils.validation import check_field_types
 from nanovllm.vllm_only_arguments import IDLE_ARGUMENTS, IGNORED_ARGUMENTS
@@ -21,6 +22,8 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
                            "LlamaForCausalLM", "MistralForCausalLM")
+# The same models without their LM head (Qwen3Model, ...): embedding models only (runner="pooling").
+BASE_ARCHITECTURES = tuple(name.removesuffix("ForCausalLM") + "Model" for name in SUPPORTED_ARCHITECTURES)
 ATTENTION_BACKENDS = ("auto", "triton", "flash_attn", "torch")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "half": torch.float16, "float": torch.float32}
@@ -115,7 +118,12 @@ class Config:
     # vLLM arguments for what nanovllm does not do, accepted at the values that ask for nothing.
     enable_lora: bool = False
     speculative_config: dict | None = None
-    runner: str = "auto"                             # "auto" or "generate": a generative model
+    # "generate": a generative model (LLM.generate); "pooling": an embedding model (LLM.embed, encode,
+    # score; pooling_params.py). "auto" (vLLM's): pooling for a sentence-transformers model (one with a
+    # modules.json), a base model without LM head (Qwen3Model, ...) or convert="embed"; else generate.
+    runner: str = "auto"
+    convert: str = "auto"         # "auto" | "none" | "embed": run a *ForCausalLM checkpoint as an embedding model
+    pooler_config: object = None  # a pooling engine's PoolerConfig (pooling_params.py), or a dict of its fields
     model_impl: str = "auto"                         # "auto" or "vllm": the engine's own model code
     enable_expert_parallel: bool = False             # MoE experts are split like the dense MLP
     enable_sleep_mode: bool = False
@@ -141,6 +149,7 @@ class Config:
     reasoning_markers: tuple[str, str] | None = field(init=False)   # (start, end); None: no budget
     fit_max_model_len: bool = field(init=False)   # max_model_len=-1: cut to the KV cache once it is sized
     fp8_checkpoint: FP8Checkpoint | None = field(init=False)   # fp8 weights, dequantized as they load
+    runner_type: str = field(init=False)    # "generate" or "pooling": what runner resolved to
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":
@@ -214,10 +223,7 @@ class Config:
         elif self.quantization == "fp8":
             raise ValueError("quantization='fp8' is not supported for an unquantized checkpoint: nanovllm does not "
                              "quantize weights as they load; it loads fp8 checkpoints (quant_method 'fp8').")
-        architectures = getattr(self.hf_config, "architectures", None) or []
-        if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
-            raise ValueError(f"model architectures {architectures} are not supported; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}.")
+        self.runner_type = self._resolve_runner()
         self._validate_tensor_parallel()
         self.torch_dtype = self._resolve_dtype()
         self.kv_cache_torch_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
@@ -242,11 +248,20 @@ class Config:
             self.tokenizer = self.model_path
         elif not self.skip_tokenizer_init:
             check_directory_or_hub_id(self.tokenizer, "tokenizer")
+        if self.runner_type == "pooling" and self.pooler_config.needs_whole_prompts:   # (as vLLM)
+            for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+                if getattr(self, name):
+                    logger.info(f"{name} turned off: {self.pooler_config.seq_pooling_type} pooling needs the "
+                                f"whole prompt computed in one step.")
+                    setattr(self, name, False)
         self._resolve_batch_limits()
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            why = "with enable_chunked_prefill=False a prompt must fit one step"
+            if self.runner_type == "pooling" and self.pooler_config.needs_whole_prompts:
+                why = f"{self.pooler_config.seq_pooling_type} pooling computes each prompt in one step"
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
-                             f"max_model_len ({self.max_model_len}): with enable_chunked_prefill=False a "
-                             f"prompt must fit one step. Raise max_num_batched_tokens or lower max_model_len.")
+                             f"max_model_len ({self.max_model_len}): {why}. Raise max_num_batched_tokens or "
+                             f"lower max_model_len.")
 
     def _resolve_batch_limits(self):
         """max_num_seqs and max_num_batched_tokens left at None, as vLLM's EngineArgs resolves them: the
@@ -320,14 +335,44 @@ class Config:
         check(not self.enable_lora, "enable_lora=True is not supported: nanovllm runs the base model only.")
         check(not self.speculative_config, f"speculative_config is not supported (no speculative decoding), "
                                            f"got {self.speculative_config!r:.80}.")
-        check(self.runner in ("auto", "generate"),
-              f"runner must be 'auto' or 'generate' (nanovllm runs generative models), got {self.runner!r}.")
+        check(self.runner in ("auto", "generate", "pooling"),
+              f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}.")
+        check(self.convert in ("auto", "none", "embed"),
+              f"convert must be 'auto', 'none' or 'embed' (nanovllm's pooling models embed; no classifiers), "
+              f"got {self.convert!r}.")
         check(self.model_impl in ("auto", "vllm"),
               f"model_impl must be 'auto' or 'vllm' (nanovllm runs its own model code), got {self.model_impl!r}.")
         check(not self.enable_expert_parallel, "enable_expert_parallel=True is not supported: MoE experts are "
                                                "split across tensor-parallel ranks like the dense MLP.")
         check(self.logprobs_mode in LOGPROBS_MODES,
               f"logprobs_mode must be one of {', '.join(map(repr, LOGPROBS_MODES))}, got {self.logprobs_mode!r}.")
+
+    def _resolve_runner(self) -> str:
+        """runner "auto" resolved as vLLM resolves it -> "generate" or "pooling"; a pooling engine's
+        pooler_config filled in. ValueError for an architecture or a combination nanovllm cannot run."""
+        architectures = getattr(self.hf_config, "architectures", None) or []
+        generative = bool(set(architectures) & set(SUPPORTED_ARCHITECTURES))
+        if not generative and not set(architectures) & set(BASE_ARCHITECTURES):
+            raise ValueError(f"model architectures {architectures} are not supported; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES + BASE_ARCHITECTURES)}.")
+        runner = self.runner
+        if runner == "auto":
+            pooling = self.convert == "embed" or not generative or is_sentence_transformers_model(self.model_path)
+            runner = "pooling" if pooling else "generate"
+        if runner == "generate":
+            if not generative:
+                raise ValueError(f"This model does not support `--runner generate` (architectures {architectures}: "
+                                 f"a model without LM head); use runner='pooling'.")
+            if self.convert == "embed":
+                raise ValueError("convert='embed' makes an embedding model: it needs runner 'pooling' or 'auto', "
+                                 "got runner='generate'.")
+            if self.pooler_config is not None:
+                raise ValueError(f"pooler_config is for pooling models (runner='pooling'), got "
+                                 f"{self.pooler_config!r:.80} with runner='generate'.")
+            return runner
+        self.pooler_config = PoolerConfig.parse(self.pooler_config) or PoolerConfig()
+        self.pooler_config.resolve(self.model_path)
+        return runner
 
     def _validate_tensor_parallel(self):
         n, hf = self.tensor_parallel_size, self.hf_config

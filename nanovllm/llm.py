@@ -1,6 +1,7 @@
 """LLM: the offline entry point, vLLM's `LLM.generate` / `LLM.chat`."""
 import weakref
 
+import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from nanovllm.beam_search import BeamSearchOutput, search
@@ -10,12 +11,19 @@ from nanovllm.engine.arg_utils import EngineArgs
 from nanovllm.engine.input_processor import check_no_lora
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.inputs import Tokenization, parse_prompts
-from nanovllm.outputs import RequestOutput
+from nanovllm.outputs import (EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput, ScoringOutput,
+                              ScoringRequestOutput)
+from nanovllm.pooling_params import PoolingParams
 from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 from nanovllm.utils.heap import fewer_collections
 
-POOLING = ("is for pooling models (embeddings, classifiers, scores); nanovllm runs generative models only: use "
-           "generate() or chat().")
+CLASSIFY = ("is for classification and reward models; nanovllm's pooling models (runner='pooling') embed: use "
+            "embed(), encode() or score().")
+ENCODE_TASK = """pooling_task required for `LLM.encode`.
+Please use one of the more specific methods or set the pooling_task when using `LLM.encode`:
+  - For embeddings, use `LLM.embed(...)` or `pooling_task="embed"`.
+  - For similarity scores, use `LLM.score(...)`.
+  - For multi-vector retrieval, use `pooling_task="token_embed"`."""
 WEIGHT_TRANSFER = ("transfers weights from a trainer, which needs weight_transfer_config; nanovllm has no weight "
                    "transfer. Load a checkpoint's weights again with collective_rpc('reload_weights').")
 
@@ -129,11 +137,8 @@ class LLM:
         self.llm_engine.reset_mm_cache()
 
     # vLLM's entry points for what nanovllm does not do: each a ValueError that names it and says why
-    encode = _Refused(POOLING)
-    embed = _Refused(POOLING)
-    classify = _Refused(POOLING)
-    score = _Refused(POOLING)
-    reward = _Refused(POOLING)
+    classify = _Refused(CLASSIFY)
+    reward = _Refused(CLASSIFY)
     init_weight_transfer_engine = _Refused(WEIGHT_TRANSFER)
     start_weight_update = _Refused(WEIGHT_TRANSFER)
     start_draft_weight_update = _Refused(WEIGHT_TRANSFER)
@@ -163,6 +168,9 @@ class LLM:
         runs them. generate()'s arguments; use_tqdm is accepted (no bar while adding)."""
         if self.closed:
             raise RuntimeError("this LLM is closed; create a new one.")
+        if self.llm_engine.config.runner_type != "generate":
+            raise ValueError("LLM.generate() is only supported for generative models. Try passing `--runner "
+                             "generate` to use the model as a generative model.")
         check_no_lora(lora_request)
         if mm_processor_kwargs is not None:
             raise ValueError(f"mm_processor_kwargs is not supported: nanovllm runs text-only models, "
@@ -227,8 +235,9 @@ class LLM:
                     for output in finished:
                         outputs[output.request_id] = output
                         if use_tqdm:
-                            prompt_tokens += len(output.prompt_token_ids) * len(output.outputs)
-                            output_tokens += sum(len(o.token_ids) for o in output.outputs)
+                            completions = output.outputs if isinstance(output, RequestOutput) else []
+                            prompt_tokens += len(output.prompt_token_ids) * max(len(completions), 1)
+                            output_tokens += sum(len(o.token_ids) for o in completions)
                             elapsed = pbar.format_dict["elapsed"] or 1e-9
                             pbar.postfix = speed.format(prompt_tokens / elapsed, output_tokens / elapsed)
                         pbar.update(1)
@@ -241,6 +250,88 @@ class LLM:
                 self.close()   # the ranks may be mid-collective: end them rather than risk a hang
             raise
         return outputs
+
+    # ---- pooling models (runner="pooling": embeddings; pooling_params.py) --------------------
+    def encode(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *, use_tqdm=True,
+               lora_request=None, pooling_task: str | None = None, tokenization_kwargs: dict | None = None
+               ) -> list[PoolingRequestOutput]:
+        """vLLM's: run each prompt through a pooling model -> one PoolingRequestOutput a prompt, in input
+        order, its outputs.data a float32 CPU tensor: pooling_task "embed" one vector, "token_embed"
+        one a prompt token. Prompts as generate() takes them; one PoolingParams for all or one each."""
+        self._check_pooling("encode")
+        if pooling_task is None:
+            raise ValueError(ENCODE_TASK)
+        supported = self.llm_engine.get_supported_tasks()
+        if pooling_task not in supported:
+            raise ValueError(f"Unsupported task: {pooling_task!r} Supported tasks: {supported}")
+        check_no_lora(lora_request)
+        engine = self.llm_engine
+        parsed = engine.input_processor.parse_prompts(prompts, tokenization_kwargs)
+        if pooling_params is None:
+            pooling_params = PoolingParams()
+        if isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params] * len(parsed)
+        elif not isinstance(pooling_params, (list, tuple)):
+            raise ValueError(f"pooling_params must be a PoolingParams or a list of them, got "
+                             f"{type(pooling_params).__name__}.")
+        elif len(pooling_params) != len(parsed):
+            raise ValueError(f"pooling_params has {len(pooling_params)} entries but there are {len(parsed)} "
+                             f"prompts; pass one PoolingParams or one per prompt.")
+        # Check the whole call before any request is added: a bad prompt leaves no trace.
+        for i, (prompt, params) in enumerate(zip(parsed, pooling_params)):
+            engine.check_pooling_params(params, i)
+            engine.input_processor.validate_pooling_request(i, prompt.token_ids)
+        resolved = [engine.resolve_pooling_params(params, pooling_task) for params in pooling_params]
+        request_ids = [engine.add_pooling_tokens(prompt.text, prompt.token_ids, params, cache_salt=prompt.cache_salt)
+                       for prompt, params in zip(parsed, resolved)]
+        outputs = self._run_engine(use_tqdm)
+        result = [outputs.pop(request_id) for request_id in request_ids]
+        self._unclaimed.update(outputs)
+        return result
+
+    def embed(self, prompts, *, use_tqdm=True, pooling_params: PoolingParams | list[PoolingParams] | None = None,
+              lora_request=None, tokenization_kwargs: dict | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's: one embedding (outputs.embedding, a list of floats) a prompt, in input order."""
+        outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                              pooling_task="embed", tokenization_kwargs=tokenization_kwargs)
+        return [EmbeddingRequestOutput.from_base(output) for output in outputs]
+
+    def score(self, data_1, data_2, /, *, use_tqdm=True, pooling_params: PoolingParams | None = None,
+              lora_request=None, tokenization_kwargs: dict | None = None, chat_template: str | None = None
+              ) -> list[ScoringRequestOutput]:
+        """vLLM's, for embedding models: the cosine similarity of each pair's embeddings. data_1 and
+        data_2 are texts (or prompts as generate() takes them), one to one, one to N or N to N."""
+        self._check_pooling("score")
+        if chat_template is not None:
+            raise ValueError("chat_template is for cross-encoder scoring; an embedding model scores texts as "
+                             f"they are, got {chat_template!r:.80}.")
+        first = data_1 if isinstance(data_1, list) else [data_1]
+        second = data_2 if isinstance(data_2, list) else [data_2]
+        if len(first) > 1 and len(first) != len(second):
+            raise ValueError("Input lengths must be either 1:1, 1:N or N:N")
+        if not first:
+            raise ValueError("At least one text element must be given")
+        if not second:
+            raise ValueError("At least one text_pair element must be given")
+        embeddings = self.encode(first + second, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                                 pooling_task="embed", tokenization_kwargs=tokenization_kwargs)
+        queries, documents = embeddings[:len(first)], embeddings[len(first):]
+        if len(queries) == 1:
+            queries = queries * len(documents)
+        pad = getattr(self.llm_engine.tokenizer, "pad_token_id", None)
+        padding = [] if pad is None else [pad]
+        return [ScoringRequestOutput(
+            f"{a.request_id}_{b.request_id}",
+            ScoringOutput(F.cosine_similarity(a.outputs.data, b.outputs.data, dim=0).item()),
+            a.prompt_token_ids + padding + b.prompt_token_ids, a.num_cached_tokens + b.num_cached_tokens, True)
+            for a, b in zip(queries, documents)]
+
+    def _check_pooling(self, method: str):
+        if self.closed:
+            raise RuntimeError("this LLM is closed; create a new one.")
+        if self.llm_engine.config.runner_type != "pooling":
+            raise ValueError(f"LLM.{method}() is only supported for pooling models. Try passing `--runner pooling` "
+                             f"to use the model as a pooling model.")
 
     def beam_search(self, prompts, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
                     concurrency_limit: int | None = None) -> list[BeamSearchOutput]:

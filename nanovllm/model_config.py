@@ -10,7 +10,6 @@ class ModelConfig:
     vLLM's names (e.g. lm-eval reads llm.llm_engine.model_config.max_model_len). Config's fields
     read through (model, tokenizer, max_model_len, hf_config, seed, max_logprobs, ...); dtype is
     the resolved torch dtype, as vLLM's."""
-    runner_type = "generate"
     is_multimodal_model = False
     is_encoder_decoder = False
 
@@ -21,6 +20,30 @@ class ModelConfig:
         if name.startswith("_"):   # not _config itself, which copy and pickle ask for before it is set
             raise AttributeError(name)
         return getattr(self._config, name)
+
+    @property
+    def runner_type(self) -> str:
+        return self._config.runner_type   # "generate" or "pooling"
+
+    @property
+    def convert_type(self) -> str:
+        """vLLM's: "embed" where a causal LM runs as an embedding model, else "none"."""
+        hf = self._config.hf_config
+        causal = any(name.endswith("ForCausalLM") for name in hf.architectures or ())
+        return "embed" if self._config.runner_type == "pooling" and causal else "none"
+
+    @property
+    def is_matryoshka(self) -> bool:
+        hf = self._config.hf_config
+        return bool(getattr(hf, "matryoshka_dimensions", None)) or getattr(hf, "is_matryoshka", False)
+
+    @property
+    def matryoshka_dimensions(self) -> list[int] | None:
+        return getattr(self._config.hf_config, "matryoshka_dimensions", None)
+
+    @property
+    def embedding_size(self) -> int:
+        return self._config.hf_config.hidden_size
 
     @property
     def dtype(self) -> torch.dtype:

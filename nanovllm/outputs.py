@@ -1,6 +1,8 @@
 """What `LLM.generate` returns: vLLM's RequestOutput / CompletionOutput shapes."""
 from dataclasses import KW_ONLY, dataclass, field
 
+import torch
+
 from nanovllm.logprobs import PromptLogprobs, SampleLogprobs
 
 
@@ -72,3 +74,61 @@ class RequestOutput:
                     old.logprobs.extend(new.logprobs)
                 old.cumulative_logprob = new.cumulative_logprob
                 old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+
+
+# ---- pooling models (runner="pooling"): vLLM's output classes --------------------------------
+@dataclass
+class PoolingOutput:
+    """One pooling request's result: a float32 CPU tensor, [hidden] for "embed" (or [dimensions]),
+    [prompt tokens, hidden] for "token_embed"."""
+    data: torch.Tensor
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PoolingOutput) and bool((self.data == other.data).all())
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's: what LLM.encode returns for one prompt (outputs is one PoolingOutput, not a list)."""
+    request_id: str
+    outputs: object
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    finished: bool
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's: one prompt's embedding as a list of floats."""
+    embedding: list[float]
+
+    @staticmethod
+    def from_base(output: PoolingOutput) -> "EmbeddingOutput":
+        if output.data.ndim != 1:
+            raise ValueError("pooled_data should be a 1-D embedding vector")
+        return EmbeddingOutput(output.data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """vLLM's: what LLM.embed returns for one prompt."""
+
+    @staticmethod
+    def from_base(output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return EmbeddingRequestOutput(output.request_id, EmbeddingOutput.from_base(output.outputs),
+                                      output.prompt_token_ids, output.num_cached_tokens, output.finished)
+
+
+@dataclass
+class ScoringOutput:
+    """vLLM's: the similarity score of one pair of texts."""
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput(PoolingRequestOutput):
+    """vLLM's: what LLM.score returns for one pair (request_id "<first's id>_<second's id>")."""

@@ -14,7 +14,6 @@ def _group(reason: str, **defaults) -> dict:
 # name -> (vLLM's default, what nanovllm lacks). Where vLLM's default is one of its own config
 # objects (eplb_config, kernel_config, mamba_config, ...), None stands for it.
 IDLE_ARGUMENTS = {
-    **_group("nanovllm runs a model as the generative model it is", convert="auto"),
     **_group("tensor parallelism on one host only", data_parallel_size=1, data_parallel_rank=None,
              data_parallel_start_rank=None, data_parallel_size_local=None, data_parallel_address=None,
              data_parallel_rpc_port=None, data_parallel_hybrid_lb=False, data_parallel_external_lb=False,
@@ -55,7 +54,6 @@ IDLE_ARGUMENTS = {
              prefix_match_unit=None, diffusion_config=None),
     **_group("a prompt is text or token ids, not embeddings", enable_prompt_embeds=False),
     **_group("MoE routing is not returned", enable_return_routed_experts=False),
-    **_group("no pooling models", pooler_config=None),
     **_group("no quantization settings: fp8 checkpoints load dequantized", quantization_config=None,
              allow_deprecated_quantization=False, calculate_kv_scales=False, kv_cache_dtype_skip_layers=None),
     **_group("the model is a local folder or a hub id with a config.json, run by nanovllm's own model code",

@@ -368,10 +368,17 @@ def test_enqueue_chat_renders_as_chat(llm):
     assert_idle(llm)
 
 
-@pytest.mark.parametrize("method", ["encode", "embed", "classify", "score", "reward"])
-def test_pooling_entry_points_say_generative_only(llm, method):
-    with pytest.raises(ValueError, match=f"LLM.{method}\\(\\) is for pooling models .* generative models only"):
-        getattr(llm, method)(["Hello"])
+@pytest.mark.parametrize("method,named", [("encode", "encode"), ("embed", "encode"), ("score", "score")])
+def test_pooling_entry_points_need_a_pooling_model(llm, method, named):
+    """As in vLLM: a generative engine's encode / embed / score name runner='pooling'; classify and reward
+    are for classifiers, which nanovllm does not run."""
+    args = (["Hello"], ["Hi"]) if method == "score" else (["Hello"],)
+    with pytest.raises(ValueError, match=f"^LLM.{named}\\(\\) is only supported for pooling models. Try passing "
+                                         f"`--runner pooling` to use the model as a pooling model.$"):
+        getattr(llm, method)(*args)
+    for method in ("classify", "reward"):
+        with pytest.raises(ValueError, match=f"LLM.{method}\\(\\) is for classification and reward models"):
+            getattr(llm, method)(["Hello"])
 
 
 @pytest.mark.parametrize("method", ["init_weight_transfer_engine", "start_weight_update", "start_draft_weight_update",
@@ -1088,7 +1095,13 @@ def test_generate_collects_garbage_less_often_and_restores_the_thresholds(llm, m
     (dict(max_num_seqs="8"), "max_num_seqs must be int or None, got '8'."),
     (dict(enable_lora=True), "enable_lora=True is not supported: nanovllm runs the base model only."),
     (dict(speculative_config={"method": "ngram"}), "speculative_config is not supported (no speculative decoding)"),
-    (dict(runner="pooling"), "runner must be 'auto' or 'generate' (nanovllm runs generative models), got 'pooling'."),
+    (dict(runner="draft"), "runner must be 'auto', 'generate' or 'pooling', got 'draft'."),
+    (dict(convert="classify"), "convert must be 'auto', 'none' or 'embed' (nanovllm's pooling models embed; no "
+                               "classifiers), got 'classify'."),
+    (dict(runner="generate", convert="embed"), "convert='embed' makes an embedding model: it needs runner 'pooling' "
+                                               "or 'auto', got runner='generate'."),
+    (dict(pooler_config={"pooling_type": "MEAN"}), "pooler_config is for pooling models (runner='pooling'), got "
+                                                   "{'pooling_type': 'MEAN'} with runner='generate'."),
     (dict(model_impl="transformers"), "model_impl must be 'auto' or 'vllm' (nanovllm runs its own model code), "
                                       "got 'transformers'."),
     (dict(enable_expert_parallel=True), "enable_expert_parallel=True is not supported: MoE experts are split"),
@@ -1117,7 +1130,6 @@ def test_generate_collects_garbage_less_often_and_restores_the_thresholds(llm, m
     (dict(enable_prompt_embeds=True), "enable_prompt_embeds is not supported (a prompt is text or token ids, not "
                                       "embeddings); leave it at False."),
     (dict(spec_method="ngram"), "spec_method is not supported (no speculative decoding); leave it at None."),
-    (dict(convert="embed"), "convert is not supported"),
     (dict(chat_template="no template here"), "chat_template must be a Jinja template or the path of a file "
                                              "holding one; 'no template here' is neither (no such file)."),
     (dict(profiler_config={"profiler": "nvtx"}), "profiler_config.profiler must be 'torch', 'cuda' or None, got 'nvtx'."),

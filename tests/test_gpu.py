@@ -336,6 +336,35 @@ def test_fp8_checkpoint_logprobs_close_to_hf(gpu_model_dir, tmp_path):
     assert check_logprobs_close(ours, hf_reference(ref_dir)) >= len(PROMPTS) // 2
 
 
+@pytest.mark.parametrize("variant", ["pieces", "eager", "chunked_prefill"])
+@torch.no_grad()
+def test_embeddings_close_to_hf(gpu_model_dir, variant):
+    """A pooling engine on the GPU (prompt steps in piecewise graphs, or eager, or chunked in 48-token
+    steps with prefix caching): bf16 embeddings (last token) and token embeddings close to HF
+    transformers' final hidden states in bf16, by cosine similarity, and its KV cache sized from memory."""
+    from transformers import AutoModel
+    import torch.nn.functional as F
+    kwargs = {"pieces": {}, "eager": dict(enforce_eager=True),
+              "chunked_prefill": dict(block_size=16, max_num_batched_tokens=48)}[variant]
+    llm = LLM(gpu_model_dir, runner="pooling", dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
+              **kwargs)
+    runner = llm.llm_engine.model_runner
+    assert runner.graphs is None and (runner.pieces is None) == (variant == "eager")
+    assert runner.num_kvcache_blocks * runner.block_size >= 64 * 1024
+    model = AutoModel.from_pretrained(gpu_model_dir, dtype=torch.bfloat16).cuda().eval()
+    hidden = [model(torch.tensor([p], device="cuda")).last_hidden_state[0].float().cpu() for p in PROMPTS]
+    for _ in range(2):   # the second call reads full blocks from the prefix cache
+        embeddings = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+        for out, h in zip(embeddings, hidden):
+            assert F.cosine_similarity(torch.tensor(out.outputs.embedding), h[-1], dim=0) > 0.999
+    tokens = llm.encode([{"prompt_token_ids": p} for p in PROMPTS], pooling_task="token_embed", use_tqdm=False)
+    for out, h in zip(tokens, hidden):
+        assert out.outputs.data.shape == h.shape
+        assert F.cosine_similarity(out.outputs.data, h, dim=-1).min() > 0.999
+    engine = llm.llm_engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks and not runner.pooler.chunks
+
+
 def test_sleep_gives_memory_back_and_wakes_up_to_the_same_tokens(gpu_model_dir):
     """Sleep mode on the GPU: sleep(level=1) returns the weights' and the KV cache's memory to the
     driver, and wake_up maps memory again at the same addresses (a tensor allocated meanwhile does

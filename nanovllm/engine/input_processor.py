@@ -50,8 +50,15 @@ class InputProcessor:
         self.validate_request(index, prompt.token_ids, params)
         return prompt
 
-    def validate_request(self, index: int, prompt_token_ids: list[int], params: SamplingParams):
-        """Raise ValueError if this request could never run. Changes nothing."""
+    def validate_pooling_request(self, index: int, prompt_token_ids: list[int]):
+        """A pooling engine's request (no output tokens): ValueError if it could never run."""
+        self._check_prompt(index, prompt_token_ids)
+        if len(prompt_token_ids) > self.kv_capacity:
+            raise ValueError(f"prompt {index} (length {len(prompt_token_ids)}) needs more KV cache than the whole "
+                             f"cache holds ({self.kv_capacity} tokens).")
+
+    def _check_prompt(self, index: int, prompt_token_ids: list[int]):
+        """ValueError for an empty prompt, an unknown token id, or more tokens than max_model_len."""
         cfg = self.config
         n = len(prompt_token_ids)
         if n == 0:
@@ -64,6 +71,13 @@ class InputProcessor:
         if n > cfg.max_model_len:
             raise ValueError(f"prompt {index} (length {n}) is longer than the maximum model "
                              f"length of {cfg.max_model_len}.")
+
+    def validate_request(self, index: int, prompt_token_ids: list[int], params: SamplingParams):
+        """Raise ValueError if this request could never run. Changes nothing."""
+        cfg = self.config
+        self._check_prompt(index, prompt_token_ids)
+        n = len(prompt_token_ids)
+        vocab_size = cfg.hf_config.vocab_size
         if n == cfg.max_model_len:   # (vLLM's check: no room left for an output token)
             raise ValueError(f"prompt {index} (length {n}) plus the number of requested output tokens "
                              f"(at least 1) is longer than the maximum model length of {cfg.max_model_len}.")

@@ -26,7 +26,8 @@ from nanovllm.layers.sampling_metadata import SamplerOutput
 from nanovllm.logger import init_logger
 from nanovllm.metrics import EngineMetrics, Metric
 from nanovllm.model_config import ModelConfig
-from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanovllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
+from nanovllm.pooling_params import PoolingParams
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 from nanovllm.utils.heap import freeze_heap, unfreeze_heap
 
@@ -38,9 +39,10 @@ class Request:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams      # (of a pooling request: the scheduler's, one step, no token)
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
+    pooling_params: PoolingParams | None = None   # a pooling engine's request (runner="pooling")
 
     @property
     def is_finished(self) -> bool:
@@ -178,10 +180,45 @@ class LLMEngine:
         check_no_lora(lora_request)
         self.check_priority(priority)
         [prompt] = self.input_processor.parse_prompts([prompt], tokenization_kwargs)
+        if self.config.runner_type == "pooling":
+            self.check_pooling_params(params)
+            params = self.resolve_pooling_params(params, params.task or "embed")
+            self.input_processor.validate_pooling_request(0, prompt.token_ids)
+            text = prompt.text if prompt.text is not None else prompt_text
+            return self.add_pooling_tokens(text, prompt.token_ids, params, priority, prompt.cache_salt, request_id,
+                                           arrival_time)
         prompt = self.input_processor.check_request(0, prompt, params)
         text = prompt.text if prompt.text is not None else prompt_text
         return self.add_tokens(text, prompt.token_ids, params, priority, prompt.cache_salt,
                                request_id, arrival_time, streamed=params.output_kind != RequestOutputKind.FINAL_ONLY)
+
+    @staticmethod
+    def check_pooling_params(params, index: int | None = None):
+        """A pooling engine's requests take PoolingParams (a generative engine's: InputProcessor.check_request)."""
+        if not isinstance(params, PoolingParams):
+            where = "params" if index is None else f"pooling_params[{index}]"
+            raise ValueError(f"{where} must be a PoolingParams for a pooling model (runner='pooling'), "
+                             f"got {type(params).__name__}.")
+
+    def resolve_pooling_params(self, params: PoolingParams, task: str) -> PoolingParams:
+        """params for one request of task ("embed" or "token_embed"), the engine's defaults filled in."""
+        return params.resolved(task, self.config.pooler_config, self.config.hf_config,
+                               self.model_config.served_model_name)
+
+    def add_pooling_tokens(self, prompt: str | None, prompt_token_ids: list[int], params: PoolingParams,
+                           priority: int = 0, cache_salt: str | None = None, request_id: str | None = None,
+                           arrival_time: float | None = None) -> str:
+        """Add a pooling engine's request (resolve_pooling_params'; validate_pooling_request passed) -> its id.
+        It runs its prompt once and finishes with the pooler's result (engine/llm_engine.py: _finish_pooled)."""
+        # to the scheduler it is a prompt that samples no token; "token_embed" needs every row computed
+        scheduled = SamplingParams(max_tokens=1, skip_reading_prefix_cache=params.task == "token_embed",
+                                   output_kind=RequestOutputKind.FINAL_ONLY)
+        request_id = self.add_tokens(prompt, prompt_token_ids, scheduled, priority, cache_salt, request_id,
+                                     arrival_time)
+        request = self.requests[request_id]
+        request.pooling_params = params
+        request.seqs[0].pooling_params = params
+        return request_id
 
     def check_priority(self, priority: int):
         """A ValueError unless priority is an int, and 0 where the scheduling policy is not "priority"."""
@@ -240,6 +277,8 @@ class LLMEngine:
             aborted = [seq for seq in request.seqs if not seq.is_finished]
             for seq in aborted:
                 self.scheduler.finish(seq)
+                if self.model_runner.pooler is not None:
+                    self.model_runner.pooler.forget(seq.seq_id)
             self._record_finished(request, ["abort"] * len(aborted))
 
     def _record_finished(self, request: Request, reasons: list[str]):
@@ -290,6 +329,8 @@ class LLMEngine:
                 "no sequence could be scheduled"
             return self._report(done + self._resolve_in_flight()), stats
         sampling_seqs = out.sampling_seqs
+        if self.model_runner.pooler is not None:
+            return self._report(done + self._pooling_step(out, stats)), stats
         now = time.time()
         for seq, n in zip(out.seqs, out.num_scheduled_tokens):
             metrics = self.requests[seq.request_id].metrics
@@ -332,6 +373,32 @@ class LLMEngine:
         if self.stat_logger is not None:
             self.stat_logger.record(stats.num_prefill_tokens, len(sampling_seqs), self.scheduler, self.block_manager)
         return self._report(done), stats
+
+    def _pooling_step(self, out, stats: StepStats) -> list[Request]:
+        """A pooling engine's step: run the scheduled prompt tokens; each prompt this step completes
+        finishes with its result -> the requests it finished."""
+        now = time.time()
+        for seq in out.seqs:
+            metrics = self.requests[seq.request_id].metrics
+            metrics.first_scheduled_time = metrics.first_scheduled_time or now
+        stats.num_prefill_tokens = out.num_batched_tokens
+        finishing = out.sampling_seqs
+        results, _ = self.model_runner.execute(out, finishing)
+        self.scheduler.update_computed(out)
+        now = time.time()
+        finished = []
+        for seq in finishing:
+            seq.pooled, seq.finish_reason = results[seq.seq_id], "stop"
+            self.scheduler.finish(seq)
+            request = self.requests.pop(seq.request_id)
+            request.metrics.first_token_time = request.metrics.last_token_time = request.metrics.finished_time = now
+            if self.metrics is not None:
+                self.metrics.record_tokens(len(request.prompt_token_ids), 0)
+            self._record_finished(request, ["stop"])
+            finished.append(request)
+        if self.stat_logger is not None:
+            self.stat_logger.record(stats.num_prefill_tokens, 0, self.scheduler, self.block_manager)
+        return finished
 
     def _report(self, done: list[Request]) -> list[RequestOutput]:
         """Keep the requests a step finished (step() streams them) -> their final outputs."""
@@ -510,7 +577,7 @@ class LLMEngine:
     reset_encoder_cache = reset_mm_cache
 
     def get_supported_tasks(self) -> tuple[str, ...]:
-        return ("generate",)
+        return ("embed", "token_embed") if self.config.runner_type == "pooling" else ("generate",)
 
     def do_log_stats(self):
         """Log the stats line now (vLLM's; with disable_log_stats=False, else nothing)."""
@@ -557,7 +624,12 @@ class LLMEngine:
         self.workers.close()
 
     def _make_output(self, request: Request, seqs: list[Sequence] | None = None) -> RequestOutput:
-        """request's output so far, of all its sequences or of seqs: the tokens the host has read."""
+        """request's output so far, of all its sequences or of seqs: the tokens the host has read
+        (a pooling request's: its PoolingRequestOutput, once finished)."""
+        if request.pooling_params is not None:
+            return PoolingRequestOutput(request.request_id, PoolingOutput(request.seqs[0].pooled),
+                                        request.prompt_token_ids, request.seqs[0].num_cached_tokens,
+                                        request.is_finished)
         outputs = [CompletionOutput(
             index=seq.index, text=seq.output_text,
             token_ids=seq.token_ids[seq.num_prompt_tokens:seq.num_resolved_tokens],

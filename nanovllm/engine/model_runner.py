@@ -27,6 +27,7 @@ from nanovllm.engine.upload import upload
 from nanovllm.kernels import compile_ahead, device as device_info
 from nanovllm.kernels.counters import NUM_COUNTERS
 from nanovllm.layers.attention import Attention, AttentionMetadata, MixedDecodes, SharedPrefixes, select_backend
+from nanovllm.layers.pooler import Pooler
 from nanovllm.layers.sampler import Sampler
 from nanovllm.layers.sampling_metadata import SamplerOutput, SamplingMetadata
 from nanovllm.engine.profiler import ProfilerConfig, RankProfiler
@@ -86,6 +87,7 @@ class ModelRunner:
         self.eos_token_ids = sorted(eos_token_ids)
         hf = config.hf_config
         self.vocab_size = hf.vocab_size
+        self.pooling = config.runner_type == "pooling"   # an embedding model: hidden states, no sampling
         self.timings: dict[str, float] = {}
         self.profiler = RankProfiler(config.profiler_config or ProfilerConfig(), tp.rank, self.device)
         start = time.perf_counter()
@@ -94,7 +96,7 @@ class ModelRunner:
         torch.set_default_dtype(config.torch_dtype)
         try:
             with torch.device(self.device):
-                self.model = QwenForCausalLM(hf, tp)
+                self.model = QwenForCausalLM(hf, tp, lm_head=not self.pooling)
         finally:
             torch.set_default_dtype(default_dtype)
         self._load_weights()
@@ -118,10 +120,12 @@ class ModelRunner:
         self.num_sms = device_info.num_sms(self.device) if self.device.type == "cuda" else 1
         self.splits = SplitRules(self.attention_layers[0].num_kv_heads, self.num_sms, config.max_model_len,
                                  self.shared_prefix_tile_seqs)
+        samples = tp.rank == 0 and not self.pooling
         self.sampler = (Sampler(torch.Generator(device=self.device).manual_seed(config.seed), config.logprobs_mode)
-                        if tp.rank == 0 else None)
-        self.penalty_counts = PenaltyCounts(self.vocab_size, self.device, config.max_num_seqs) if tp.rank == 0 else None
-        self.bitmask_filler = BitmaskFiller() if tp.rank == 0 else None
+                        if samples else None)
+        self.penalty_counts = PenaltyCounts(self.vocab_size, self.device, config.max_num_seqs) if samples else None
+        self.bitmask_filler = BitmaskFiller() if samples else None
+        self.pooler = Pooler(config.pooler_config) if self.pooling and tp.rank == 0 else None
         self.last_sampled: torch.Tensor | None = None   # the latest step's sampled token ids, on the device
 
         start = time.perf_counter()
@@ -135,12 +139,14 @@ class ModelRunner:
                 self.pieces = piecewise_graphs.PiecewiseGraphs(
                     self.model, min(config.max_num_batched_tokens, piecewise_graphs.MAX_TOKENS),
                     hf.hidden_size, config.torch_dtype, self.device)
-            self.graphs = self._capture_graphs()
+            if not self.pooling:   # (a pooling engine's steps are prompts)
+                self.graphs = self._capture_graphs()
             self.timings["cuda_graphs_s"] = time.perf_counter() - start
-            self._add_compile_ahead(self.graphs.compile_s)
+            self._add_compile_ahead(self.graphs.compile_s if self.graphs is not None else None)
         self.hibernations: dict[str, Hibernation] | None = None   # sleep mode's, made by the first sleep()
         # the LM head computes the logits of n rows for logits_bucket(n) rows (see there)
-        self.logits_buckets = graph_buckets(config.max_num_seqs) if self.device.type == "cuda" else []
+        on_gpu = self.device.type == "cuda" and not self.pooling
+        self.logits_buckets = graph_buckets(config.max_num_seqs) if on_gpu else []
         # Prompt tokens scored a logits pass (prompt_logprobs): the rows whose logits and sampling
         # the KV cache's sizing ran (_profile_kv_budget), so that a part fits what it measured.
         self.prompt_logits_rows = min(config.max_num_seqs, config.max_num_batched_tokens)
@@ -303,7 +309,10 @@ class ModelRunner:
         last_tokens = torch.tensor(batch.query_start_loc[1:], device=self.device) - 1
 
         def largest_step():
-            logits = self.model.compute_logits(self.model(*inputs)[last_tokens])
+            hidden = self.model(*inputs)
+            if self.pooling:
+                return
+            logits = self.model.compute_logits(hidden[last_tokens])
             if self.sampler is not None:
                 self.sampler(logits, md)
 
@@ -402,6 +411,9 @@ class ModelRunner:
             self.workers.send(("step", replace(step, batch=replace(step.batch, block_tables=None),
                                                table_updates=self.table_sender.updates(out.seqs))))
         try:
+            if self.pooler is not None:   # an embedding model: each completed prompt's result, no tokens
+                hidden, _ = self.run_step(step)
+                return self.pooler(hidden, out.seqs, out.num_scheduled_tokens, step.batch.query_start_loc), None
             logits, prompt_logits = self.run_step(step)
             prompt_scores = None
             if spans:   # on their way to the host while the GPU goes on
@@ -426,14 +438,15 @@ class ModelRunner:
         _, prompt_logits = self.run_step(step)
         for _ in prompt_logits:   # (the LM head gathers over the ranks: each computes every part)
             pass
-        if step.num_sampling:
+        if step.num_sampling and not self.pooling:
             tokens = torch.empty(step.num_sampling, dtype=torch.int64, device=self.device)
             self.last_sampled = self.tp.broadcast_from_first(tokens)
 
     def run_step(self, step: StepInputs) -> tuple[torch.Tensor | None, Iterator[torch.Tensor]]:
         """Every rank: the forward pass, then (on rank 0) the logits of the sampling rows, None
         if no row samples, and those of the prompt rows as parts of prompt_logits_rows rows, each
-        computed when the iterator reaches it (one part's logits alive at a time)."""
+        computed when the iterator reaches it (one part's logits alive at a time). A pooling engine
+        returns the hidden states of every row instead of logits, and no prompt logits."""
         batch = step.batch
         num_seqs = len(batch.seq_lens)
         pending = (step.pending_rows, step.pending_sources) if step.pending_rows else None
@@ -447,6 +460,8 @@ class ModelRunner:
             hidden = self.pieces.run(*self._device_inputs(batch, pending, shared))
         else:
             hidden = self.model(*self._device_inputs(batch, pending, shared))
+        if self.pooling:
+            return hidden, iter(())
 
         def logits_of(rows: list[int] | None) -> torch.Tensor | None:
             """The logits of hidden's rows (None: every row), computed for their number padded to

@@ -67,6 +67,8 @@ class Sequence:
             self.prompt_logprobs.append(None)
         self.num_prompt_scored = 0               # prompt tokens scored so far, their scores read or in flight
         self.finish_reason: str | None = None
+        self.pooling_params = None    # a pooling engine's request: its PoolingParams (pooling_params.py)
+        self.pooled = None            # ...and its result, a host tensor, once its prompt has run
         self.stop_reason: int | str | None = None
         self.bad_words_token_ids: list[list[int]] = []   # set by the engine from sampling_params.bad_words
         self.thinking_budget = None   # engine/reasoning.py's ThinkingBudget, set by the engine for a budget

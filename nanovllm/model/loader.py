@@ -47,7 +47,9 @@ def _param_for(model: nn.Module, ckpt_name: str) -> tuple[str, object]:
 
 
 def load_model(model: nn.Module, path: str, tie_word_embeddings: bool, fp8: FP8Checkpoint | None = None):
-    """fp8: the checkpoint's fp8 weights are dequantized by their scales as they load (model/fp8.py)."""
+    """fp8: the checkpoint's fp8 weights are dequantized by their scales as they load (model/fp8.py).
+    A model without LM head (an embedding model's) skips the checkpoint's, and takes a base model's
+    tensors (Qwen3Model's: layers.0..., without the model. prefix) as well as a causal LM's."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in model directory {path!r}.")
@@ -56,6 +58,7 @@ def load_model(model: nn.Module, path: str, tie_word_embeddings: bool, fp8: FP8C
         with safe_open(file, "pt", "cpu") as f:
             file_of |= dict.fromkeys(f.keys(), file)
     params = dict(model.named_parameters())
+    headless = getattr(model, "lm_head", 0) is None
     expected = _expected_shards(model)
     loaded = set()
     for file in files:
@@ -63,13 +66,15 @@ def load_model(model: nn.Module, path: str, tie_word_embeddings: bool, fp8: FP8C
             for ckpt_name in f.keys():
                 if ckpt_name.endswith(IGNORED_SUFFIXES):
                     continue
-                if ckpt_name == "lm_head.weight" and tie_word_embeddings:
-                    continue  # the same tensor as the embedding
+                if ckpt_name == "lm_head.weight" and (tie_word_embeddings or headless):
+                    continue  # the same tensor as the embedding, or a head the model does without
                 if fp8 and ckpt_name.endswith(UNUSED_SUFFIXES):
                     continue
                 if fp8 and ckpt_name.endswith(SCALE_SUFFIXES) and ckpt_name.rsplit("_scale", 1)[0] in file_of:
                     continue  # read with its weight
                 name, shard_id = _param_for(model, ckpt_name)
+                if name not in params and f"model.{name}" in params and headless:
+                    name = f"model.{name}"   # a base model's checkpoint
                 if name not in params:
                     raise ValueError(f"checkpoint tensor {ckpt_name!r} in {os.path.basename(file)} "
                                      f"matches no model parameter.")

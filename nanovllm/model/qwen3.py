@@ -122,12 +122,13 @@ class QwenForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: PretrainedConfig, tp: TPGroup = SINGLE):
-        """tp: this rank's tensor-parallel group; each rank holds its shard of every layer."""
+    def __init__(self, config: PretrainedConfig, tp: TPGroup = SINGLE, lm_head: bool = True):
+        """tp: this rank's tensor-parallel group; each rank holds its shard of every layer.
+        lm_head: False for an embedding model (runner="pooling"), which returns hidden states only."""
         super().__init__()
         self.model = QwenModel(config, tp)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
-        if config.tie_word_embeddings:
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp) if lm_head else None
+        if lm_head and config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

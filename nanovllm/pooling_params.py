@@ -1,0 +1,167 @@
+"""Pooling models (vLLM's runner="pooling"): PoolingParams, what one request asks of the pooler, and
+PoolerConfig, the engine's pooling settings.
+
+A pooling engine runs each prompt through the model once and returns hidden states instead of
+tokens: "embed" pools a prompt's final hidden states into one vector (its last token's, its
+first's, or their mean), "token_embed" returns one vector a token. With use_activation (the
+default) each vector is scaled to length 1; dimensions keeps the first N features first, for
+models trained with Matryoshka representations.
+"""
+import json
+import os
+from dataclasses import dataclass, fields
+
+from nanovllm.sampling_params import RequestOutputKind
+
+POOLING_TASKS = ("embed", "token_embed")       # what a pooling engine here can do (vLLM's names)
+SEQ_POOLING_TYPES = ("LAST", "CLS", "MEAN")    # "embed": which of a prompt's hidden states make its vector
+TOK_POOLING_TYPES = ("ALL",)                   # "token_embed": every token's
+
+
+@dataclass
+class PoolerConfig:
+    """vLLM's PoolerConfig (its fields for embedding models). Unset fields come from the model's
+    sentence-transformers files (modules.json), then from the defaults: LAST, ALL, use_activation."""
+    task: str | None = None
+    pooling_type: str | None = None        # sets seq_pooling_type or tok_pooling_type, whichever it names
+    seq_pooling_type: str | None = None
+    tok_pooling_type: str | None = None
+    use_activation: bool | None = None     # normalize each vector to length 1
+    dimensions: int | None = None          # the default of PoolingParams.dimensions
+    # vLLM's fields for what a pooling engine here does not do: accepted at None (or False) only
+    enable_chunked_processing: bool = False
+    max_embed_len: int | None = None
+    logit_mean: float | None = None
+    logit_sigma: float | None = None
+    step_tag_id: int | None = None
+    returned_token_ids: list[int] | None = None
+
+    def __post_init__(self):
+        if self.task is not None and self.task not in POOLING_TASKS:
+            raise ValueError(f"pooler_config.task must be one of {', '.join(map(repr, POOLING_TASKS))} (nanovllm's "
+                             f"pooling models embed; no classifiers), got {self.task!r}.")
+        for name in ("enable_chunked_processing", "max_embed_len", "logit_mean", "logit_sigma", "step_tag_id",
+                     "returned_token_ids"):
+            if getattr(self, name) not in (None, False):
+                raise ValueError(f"pooler_config.{name} is not supported (embedding pooling only), "
+                                 f"got {getattr(self, name)!r:.80}.")
+        if self.pooling_type is not None:
+            if self.seq_pooling_type is not None or self.tok_pooling_type is not None:
+                raise ValueError("Cannot set both `pooling_type` and `seq_pooling_type` or `tok_pooling_type`.")
+            if self.pooling_type in TOK_POOLING_TYPES:
+                self.tok_pooling_type = self.pooling_type
+            else:
+                self.seq_pooling_type = self.pooling_type
+        if self.seq_pooling_type not in (None, *SEQ_POOLING_TYPES):
+            raise ValueError(f"seq_pooling_type must be one of {', '.join(SEQ_POOLING_TYPES)}, "
+                             f"got {self.seq_pooling_type!r}.")
+        if self.tok_pooling_type not in (None, *TOK_POOLING_TYPES):
+            raise ValueError(f"tok_pooling_type must be 'ALL' (no STEP pooling), got {self.tok_pooling_type!r}.")
+
+    @classmethod
+    def parse(cls, value) -> "PoolerConfig | None":
+        """A PoolerConfig, a dict of its fields, or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            if "normalize" in value:
+                raise ValueError("Parameter `normalize` was removed; use `use_activation` instead.")
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise ValueError(f"pooler_config has unknown key(s) {unknown}; known: {', '.join(sorted(known))}.")
+            return cls(**value)
+        raise ValueError(f"pooler_config must be a PoolerConfig or a dict of its fields, got {value!r:.80}.")
+
+    def resolve(self, model_path: str):
+        """Fill the unset pooling fields from the model's sentence-transformers files, then the defaults."""
+        for name, value in sentence_transformers_pooling(model_path).items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        self.seq_pooling_type = self.seq_pooling_type or "LAST"
+        self.tok_pooling_type = self.tok_pooling_type or "ALL"
+
+    @property
+    def needs_whole_prompts(self) -> bool:
+        """Whether "embed" needs every token's hidden state of one pass over the whole prompt (CLS,
+        MEAN), so that prompts are neither chunked nor read from the prefix cache (as in vLLM)."""
+        return self.seq_pooling_type in ("CLS", "MEAN")
+
+
+def sentence_transformers_pooling(model_path: str) -> dict:
+    """What a sentence-transformers model's modules.json and its Pooling module's config.json say
+    (vLLM's get_pooling_config): {"seq_pooling_type": ..., "use_activation": (a Normalize module)};
+    {} for other models."""
+    modules_file = os.path.join(model_path, "modules.json")
+    if not os.path.isfile(modules_file):
+        return {}
+    with open(modules_file, encoding="utf-8") as f:
+        modules = json.load(f)
+    types = [module.get("type") for module in modules]
+    result = {"use_activation": "sentence_transformers.models.Normalize" in types}
+    pooling = next((module for module in modules if module.get("type") == "sentence_transformers.models.Pooling"),
+                   None)
+    pooling_file = pooling and os.path.join(model_path, pooling.get("path", ""), "config.json")
+    if pooling_file and os.path.isfile(pooling_file):
+        with open(pooling_file, encoding="utf-8") as f:
+            for key, value in json.load(f).items():
+                name = key.removeprefix("pooling_mode_").split("_", 1)[0].replace("lasttoken", "last").upper()
+                if value is True and name in SEQ_POOLING_TYPES:
+                    result["seq_pooling_type"] = name
+    return result
+
+
+def is_sentence_transformers_model(model_path: str) -> bool:
+    return os.path.isfile(os.path.join(model_path, "modules.json"))
+
+
+@dataclass
+class PoolingParams:
+    """vLLM's PoolingParams: what one pooling request asks for.
+    use_activation: each vector scaled to length 1 (None: the engine's pooler_config, else True).
+    dimensions: keep the first N features (a Matryoshka model's; None: all)."""
+    use_activation: bool | None = None
+    dimensions: int | None = None
+    step_tag_id: int | None = None           # vLLM's, for step pooling: None only
+    returned_token_ids: list[int] | None = None
+    task: str | None = None                  # "embed" or "token_embed"; LLM.embed / LLM.encode set it
+    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
+
+    def __post_init__(self):
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise ValueError(f"use_activation must be a bool or None, got {self.use_activation!r:.80}.")
+        if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)):
+            raise ValueError(f"dimensions must be an int or None, got {self.dimensions!r:.80}.")
+        for name in ("step_tag_id", "returned_token_ids"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"Task {self.task} only supports ['dimensions', 'use_activation'] parameters, "
+                                 f"does not support ['{name}'] parameters")
+        if self.task is not None and self.task not in POOLING_TASKS:
+            raise ValueError(f"task must be one of {', '.join(map(repr, POOLING_TASKS))}, got {self.task!r}.")
+
+    def clone(self) -> "PoolingParams":
+        return PoolingParams(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    def resolved(self, task: str, pooler: PoolerConfig, hf_config, model_name: str) -> "PoolingParams":
+        """A copy for one request of task: the pooler_config's defaults filled in, and dimensions
+        checked as vLLM checks them (a ValueError naming the model)."""
+        params = self.clone()
+        if params.task is not None and params.task != task:
+            raise ValueError(f"You cannot overwrite params.task={params.task!r} with pooling_task={task!r}!")
+        params.task = task
+        if params.use_activation is None:
+            params.use_activation = True if pooler.use_activation is None else pooler.use_activation
+        if params.dimensions is None:
+            params.dimensions = pooler.dimensions
+        if params.dimensions is not None:
+            size, matryoshka = hf_config.hidden_size, getattr(hf_config, "matryoshka_dimensions", None)
+            if not (matryoshka or getattr(hf_config, "is_matryoshka", False)):
+                raise ValueError(f"Model {model_name!r} does not support Matryoshka embeddings; dimensions must "
+                                 f"be unset (received dimensions={params.dimensions}).")
+            if not 1 <= params.dimensions <= size:
+                raise ValueError(f"Model {model_name!r} only supports dimensions in range [1, {size}], "
+                                 f"got {params.dimensions}.")
+            if matryoshka and params.dimensions not in matryoshka:
+                raise ValueError(f"Model {model_name!r} only supports Matryoshka dimensions {matryoshka}, "
+                                 f"got {params.dimensions}.")
+        return params
