@@ -161,6 +161,9 @@ class Config:
         for name in sorted(IGNORED_ARGUMENTS.keys() & kwargs.keys()):
             logger.info(f"{name}={kwargs.pop(name)!r:.80} is not used: {IGNORED_ARGUMENTS[name][1]}.")
         names = {f.name for f in fields(cls) if f.init}
+        if kwargs.get("task") in ("embed", "embedding", "encode"):   # (older vLLM's way to ask for embeddings)
+            raise ValueError(f"LLM() got an unexpected keyword argument 'task' ({kwargs['task']!r}): vLLM 0.26 makes "
+                             f"an embedding model with runner='pooling'; pass that instead.")
         for name in sorted(set(kwargs) - names):
             known = names | IDLE_ARGUMENTS.keys() | IGNORED_ARGUMENTS.keys()
             guess = difflib.get_close_matches(name, known, n=1)

@@ -259,6 +259,8 @@ def test_bad_input_is_refused_and_engine_stays_usable(qwen3_dir):
 
 
 @pytest.mark.parametrize("kwargs,message", [
+    (dict(task="embed"), "LLM() got an unexpected keyword argument 'task' ('embed'): vLLM 0.26 makes an embedding "
+                         "model with runner='pooling'; pass that instead."),
     (dict(pooler_config={"pooling_type": "STEP"}), "seq_pooling_type must be one of LAST, CLS, MEAN, got 'STEP'."),
     (dict(pooler_config={"task": "classify"}), "pooler_config.task must be one of 'embed', 'token_embed'"),
     (dict(pooler_config={"normalize": True}), "Parameter `normalize` was removed; use `use_activation` instead."),
