@@ -38,11 +38,13 @@ def assert_idle(llm):
     assert not engine.model_runner.pooler.chunks
 
 
-def test_embed_equals_hf_last_token(model_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_embed_equals_hf_last_token(model_dir, async_scheduling):
     """Every architecture: LLM.embed is the last token's final hidden state scaled to length 1, with
-    prompts chunked (64 tokens a step) and, on a second call, their full blocks read from the prefix cache."""
+    prompts chunked (64 tokens a step) and, on a second call, their full blocks read from the prefix cache;
+    with async scheduling a step's results are read after the next step is launched."""
     ref = [F.normalize(h[-1], dim=-1) for h in hf_hidden(model_dir, PROMPTS)]
-    with LLM(model_dir, runner="pooling", **SMALL) as llm:
+    with LLM(model_dir, runner="pooling", async_scheduling=async_scheduling, **SMALL) as llm:
         assert llm.llm_engine.get_supported_tasks() == ("embed", "token_embed")
         assert llm.model_config.runner_type == "pooling" and llm.model_config.convert_type == "embed"
         assert llm.llm_engine.model_runner.model.lm_head is None
@@ -80,14 +82,15 @@ def test_mean_and_cls_pooling_turn_chunking_and_caching_off(qwen3_dir, pooling_t
             torch.testing.assert_close(torch.tensor(out.outputs.embedding), pool(h), atol=1e-5, rtol=0)
 
 
-def test_token_embed_across_chunks_and_preemption(qwen3_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_token_embed_across_chunks_and_preemption(qwen3_dir, async_scheduling):
     """encode(pooling_task="token_embed"): every prompt token's hidden state, kept across chunks of 32
     tokens, and begun again when the request is preempted part way (here by sleep(mode="keep"), which
     preempts every running request; a prompt-only workload is not preempted for blocks, since a
     running prompt only ever waits for the one ahead of it)."""
     hidden = hf_hidden(qwen3_dir, PROMPTS)
     with LLM(qwen3_dir, runner="pooling", dtype="float32", block_size=16, num_kvcache_blocks=12,
-             max_num_batched_tokens=32, enable_sleep_mode=True) as llm:
+             max_num_batched_tokens=32, enable_sleep_mode=True, async_scheduling=async_scheduling) as llm:
         outs = llm.encode(as_prompts(PROMPTS), pooling_task="token_embed", use_tqdm=False)
         assert all(isinstance(o, PoolingRequestOutput) for o in outs)
         for out, h in zip(outs, hidden):
@@ -108,6 +111,26 @@ def test_token_embed_across_chunks_and_preemption(qwen3_dir):
         torch.testing.assert_close(outputs["long"].outputs.data, F.normalize(hidden[7], dim=-1), atol=2e-6, rtol=0)
         torch.testing.assert_close(outputs["last"].outputs.data, F.normalize(hidden[7][-1], dim=-1),
                                    atol=2e-6, rtol=0)
+        assert_idle(llm)
+
+
+def test_abort_while_a_result_is_in_flight(qwen3_dir):
+    """With async scheduling a finished prompt's result is read a step later: aborting its request in
+    between drops it, and the other requests run on."""
+    [h] = hf_hidden(qwen3_dir, PROMPTS[7:8])
+    with LLM(qwen3_dir, runner="pooling", async_scheduling=True, **SMALL) as llm:
+        engine = llm.llm_engine
+        engine.add_request("short", {"prompt_token_ids": PROMPTS[2]}, PoolingParams())
+        engine.add_request("long", {"prompt_token_ids": PROMPTS[7]}, PoolingParams())
+        assert engine.step() == []   # "short" done, its result in flight; "long" at 57 of 150 tokens
+        assert engine.in_flight.seqs[0].request_id == "short"
+        engine.abort_request("short")
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        assert [o.request_id for o in outputs] == ["long"]
+        torch.testing.assert_close(outputs[0].outputs.data, F.normalize(h[-1], dim=-1), atol=2e-6, rtol=0)
+        assert engine.in_flight is None
         assert_idle(llm)
 
 

@@ -22,6 +22,7 @@ from nanovllm.engine.streaming import OutputStreamer
 from nanovllm.engine.stat_logger import StatLogger
 from nanovllm.engine.tp_workers import TPWorkers, resolve_method, run_method
 from nanovllm.inputs import PromptType
+from nanovllm.layers.pooler import PooledStep
 from nanovllm.layers.sampling_metadata import SamplerOutput
 from nanovllm.logger import init_logger
 from nanovllm.metrics import EngineMetrics, Metric
@@ -53,7 +54,7 @@ class Request:
 class InFlightStep:
     """A launched step whose sampled tokens and prompt scores the host has not read yet."""
     seqs: list[Sequence]            # the sequences that sampled, in row order (none: it scored prompts only)
-    host: SamplerOutput | None      # the sampler's outputs, being copied to the host
+    host: SamplerOutput | PooledStep | None   # the sampler's outputs (or a pooling step's), being copied to the host
     event: "torch.cuda.Event | None"  # recorded after the last copy; None on the CPU
     prompt_scores: PromptScores | None = None
 
@@ -375,29 +376,42 @@ class LLMEngine:
         return self._report(done), stats
 
     def _pooling_step(self, out, stats: StepStats) -> list[Request]:
-        """A pooling engine's step: run the scheduled prompt tokens; each prompt this step completes
-        finishes with its result -> the requests it finished."""
+        """A pooling engine's step: launch the scheduled prompt tokens. The prompts it completes leave the
+        scheduler at once (their blocks are free for the next step, which the GPU runs after this one);
+        with async scheduling their results are read after the next step is launched, so that the host's
+        work for a step overlaps the GPU's for the one before -> the requests whose results were read."""
         now = time.time()
         for seq in out.seqs:
             metrics = self.requests[seq.request_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
         stats.num_prefill_tokens = out.num_batched_tokens
         finishing = out.sampling_seqs
-        results, _ = self.model_runner.execute(out, finishing)
+        pooled, _ = self.model_runner.execute(out, finishing)
         self.scheduler.update_computed(out)
+        for seq in finishing:
+            self.scheduler.finish(seq)
+        previous, self.in_flight = self.in_flight, InFlightStep(finishing, pooled, pooled.event)
+        done = [] if previous is None else self._resolve(previous)
+        if not self.async_scheduling or not self.scheduler.has_unfinished():
+            done += self._resolve_in_flight()
+        if self.stat_logger is not None:
+            self.stat_logger.record(stats.num_prefill_tokens, 0, self.scheduler, self.block_manager)
+        return done
+
+    def _finish_pooled(self, step: "InFlightStep") -> list[Request]:
+        """A pooling step's results, read (its event has passed): each finishes its request -> those."""
         now = time.time()
         finished = []
-        for seq in finishing:
-            seq.pooled, seq.finish_reason = results[seq.seq_id], "stop"
-            self.scheduler.finish(seq)
-            request = self.requests.pop(seq.request_id)
+        for seq, result in zip(step.seqs, step.host.results().values()):
+            request = self.requests.pop(seq.request_id, None)
+            if request is None:   # aborted while its step ran
+                continue
+            seq.pooled, seq.finish_reason = result, "stop"
             request.metrics.first_token_time = request.metrics.last_token_time = request.metrics.finished_time = now
             if self.metrics is not None:
                 self.metrics.record_tokens(len(request.prompt_token_ids), 0)
             self._record_finished(request, ["stop"])
             finished.append(request)
-        if self.stat_logger is not None:
-            self.stat_logger.record(stats.num_prefill_tokens, 0, self.scheduler, self.block_manager)
         return finished
 
     def _report(self, done: list[Request]) -> list[RequestOutput]:
@@ -422,6 +436,8 @@ class LLMEngine:
             finally:
                 if self.workers is not None:   # a dead worker aborts the group (TPWorkers._watch):
                     self.workers.check_alive()  # name it, rather than use what the aborted step left
+        if isinstance(step.host, PooledStep):
+            return self._finish_pooled(step)
         if step.prompt_scores is not None:   # (before the tokens: a completion's first output carries them)
             for chunk in step.prompt_scores.chunks():
                 self.output_processor.append_prompt_logprobs(chunk)

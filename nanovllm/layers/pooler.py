@@ -1,9 +1,31 @@
 """The pooler of a pooling engine (runner="pooling"): a step's final hidden states -> the result of
-each prompt that the step completes (pooling_params.py says what each task returns)."""
+each prompt that the step completes (pooling_params.py says what each task returns).
+
+On CUDA the results travel to the host while the GPU goes on (pinned buffers, non-blocking copies,
+an event after the last): the engine launches the next step before it reads them, so that the
+host's work for a step overlaps the GPU's work for the one before."""
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from nanovllm.pooling_params import PoolerConfig
+
+
+@dataclass
+class PooledStep:
+    """One step's finished prompts: seq_ids[i]'s result is parts[i] (host tensors, joined by rows),
+    to be read once event has passed (None on the CPU: at once)."""
+    seq_ids: list[int]
+    parts: list[list[torch.Tensor]]
+    params: list
+    event: "torch.cuda.Event | None"
+
+    def results(self) -> dict[int, torch.Tensor]:
+        """{seq_id: its result}, cut to its dimensions and normalized as its params say. Call after the event.
+        (The results are copies: the pinned buffers go back to torch's cache once the step is dropped.)"""
+        return {seq_id: finish(torch.cat(parts), params)
+                for seq_id, parts, params in zip(self.seq_ids, self.parts, self.params)}
 
 
 class Pooler:
@@ -12,34 +34,49 @@ class Pooler:
         self.chunks: dict[int, list[torch.Tensor]] = {}   # seq_id -> a "token_embed" prompt's rows so far (host)
 
     def __call__(self, hidden: torch.Tensor, seqs: list, num_scheduled: list[int],
-                 query_start_loc: list[int]) -> dict[int, torch.Tensor]:
+                 query_start_loc: list[int]) -> PooledStep:
         """hidden: the step's final hidden states, sequence i owning rows query_start_loc[i]:[i + 1]
-        -> {seq_id: result on the host} for each sequence whose prompt this step completes."""
-        results, last_rows, last_ids = {}, [], []
+        -> the results of the sequences whose prompts this step completes, on their way to the host."""
+        done: dict[int, list[torch.Tensor]] = {}
+        last_rows, last_ids = [], []
         for i, (seq, n) in enumerate(zip(seqs, num_scheduled)):
             rows = hidden[query_start_loc[i]:query_start_loc[i + 1]]
-            done = seq.num_computed_tokens + n == seq.num_prompt_tokens
+            finished = seq.num_computed_tokens + n == seq.num_prompt_tokens
             if seq.pooling_params.task == "token_embed":
                 if seq.num_computed_tokens == 0:   # (again after a preemption)
                     self.chunks[seq.seq_id] = []
-                self.chunks[seq.seq_id].append(rows.to("cpu", torch.float32, copy=True))
-                if done:
-                    results[seq.seq_id] = torch.cat(self.chunks.pop(seq.seq_id))
-            elif done and self.config.seq_pooling_type == "LAST":
+                self.chunks[seq.seq_id].append(to_host(rows))
+                if finished:
+                    done[seq.seq_id] = self.chunks.pop(seq.seq_id)
+            elif finished and self.config.seq_pooling_type == "LAST":
                 last_rows.append(query_start_loc[i + 1] - 1)
                 last_ids.append(seq.seq_id)
-            elif done:   # CLS or MEAN: the whole prompt ran in this step (Config turns chunking off for them)
+            elif finished:   # CLS or MEAN: the whole prompt ran in this step (Config turns chunking off for them)
                 assert seq.num_computed_tokens == 0 and n == seq.num_prompt_tokens
-                results[seq.seq_id] = rows[0] if self.config.seq_pooling_type == "CLS" else rows.float().mean(0)
+                done[seq.seq_id] = [to_host(rows[0] if self.config.seq_pooling_type == "CLS" else rows.float().mean(0))]
         if last_rows:
-            index = torch.tensor(last_rows, device=hidden.device)
-            results.update(zip(last_ids, hidden.index_select(0, index).to("cpu", torch.float32)))
-        return {seq.seq_id: finish(results[seq.seq_id].to("cpu", torch.float32, copy=True), seq.pooling_params)
-                for seq in seqs if seq.seq_id in results}
+            rows = to_host(hidden.index_select(0, torch.tensor(last_rows, device=hidden.device)))
+            done.update((seq_id, [row]) for seq_id, row in zip(last_ids, rows))
+        event = None
+        if hidden.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        finished = [seq for seq in seqs if seq.seq_id in done]
+        return PooledStep([seq.seq_id for seq in finished], [done[seq.seq_id] for seq in finished],
+                          [seq.pooling_params for seq in finished], event)
 
     def forget(self, seq_id: int):
         """Drop what was kept of an aborted sequence."""
         self.chunks.pop(seq_id, None)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """t in float32 on the host: a copy under way into pinned memory on CUDA (read it after an event
+    recorded later), a copy at once on the CPU."""
+    t = t.float()
+    if t.device.type == "cpu":
+        return t.clone()
+    return torch.empty(t.shape, dtype=torch.float32, pin_memory=True).copy_(t, non_blocking=True)
 
 
 def finish(data: torch.Tensor, params) -> torch.Tensor:
