@@ -281,7 +281,8 @@ class LLM:
         for i, (prompt, params) in enumerate(zip(parsed, pooling_params)):
             engine.check_pooling_params(params, i)
             engine.input_processor.validate_pooling_request(i, prompt.token_ids)
-        resolved = [engine.resolve_pooling_params(params, pooling_task) for params in pooling_params]
+        resolved_of = {id(params): engine.resolve_pooling_params(params, pooling_task) for params in pooling_params}
+        resolved = [resolved_of[id(params)] for params in pooling_params]   # (one PoolingParams for all: resolved once)
         request_ids = [engine.add_pooling_tokens(prompt.text, prompt.token_ids, params, cache_salt=prompt.cache_salt)
                        for prompt, params in zip(parsed, resolved)]
         outputs = self._run_engine(use_tqdm)

@@ -34,6 +34,12 @@ from nanovllm.utils.heap import freeze_heap, unfreeze_heap
 
 logger = init_logger(__name__)
 
+# What a pooling request is to the scheduler, by task: a prompt that samples no token, reported when it ends;
+# "token_embed" needs every prompt row computed, so it reads nothing from the prefix cache. (Shared: made once.)
+POOLING_SCHEDULES = {task: SamplingParams(max_tokens=1, skip_reading_prefix_cache=task == "token_embed",
+                                          output_kind=RequestOutputKind.FINAL_ONLY)
+                     for task in ("embed", "token_embed")}
+
 
 @dataclass
 class Request:
@@ -211,11 +217,8 @@ class LLMEngine:
                            arrival_time: float | None = None) -> str:
         """Add a pooling engine's request (resolve_pooling_params'; validate_pooling_request passed) -> its id.
         It runs its prompt once and finishes with the pooler's result (engine/llm_engine.py: _finish_pooled)."""
-        # to the scheduler it is a prompt that samples no token; "token_embed" needs every row computed
-        scheduled = SamplingParams(max_tokens=1, skip_reading_prefix_cache=params.task == "token_embed",
-                                   output_kind=RequestOutputKind.FINAL_ONLY)
-        request_id = self.add_tokens(prompt, prompt_token_ids, scheduled, priority, cache_salt, request_id,
-                                     arrival_time)
+        request_id = self.add_tokens(prompt, prompt_token_ids, POOLING_SCHEDULES[params.task], priority, cache_salt,
+                                     request_id, arrival_time)
         request = self.requests[request_id]
         request.pooling_params = params
         request.seqs[0].pooling_params = params
@@ -402,11 +405,12 @@ class LLMEngine:
         """A pooling step's results, read (its event has passed): each finishes its request -> those."""
         now = time.time()
         finished = []
-        for seq, result in zip(step.seqs, step.host.results().values()):
+        results = step.host.results()
+        for seq in step.seqs:
             request = self.requests.pop(seq.request_id, None)
             if request is None:   # aborted while its step ran
                 continue
-            seq.pooled, seq.finish_reason = result, "stop"
+            seq.pooled, seq.finish_reason = results[seq.seq_id], "stop"
             request.metrics.first_token_time = request.metrics.last_token_time = request.metrics.finished_time = now
             if self.metrics is not None:
                 self.metrics.record_tokens(len(request.prompt_token_ids), 0)

@@ -24,8 +24,16 @@ class PooledStep:
     def results(self) -> dict[int, torch.Tensor]:
         """{seq_id: its result}, cut to its dimensions and normalized as its params say. Call after the event.
         (The results are copies: the pinned buffers go back to torch's cache once the step is dropped.)"""
-        return {seq_id: finish(torch.cat(parts), params)
-                for seq_id, parts, params in zip(self.seq_ids, self.parts, self.params)}
+        results, vectors = {}, {}   # vectors: (dimensions, use_activation) -> [(seq_id, "embed" vector)]
+        for seq_id, parts, params in zip(self.seq_ids, self.parts, self.params):
+            if len(parts) == 1 and parts[0].ndim == 1:
+                vectors.setdefault((params.dimensions, params.use_activation), []).append((seq_id, parts[0]))
+            else:
+                results[seq_id] = finish(torch.cat(parts), params.dimensions, params.use_activation)
+        for (dimensions, use_activation), items in vectors.items():   # one pass for the step's vectors alike
+            block = finish(torch.stack([vector for _, vector in items]), dimensions, use_activation)
+            results.update(zip([seq_id for seq_id, _ in items], block))
+        return results
 
 
 class Pooler:
@@ -79,11 +87,11 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=torch.float32, pin_memory=True).copy_(t, non_blocking=True)
 
 
-def finish(data: torch.Tensor, params) -> torch.Tensor:
-    """A pooled vector (or one a token, rows of data) cut to params.dimensions and, with
+def finish(data: torch.Tensor, dimensions: int | None, use_activation: bool) -> torch.Tensor:
+    """Pooled vectors (the last dimension) cut to their first `dimensions` features and, with
     use_activation, scaled to length 1 (vLLM's order)."""
-    if params.dimensions is not None:
-        data = data[..., :params.dimensions]
-    if params.use_activation:
+    if dimensions is not None:
+        data = data[..., :dimensions]
+    if use_activation:
         data = F.normalize(data, p=2, dim=-1)
     return data
