@@ -28,6 +28,17 @@ WEIGHT_TRANSFER = ("transfers weights from a trainer, which needs weight_transfe
                    "transfer. Load a checkpoint's weights again with collective_rpc('reload_weights').")
 
 
+def pair_score(a, b) -> float:
+    """Two embeddings' cosine similarity (vLLM's bi-encoder score)."""
+    return F.cosine_similarity(a, b, dim=0).item()
+
+
+def max_sim_score(a, b) -> float:
+    """Two prompts' token embeddings [tokens, hidden]: the sum over a's tokens of their largest dot product
+    with b's (vLLM's late-interaction score, ColBERT's MaxSim)."""
+    return (a @ b.T).amax(dim=-1).sum().item()
+
+
 class _Refused:
     """An LLM method of vLLM's for what nanovllm does not do: calling it is a ValueError
     "LLM.<its name>() <why>"."""
@@ -300,8 +311,10 @@ class LLM:
     def score(self, data_1, data_2, /, *, use_tqdm=True, pooling_params: PoolingParams | None = None,
               lora_request=None, tokenization_kwargs: dict | None = None, chat_template: str | None = None
               ) -> list[ScoringRequestOutput]:
-        """vLLM's, for embedding models: the cosine similarity of each pair's embeddings. data_1 and
-        data_2 are texts (or prompts as generate() takes them), one to one, one to N or N to N."""
+        """vLLM's, for embedding models: the cosine similarity of each pair's embeddings, or, for an engine
+        whose pooler_config.task is "token_embed" (late interaction, as ColBERT), the sum over the first's
+        tokens of their best dot product with the second's. data_1 and data_2 are texts (or prompts as
+        generate() takes them), one to one, one to N or N to N."""
         self._check_pooling("score")
         if chat_template is not None:
             raise ValueError("chat_template is for cross-encoder scoring; an embedding model scores texts as "
@@ -314,16 +327,17 @@ class LLM:
             raise ValueError("At least one text element must be given")
         if not second:
             raise ValueError("At least one text_pair element must be given")
+        task = self.llm_engine.config.pooler_config.task or "embed"
         embeddings = self.encode(first + second, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
-                                 pooling_task="embed", tokenization_kwargs=tokenization_kwargs)
+                                 pooling_task=task, tokenization_kwargs=tokenization_kwargs)
         queries, documents = embeddings[:len(first)], embeddings[len(first):]
         if len(queries) == 1:
             queries = queries * len(documents)
         pad = getattr(self.llm_engine.tokenizer, "pad_token_id", None)
         padding = [] if pad is None else [pad]
+        similarity = pair_score if task == "embed" else max_sim_score
         return [ScoringRequestOutput(
-            f"{a.request_id}_{b.request_id}",
-            ScoringOutput(F.cosine_similarity(a.outputs.data, b.outputs.data, dim=0).item()),
+            f"{a.request_id}_{b.request_id}", ScoringOutput(similarity(a.outputs.data, b.outputs.data)),
             a.prompt_token_ids + padding + b.prompt_token_ids, a.num_cached_tokens + b.num_cached_tokens, True)
             for a, b in zip(queries, documents)]
 

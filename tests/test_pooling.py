@@ -182,6 +182,17 @@ def test_score_is_cosine_similarity_of_embeddings(qwen3_dir, tokenizer):
         assert_idle(llm)
 
 
+def test_score_of_a_token_embed_engine_is_max_sim(qwen3_dir):
+    """An engine whose pooler_config.task is "token_embed" scores as vLLM's late interaction: for each of
+    the first text's tokens, its best dot product with the second's tokens, summed."""
+    texts = ["Hello world!", "The quick brown fox", "Paged attention stores keys"]
+    with LLM(qwen3_dir, runner="pooling", pooler_config={"task": "token_embed"}, **SMALL) as llm:
+        tokens = [o.outputs.data for o in llm.encode(texts, pooling_task="token_embed", use_tqdm=False)]
+        scores = [o.outputs.score for o in llm.score(texts[0], texts[1:], use_tqdm=False)]
+        expected = [sum(max(float(q @ d) for d in tokens[j]) for q in tokens[0]) for j in (1, 2)]
+        assert scores == pytest.approx(expected, abs=1e-5)
+
+
 def _sentence_transformers_dir(src, dst, pooling: dict, normalize: bool) -> str:
     """src as a sentence-transformers model: modules.json, the Pooling module's config, maybe Normalize."""
     shutil.copytree(src, dst)
