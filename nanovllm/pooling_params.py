@@ -7,6 +7,7 @@ first's, or their mean), "token_embed" returns one vector a token. With use_acti
 default) each vector is scaled to length 1; dimensions keeps the first N features first, for
 models trained with Matryoshka representations.
 """
+import copy
 import json
 import os
 from dataclasses import dataclass, fields
@@ -60,9 +61,11 @@ class PoolerConfig:
 
     @classmethod
     def parse(cls, value) -> "PoolerConfig | None":
-        """A PoolerConfig, a dict of its fields, or None."""
-        if value is None or isinstance(value, cls):
-            return value
+        """A PoolerConfig (copied: the engine fills in its unset fields), a dict of its fields, or None."""
+        if value is None:
+            return None
+        if isinstance(value, cls):
+            return copy.copy(value)
         if isinstance(value, dict):
             if "normalize" in value:
                 raise ValueError("Parameter `normalize` was removed; use `use_activation` instead.")

@@ -227,7 +227,9 @@ def test_sentence_transformers_model_is_a_pooling_model(qwen3_dir, tmp_path):
     with LLM(mean, **WHOLE) as llm:
         [out] = llm.embed(as_prompts(PROMPTS[6:7]), use_tqdm=False)
         torch.testing.assert_close(torch.tensor(out.outputs.embedding), h.mean(0), atol=1e-5, rtol=0)
-    with LLM(mean, pooler_config=PoolerConfig(seq_pooling_type="LAST", use_activation=True), **SMALL) as llm:
+    mine = PoolerConfig(seq_pooling_type="LAST", use_activation=True)
+    with LLM(mean, pooler_config=mine, **SMALL) as llm:
+        assert llm.llm_engine.config.pooler_config is not mine and mine.tok_pooling_type is None   # (not filled in)
         [out] = llm.embed(as_prompts(PROMPTS[6:7]), use_tqdm=False)
         torch.testing.assert_close(torch.tensor(out.outputs.embedding), F.normalize(h[-1], dim=-1), atol=2e-6, rtol=0)
     with pytest.raises(ValueError, match="does not support `--runner generate`"):
