@@ -1,4 +1,5 @@
-"""generate, chat and stream with a real model: python example.py [path or hub id]"""
+"""generate, chat and stream with a real model: python example.py [path or hub id]
+An embedding model (e.g. Qwen/Qwen3-Embedding-0.6B, a sentence-transformers model) embeds and scores instead."""
 import sys
 
 from nanovllm import LLM, SamplingParams
@@ -8,6 +9,8 @@ from nanovllm.sampling_params import RequestOutputKind
 def main():
     model = sys.argv[1] if len(sys.argv) > 1 else "Qwen/Qwen3-0.6B"
     llm = LLM(model, max_model_len=4096)
+    if llm.model_config.runner_type == "pooling":
+        return embed(llm)
     params = SamplingParams(temperature=0.6, max_tokens=256)
 
     outputs = llm.generate(["Introduce yourself in one sentence.", "List all prime numbers below 30."], params)
@@ -27,6 +30,15 @@ def main():
         for out in engine.step():
             print(out.outputs[0].text, end="", flush=True)
     print()
+
+
+def embed(llm):
+    """An embedding model: one vector a text, and how alike a query is to each document."""
+    documents = ["Paged attention keeps the KV cache in fixed-size blocks.", "Bananas are rich in potassium."]
+    for out in llm.embed(documents):
+        print(f"{len(out.outputs.embedding)} floats, first {out.outputs.embedding[:3]}")
+    for document, out in zip(documents, llm.score("How does vLLM store keys and values?", documents)):
+        print(f"score {out.outputs.score:.3f}: {document!r}")
 
 
 if __name__ == "__main__":
