@@ -32,7 +32,11 @@ calls, a generate interrupted by Ctrl-C, sleeps, prefix-cache resets; each call'
 order, finished), the engine is idle after it, and its completions and beams are compared with
 their runs alone.
 
-    python tests/fuzz_engine.py [--llm] [--seeds 0:50] [--arch qwen3_moe] [--device cuda --dtype bfloat16]
+With --pooling a seed runs an embedding engine (runner="pooling", run_pooling_seed): embed and token_embed
+requests with random options, bad requests, aborts and sleeps between steps; each request not aborted is
+reported once, the engine ends idle, and each result is its prompt's result alone, in a fresh engine.
+
+    python tests/fuzz_engine.py [--llm | --pooling] [--seeds 0:50] [--arch qwen3_moe] [--device cuda --dtype bfloat16]
         [--tensor-parallel-size 2]
 """
 import argparse
@@ -42,7 +46,9 @@ import math
 import random
 from dataclasses import dataclass, field, replace
 
-from nanovllm import LLM, EngineArgs, LLMEngine, SamplingParams
+import torch
+
+from nanovllm import LLM, EngineArgs, LLMEngine, PoolingParams, SamplingParams
 from nanovllm.engine.output_processor import DETOKENIZE_CONTEXT
 from nanovllm.layers import sampling_filters
 from nanovllm.sampling_params import BeamSearchParams, RequestOutputKind, StructuredOutputsParams
@@ -237,6 +243,89 @@ def run_seed(model: str, seed: int, **engine_kwargs) -> int:
     engine.close()
     check_outputs(run, tokenizer)
     return count_differences_alone(model, config, run)
+
+
+def random_pooling_config(rng: random.Random, **engine_kwargs) -> dict:
+    pooling_type = rng.choice(["LAST", "LAST", "MEAN", "CLS"])   # (MEAN and CLS: no chunks, no prefix cache)
+    whole = pooling_type != "LAST" or rng.random() < 0.2
+    return dict(runner="pooling", pooler_config={"pooling_type": pooling_type},
+                block_size=rng.choice([16, 16, 32]), num_kvcache_blocks=rng.choice([12, 24, 64]),
+                max_num_seqs=rng.choice([2, 4, 8]), enable_chunked_prefill=not whole,
+                max_num_batched_tokens=rng.choice([MAX_MODEL_LEN, 256] if whole else [32, 64, 256]),
+                max_model_len=MAX_MODEL_LEN, enable_prefix_caching=rng.choice([True, False]),
+                async_scheduling=rng.choice([True, False]), enforce_eager=rng.choice([True, False]),
+                kv_cache_dtype=rng.choice(["auto", "auto", "fp8"]), enable_sleep_mode=True, **engine_kwargs)
+
+
+def run_pooling_seed(model: str, seed: int, **engine_kwargs) -> int:
+    """One seed of an embedding engine's run (see the module's docstring); AssertionError on a broken
+    invariant -> the number of results that differ from their prompt's alone by more than rounding."""
+    rng = random.Random(seed)
+    config = random_pooling_config(rng, **engine_kwargs)
+    engine = LLMEngine.from_engine_args(EngineArgs(model=model, **config))
+    requests, finished, aborted = {}, {}, set()
+    shared = [rng.randrange(VOCAB_SIZE) for _ in range(60)]
+    unfinished = lambda: sorted(set(requests) - aborted - set(finished))
+    for i in range(rng.randint(20, 60)):
+        action = rng.random()
+        if action < 0.35:
+            prompt = (shared[:rng.randint(0, len(shared))] + [rng.randrange(VOCAB_SIZE)
+                                                                for _ in range(rng.randint(1, 120))])[:MAX_MODEL_LEN]
+            params = PoolingParams(task=rng.choice(["embed", "embed", "token_embed"]),
+                                   use_activation=rng.choice([None, True, False]))
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+            requests[f"r{i}"] = prompt, params
+        elif action < 0.4:   # a request the engine must refuse, with nothing else changed
+            bad = rng.choice(["vocabulary", "long", "empty", "sampling", "id"] if unfinished() else ["long"])
+            prompt = BAD_PROMPTS.get(bad, [1, 2, 3])
+            params = SamplingParams() if bad == "sampling" else PoolingParams()
+            request_id = rng.choice(unfinished()) if bad == "id" else "bad"
+            try:
+                engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+            except ValueError:
+                pass
+            else:
+                raise AssertionError(f"a bad request ({bad}) was taken")
+        elif action < 0.44 and unfinished():
+            request_id = rng.choice(unfinished())
+            engine.abort_request([request_id])
+            aborted.add(request_id)
+        elif action < 0.47:
+            level, mode = rng.choice([0, 1, 2]), rng.choice(["keep", "keep", "abort"])
+            engine.sleep(level, mode)
+            if mode == "abort":
+                aborted |= set(unfinished())
+            engine.wake_up()
+            if level == 2:
+                engine.collective_rpc("reload_weights")
+        for output in engine.step():
+            assert output.request_id not in aborted and output.request_id not in finished and output.finished
+            finished[output.request_id] = output
+        assert engine.get_num_unfinished_requests() == len(unfinished())
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            assert output.request_id not in aborted and output.request_id not in finished
+            finished[output.request_id] = output
+    assert not unfinished(), f"never reported finished: {unfinished()}"
+    check_idle(engine)
+    assert engine.in_flight is None and not engine.model_runner.pooler.chunks
+    engine.close()
+    alone = LLMEngine.from_engine_args(EngineArgs(model=model, **config))
+    differing = 0
+    for request_id, output in finished.items():
+        prompt, params = requests[request_id]
+        alone.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        outputs = []
+        while alone.has_unfinished_requests():
+            outputs += alone.step()
+        [expected] = outputs
+        got, want = output.outputs.data, expected.outputs.data
+        assert got.shape == want.shape, f"{request_id}: result of shape {tuple(got.shape)}, alone {tuple(want.shape)}"
+        if not torch.allclose(got, want, atol=1e-4, rtol=1e-3):
+            differing += 1
+            print(f"seed {seed} {request_id}: differs alone by {(got - want).abs().max().item():.2e}")
+    alone.close()
+    return differing
 
 
 def check_idle(engine: LLMEngine):
@@ -599,7 +688,9 @@ def main():
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--llm", action="store_true", help="random calls of the LLM facade instead of engine steps")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--llm", action="store_true", help="random calls of the LLM facade instead of engine steps")
+    mode.add_argument("--pooling", action="store_true", help="an embedding engine's steps (runner='pooling')")
     parser.add_argument("--arch", default="qwen3", choices=["qwen3", "qwen3_moe", "qwen2", "qwen2_moe", "llama",
                                                             "mistral"], help="the tiny model's architecture")
     args = parser.parse_args()
@@ -610,12 +701,13 @@ def main():
     model = build_model_dir(tempfile.mkdtemp(), args.arch, build_tokenizer(), **sizes)
     differing = 0
     for seed in range(first, last):
-        run = run_llm_seed if args.llm else run_seed
+        run = run_llm_seed if args.llm else run_pooling_seed if args.pooling else run_seed
         differences = run(model, seed, dtype=args.dtype, device=args.device,
                           tensor_parallel_size=args.tensor_parallel_size)
         differing += differences
-        print(f"seed {seed}: invariants hold; {differences} greedy or seeded completion(s) differ alone", flush=True)
-    print(f"{last - first} seeds: invariants hold; {differing} completion(s) differ from their run alone")
+        what = "result(s)" if args.pooling else "greedy or seeded completion(s)"
+        print(f"seed {seed}: invariants hold; {differences} {what} differ alone", flush=True)
+    print(f"{last - first} seeds: invariants hold; {differing} {what} differ from their run alone")
 
 
 if __name__ == "__main__":

@@ -3,10 +3,12 @@ come out as they do alone, and the engine's invariants hold.
 - Engine steps: requests with random sampling options and output kinds, aborts and sleeps
   between steps, on small random engine configurations.
 - The LLM facade: generate, chat, enqueue / wait_for_completion, beam_search, bad calls, a
-  generate interrupted by Ctrl-C, and sleeps, at random."""
+  generate interrupted by Ctrl-C, and sleeps, at random.
+- An embedding engine (runner="pooling"): embed and token_embed requests, bad requests, aborts and
+  sleeps between steps; each result equals its prompt's alone."""
 import pytest
 
-from fuzz_engine import run_llm_seed, run_seed
+from fuzz_engine import run_llm_seed, run_pooling_seed, run_seed
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -17,3 +19,8 @@ def test_random_workloads_keep_the_engine_invariants(qwen3_dir, seed):
 @pytest.mark.parametrize("seed", range(8))
 def test_random_llm_calls_keep_the_engine_invariants(qwen3_dir, seed):
     assert run_llm_seed(qwen3_dir, seed, dtype="float32") == 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_pooling_workloads_keep_the_engine_invariants(qwen3_dir, seed):
+    assert run_pooling_seed(qwen3_dir, seed, dtype="float32") == 0
