@@ -91,6 +91,10 @@ class PoolerConfig:
         return self.seq_pooling_type in ("CLS", "MEAN")
 
 
+SENTENCE_TRANSFORMERS_MODULES = ("sentence_transformers.models.Transformer", "sentence_transformers.models.Pooling",
+                                 "sentence_transformers.models.Normalize")
+
+
 def sentence_transformers_pooling(model_path: str) -> dict:
     """What a sentence-transformers model's modules.json and its Pooling module's config.json say
     (vLLM's get_pooling_config): {"seq_pooling_type": ..., "use_activation": (a Normalize module)};
@@ -101,6 +105,10 @@ def sentence_transformers_pooling(model_path: str) -> dict:
     with open(modules_file, encoding="utf-8") as f:
         modules = json.load(f)
     types = [module.get("type") for module in modules]
+    other = [t for t in types if t not in SENTENCE_TRANSFORMERS_MODULES]
+    if other:   # (a Dense projection, say: leaving it out would give other vectors than the model's)
+        raise ValueError(f"the sentence-transformers model in {model_path!r} has module(s) {other}; nanovllm runs "
+                         f"{', '.join(SENTENCE_TRANSFORMERS_MODULES)} only.")
     result = {"use_activation": "sentence_transformers.models.Normalize" in types}
     pooling = next((module for module in modules if module.get("type") == "sentence_transformers.models.Pooling"),
                    None)

@@ -211,7 +211,7 @@ def _sentence_transformers_dir(src, dst, pooling: dict, normalize: bool) -> str:
 def test_sentence_transformers_model_is_a_pooling_model(qwen3_dir, tmp_path):
     """runner="auto" (the default) picks pooling for a model with a modules.json, and its pooling mode and
     Normalize module set the pooler (Qwen3-Embedding's files: last token, normalized); the user's
-    pooler_config wins over them."""
+    pooler_config wins over them. A module nanovllm does not run (a Dense projection) is refused."""
     [h] = hf_hidden(qwen3_dir, PROMPTS[6:7])
     last = _sentence_transformers_dir(qwen3_dir, tmp_path / "last", {"pooling_mode_lasttoken": True}, True)
     with LLM(last, **SMALL) as llm:
@@ -232,6 +232,14 @@ def test_sentence_transformers_model_is_a_pooling_model(qwen3_dir, tmp_path):
         assert llm.llm_engine.config.pooler_config is not mine and mine.tok_pooling_type is None   # (not filled in)
         [out] = llm.embed(as_prompts(PROMPTS[6:7]), use_tqdm=False)
         torch.testing.assert_close(torch.tensor(out.outputs.embedding), F.normalize(h[-1], dim=-1), atol=2e-6, rtol=0)
+    dense = _sentence_transformers_dir(qwen3_dir, tmp_path / "dense", {"pooling_mode_lasttoken": True}, True)
+    with open(os.path.join(dense, "modules.json")) as f:
+        modules = json.load(f)
+    modules.append({"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"})
+    with open(os.path.join(dense, "modules.json"), "w") as f:
+        json.dump(modules, f)
+    with pytest.raises(ValueError, match=r"has module\(s\) \['sentence_transformers.models.Dense'\]; nanovllm runs"):
+        LLM(dense, **SMALL)
     with pytest.raises(ValueError, match="does not support `--runner generate`"):
         LLM(_base_model_dir(qwen3_dir, tmp_path / "base"), runner="generate", **SMALL)
 
