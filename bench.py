@@ -201,6 +201,9 @@ def main():
 
     if args.engine == "vllm" and args.attention_backend != "auto":
         p.error("--attention-backend: nanovllm's setting; leave it at auto with --engine vllm")
+    if args.engine == "vllm" and workloads == ["embed"] and args.model in PRESETS and args.tokenizer is None:
+        print("--workload embed --engine vllm: vLLM's pooling models need a tokenizer; using --tokenizer synthetic.")
+        args.tokenizer = "synthetic"
 
     import torch
     on_cpu = not torch.cuda.is_available()

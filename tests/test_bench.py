@@ -46,6 +46,21 @@ def test_bench_runs_a_list_of_workloads_in_one_engine():
     assert bad.returncode == 2 and "unknown workload 'nope'" in bad.stderr
 
 
+def test_bench_embeds():
+    """--workload embed: the model as an embedding model, the default workload's prompts embedded; it runs
+    alone (an engine of its own)."""
+    proc = subprocess.run([sys.executable, "bench.py", "--workload", "embed", "--json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert any(line.startswith("Embedded: 4 prompts, 158tok, Time: ") for line in proc.stdout.splitlines())
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert (result["workload"], result["num_requests"], result["prompt_tokens"], result["hidden_size"]) == (
+        "embed", 4, 158, 1024)
+    bad = subprocess.run([sys.executable, "bench.py", "--workload", "embed,default"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "embed runs alone" in bad.stderr
+
+
 def test_bench_repeats_each_workload_in_one_engine():
     proc = subprocess.run([sys.executable, "bench.py", "--workload", "prefix,latency", "--repeat", "2", "--json"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
