@@ -4,8 +4,8 @@ PoolerConfig, the engine's pooling settings.
 A pooling engine runs each prompt through the model once and returns hidden states instead of
 tokens: "embed" pools a prompt's final hidden states into one vector (its last token's, its
 first's, or their mean), "token_embed" returns one vector a token. With use_activation (the
-default) each vector is scaled to length 1; dimensions keeps the first N features first, for
-models trained with Matryoshka representations.
+default) each vector is scaled to length 1; dimensions keeps only the first N features (before the
+scaling), for models trained with Matryoshka representations.
 """
 import copy
 import json
