@@ -28,6 +28,20 @@ WEIGHT_TRANSFER = ("transfers weights from a trainer, which needs weight_transfe
                    "transfer. Load a checkpoint's weights again with collective_rpc('reload_weights').")
 
 
+def one_per_prompt(params, kind: type, name: str, num_prompts: int):
+    """A call's params (SamplingParams or PoolingParams, kind): one for every prompt, or a list of one a
+    prompt -> one a prompt. Anything else is a ValueError naming the argument (name)."""
+    if isinstance(params, kind):
+        return [params] * num_prompts
+    if not isinstance(params, (list, tuple)):
+        hint = "; beam search is LLM.beam_search" if isinstance(params, BeamSearchParams) else ""
+        raise ValueError(f"{name} must be a {kind.__name__} or a list of them, got {type(params).__name__}{hint}.")
+    if len(params) != num_prompts:
+        raise ValueError(f"{name} has {len(params)} entries but there are {num_prompts} prompts; pass one "
+                         f"{kind.__name__} or one per prompt.")
+    return params
+
+
 def pair_score(a, b) -> float:
     """Two embeddings' cosine similarity (vLLM's bi-encoder score)."""
     return F.cosine_similarity(a, b, dim=0).item()
@@ -190,15 +204,7 @@ class LLM:
         parsed = engine.input_processor.parse_prompts(prompts, tokenization_kwargs)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(parsed)
-        elif not isinstance(sampling_params, (list, tuple)):
-            hint = "; beam search is LLM.beam_search" if isinstance(sampling_params, BeamSearchParams) else ""
-            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
-                             f"{type(sampling_params).__name__}{hint}.")
-        elif len(sampling_params) != len(parsed):
-            raise ValueError(f"sampling_params has {len(sampling_params)} entries but there are "
-                             f"{len(parsed)} prompts; pass one SamplingParams or one per prompt.")
+        sampling_params = one_per_prompt(sampling_params, SamplingParams, "sampling_params", len(parsed))
         priority = self._check_priority(priority, len(parsed))
         # Check the whole call before any request is added: a bad prompt leaves no trace.
         parsed = [engine.input_processor.check_request(i, prompt, params)
@@ -280,14 +286,7 @@ class LLM:
         parsed = engine.input_processor.parse_prompts(prompts, tokenization_kwargs)
         if pooling_params is None:
             pooling_params = PoolingParams()
-        if isinstance(pooling_params, PoolingParams):
-            pooling_params = [pooling_params] * len(parsed)
-        elif not isinstance(pooling_params, (list, tuple)):
-            raise ValueError(f"pooling_params must be a PoolingParams or a list of them, got "
-                             f"{type(pooling_params).__name__}.")
-        elif len(pooling_params) != len(parsed):
-            raise ValueError(f"pooling_params has {len(pooling_params)} entries but there are {len(parsed)} "
-                             f"prompts; pass one PoolingParams or one per prompt.")
+        pooling_params = one_per_prompt(pooling_params, PoolingParams, "pooling_params", len(parsed))
         # Check the whole call before any request is added: a bad prompt leaves no trace.
         for i, (prompt, params) in enumerate(zip(parsed, pooling_params)):
             engine.check_pooling_params(params, i)
