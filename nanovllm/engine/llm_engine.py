@@ -333,8 +333,6 @@ class LLMEngine:
                 "no sequence could be scheduled"
             return self._report(done + self._resolve_in_flight()), stats
         sampling_seqs = out.sampling_seqs
-        if self.model_runner.pooler is not None:
-            return self._report(done + self._pooling_step(out, stats)), stats
         now = time.time()
         for seq, n in zip(out.seqs, out.num_scheduled_tokens):
             metrics = self.requests[seq.request_id].metrics
@@ -343,6 +341,8 @@ class LLMEngine:
                 stats.num_decode_tokens += 1
             else:
                 stats.num_prefill_tokens += n
+        if self.model_runner.pooler is not None:
+            return self._report(done + self._pooling_step(out, stats)), stats
 
         previous = self.in_flight
         pending = None if previous is None else {seq.seq_id: i for i, seq in enumerate(previous.seqs)}
@@ -383,11 +383,6 @@ class LLMEngine:
         scheduler at once (their blocks are free for the next step, which the GPU runs after this one);
         with async scheduling their results are read after the next step is launched, so that the host's
         work for a step overlaps the GPU's for the one before -> the requests whose results were read."""
-        now = time.time()
-        for seq in out.seqs:
-            metrics = self.requests[seq.request_id].metrics
-            metrics.first_scheduled_time = metrics.first_scheduled_time or now
-        stats.num_prefill_tokens = out.num_batched_tokens
         finishing = out.sampling_seqs
         pooled, _ = self.model_runner.execute(out, finishing)
         self.scheduler.update_computed(out)

@@ -49,17 +49,17 @@ class Pooler:
         last_rows, last_ids = [], []
         for i, (seq, n) in enumerate(zip(seqs, num_scheduled)):
             rows = hidden[query_start_loc[i]:query_start_loc[i + 1]]
-            finished = seq.num_computed_tokens + n == seq.num_prompt_tokens
+            completes = seq.num_computed_tokens + n == seq.num_prompt_tokens
             if seq.pooling_params.task == "token_embed":
                 if seq.num_computed_tokens == 0:   # (again after a preemption)
                     self.chunks[seq.seq_id] = []
                 self.chunks[seq.seq_id].append(to_host(rows))
-                if finished:
+                if completes:
                     done[seq.seq_id] = self.chunks.pop(seq.seq_id)
-            elif finished and self.config.seq_pooling_type == "LAST":
+            elif completes and self.config.seq_pooling_type == "LAST":
                 last_rows.append(query_start_loc[i + 1] - 1)
                 last_ids.append(seq.seq_id)
-            elif finished:   # CLS or MEAN: the whole prompt ran in this step (Config turns chunking off for them)
+            elif completes:   # CLS or MEAN: the whole prompt ran in this step (Config turns chunking off for them)
                 assert seq.num_computed_tokens == 0 and n == seq.num_prompt_tokens
                 done[seq.seq_id] = [to_host(rows[0] if self.config.seq_pooling_type == "CLS" else rows.float().mean(0))]
         if last_rows:
