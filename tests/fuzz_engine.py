@@ -211,24 +211,15 @@ def run_seed(model: str, seed: int, **engine_kwargs) -> int:
             run.requests[request_id] = prompt, params
         elif action < 0.33:   # a request the engine must refuse, with nothing else changed
             prompt, params, request_id = random_bad_request(rng, run.unfinished())
-            try:
-                engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-            except ValueError:
-                pass
-            else:
-                raise AssertionError(f"{request_id}: a bad request was taken")
+            expect_refused(engine, request_id, prompt, params, request_id)
         elif action < 0.36 and run.unfinished():
             request_id = rng.choice(run.unfinished())
             engine.abort_request([request_id])
             run.aborted.add(request_id)
         elif action < 0.39:
-            level, mode = rng.choice([0, 1, 2]), rng.choice(["keep", "keep", "abort"])
-            engine.sleep(level, mode)
-            if mode == "abort":
-                run.aborted |= set(run.unfinished())
-            engine.wake_up()
-            if level == 2:
-                engine.collective_rpc("reload_weights")
+            unfinished = set(run.unfinished())
+            if random_sleep(rng, engine):
+                run.aborted |= unfinished
         for output in engine.step():
             run.take(output)
         unfinished = len(run.unfinished())
@@ -280,24 +271,15 @@ def run_pooling_seed(model: str, seed: int, **engine_kwargs) -> int:
             prompt = BAD_PROMPTS.get(bad, [1, 2, 3])
             params = SamplingParams() if bad == "sampling" else PoolingParams()
             request_id = rng.choice(unfinished()) if bad == "id" else "bad"
-            try:
-                engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-            except ValueError:
-                pass
-            else:
-                raise AssertionError(f"a bad request ({bad}) was taken")
+            expect_refused(engine, request_id, prompt, params, bad)
         elif action < 0.44 and unfinished():
             request_id = rng.choice(unfinished())
             engine.abort_request([request_id])
             aborted.add(request_id)
         elif action < 0.47:
-            level, mode = rng.choice([0, 1, 2]), rng.choice(["keep", "keep", "abort"])
-            engine.sleep(level, mode)
-            if mode == "abort":
-                aborted |= set(unfinished())
-            engine.wake_up()
-            if level == 2:
-                engine.collective_rpc("reload_weights")
+            before = set(unfinished())
+            if random_sleep(rng, engine):
+                aborted |= before
         for output in engine.step():
             assert output.request_id not in aborted and output.request_id not in finished and output.finished
             finished[output.request_id] = output
@@ -326,6 +308,26 @@ def run_pooling_seed(model: str, seed: int, **engine_kwargs) -> int:
             print(f"seed {seed} {request_id}: differs alone by {(got - want).abs().max().item():.2e}")
     alone.close()
     return differing
+
+
+def expect_refused(engine: LLMEngine, request_id: str, prompt: list[int], params, what: str):
+    """add_request must raise ValueError for this bad request (what names it in the failure)."""
+    try:
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    except ValueError:
+        return
+    raise AssertionError(f"{what}: a bad request was taken")
+
+
+def random_sleep(rng: random.Random, engine: LLMEngine) -> bool:
+    """A sleep at a random level and mode, then the wake-up (and, after level 2, the weights loaded again)
+    -> whether the sleep aborted the unfinished requests (mode "abort")."""
+    level, mode = rng.choice([0, 1, 2]), rng.choice(["keep", "keep", "abort"])
+    engine.sleep(level, mode)
+    engine.wake_up()
+    if level == 2:
+        engine.collective_rpc("reload_weights")
+    return mode == "abort"
 
 
 def check_idle(engine: LLMEngine):
