@@ -5,13 +5,14 @@ from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.inputs import PromptType, TextPrompt, TokensPrompt
 from nanovllm.llm import LLM
 from nanovllm.logprobs import Logprob
-from nanovllm.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput,
-                              PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
+from nanovllm.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
+                              EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput, RequestOutput, ScoringOutput,
+                              ScoringRequestOutput)
 from nanovllm.pooling_params import PoolingParams
 from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
            "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "TextPrompt", "TokensPrompt", "PromptType",
            "PoolingParams", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput",
-           "ScoringOutput", "ScoringRequestOutput"]
+           "ScoringOutput", "ScoringRequestOutput", "ClassificationOutput", "ClassificationRequestOutput"]
 __version__ = "0.1.0"

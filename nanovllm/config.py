@@ -10,10 +10,11 @@ from transformers import AutoConfig, PretrainedConfig
 from nanovllm.engine.profiler import ProfilerConfig
 from nanovllm.engine.reasoning import ReasoningConfig, reasoning_markers
 from nanovllm.engine.structured_output import StructuredOutputsConfig
+from nanovllm.layers.classifier import ClassifierConfig
 from nanovllm.layers.rotary import max_positions, rope_settings
 from nanovllm.logger import init_logger
 from nanovllm.model.fp8 import FP8Checkpoint, fp8_checkpoint
-from nanovllm.pooling_params import PoolerConfig, is_sentence_transformers_model
+from nanovllm.pooling_params import CLASSIFY_TASKS, EMBED_TASKS, PoolerConfig, is_sentence_transformers_model
 from nanovllm.utils.hub import check_directory_or_hub_id, resolve_model_path
 from nanovllm.utils.validation import check_field_types
 from nanovllm.vllm_only_arguments import IDLE_ARGUMENTS, IGNORED_ARGUMENTS
@@ -24,6 +25,9 @@ SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForC
                            "LlamaForCausalLM", "MistralForCausalLM")
 # The same models without their LM head (Qwen3Model, ...): embedding models only (runner="pooling").
 BASE_ARCHITECTURES = tuple(name.removesuffix("ForCausalLM") + "Model" for name in SUPPORTED_ARCHITECTURES)
+# ...and with a classifier head instead (Qwen3ForSequenceClassification, ...): classifiers (convert="classify").
+SEQ_CLS_ARCHITECTURES = tuple(name.replace("ForCausalLM", "ForSequenceClassification")
+                              for name in SUPPORTED_ARCHITECTURES)
 ATTENTION_BACKENDS = ("auto", "triton", "flash_attn", "torch")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "half": torch.float16, "float": torch.float32}
@@ -118,11 +122,14 @@ class Config:
     # vLLM arguments for what nanovllm does not do, accepted at the values that ask for nothing.
     enable_lora: bool = False
     speculative_config: dict | None = None
-    # "generate": a generative model (LLM.generate); "pooling": an embedding model (LLM.embed, encode,
-    # score; pooling_params.py). "auto" (vLLM's): pooling for a sentence-transformers model (one with a
-    # modules.json), a base model without LM head (Qwen3Model, ...) or convert="embed"; else generate.
+    # "generate": a generative model (LLM.generate); "pooling": an embedding model or a classifier
+    # (LLM.embed, classify, encode, score; pooling_params.py). "auto" (vLLM's): pooling for a
+    # sentence-transformers model (one with a modules.json), a base model without LM head (Qwen3Model,
+    # ...), a classifier (Qwen3ForSequenceClassification, ...) or a convert; else generate.
     runner: str = "auto"
-    convert: str = "auto"         # "auto" | "none" | "embed": run a *ForCausalLM checkpoint as an embedding model
+    # "auto" | "none" | "embed" | "classify": run a *ForCausalLM checkpoint as an embedding model or a
+    # classifier ("auto": "classify" for a *ForSequenceClassification checkpoint, else "embed" when pooling)
+    convert: str = "auto"
     pooler_config: object = None  # a pooling engine's PoolerConfig (pooling_params.py), or a dict of its fields
     model_impl: str = "auto"                         # "auto" or "vllm": the engine's own model code
     enable_expert_parallel: bool = False             # MoE experts are split like the dense MLP
@@ -150,6 +157,8 @@ class Config:
     fit_max_model_len: bool = field(init=False)   # max_model_len=-1: cut to the KV cache once it is sized
     fp8_checkpoint: FP8Checkpoint | None = field(init=False)   # fp8 weights, dequantized as they load
     runner_type: str = field(init=False)    # "generate" or "pooling": what runner resolved to
+    convert_type: str = field(init=False)   # "none", "embed" or "classify": what convert resolved to
+    classifier: ClassifierConfig | None = field(init=False)   # a classifier's head (convert_type "classify")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":
@@ -251,6 +260,9 @@ class Config:
             self.tokenizer = self.model_path
         elif not self.skip_tokenizer_init:
             check_directory_or_hub_id(self.tokenizer, "tokenizer")
+        self.classifier = None
+        if self.convert_type == "classify":
+            self.classifier = ClassifierConfig.resolve(self.hf_config, self.torch_dtype, self.tokenizer)
         if self.runner_type == "pooling" and self.pooler_config.needs_whole_prompts:   # (as vLLM)
             for name in ("enable_chunked_prefill", "enable_prefix_caching"):
                 if getattr(self, name):
@@ -340,9 +352,8 @@ class Config:
                                            f"got {self.speculative_config!r:.80}.")
         check(self.runner in ("auto", "generate", "pooling"),
               f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}.")
-        check(self.convert in ("auto", "none", "embed"),
-              f"convert must be 'auto', 'none' or 'embed' (nanovllm's pooling models embed; no classifiers), "
-              f"got {self.convert!r}.")
+        check(self.convert in ("auto", "none", "embed", "classify"),
+              f"convert must be 'auto', 'none', 'embed' or 'classify', got {self.convert!r}.")
         check(self.model_impl in ("auto", "vllm"),
               f"model_impl must be 'auto' or 'vllm' (nanovllm runs its own model code), got {self.model_impl!r}.")
         check(not self.enable_expert_parallel, "enable_expert_parallel=True is not supported: MoE experts are "
@@ -351,31 +362,54 @@ class Config:
               f"logprobs_mode must be one of {', '.join(map(repr, LOGPROBS_MODES))}, got {self.logprobs_mode!r}.")
 
     def _resolve_runner(self) -> str:
-        """runner "auto" resolved as vLLM resolves it -> "generate" or "pooling"; a pooling engine's
-        pooler_config filled in. ValueError for an architecture or a combination nanovllm cannot run."""
+        """runner and convert "auto" resolved as vLLM resolves them -> "generate" or "pooling" (and
+        convert_type); a pooling engine's pooler_config filled in. ValueError for an architecture or a
+        combination nanovllm cannot run."""
         architectures = getattr(self.hf_config, "architectures", None) or []
-        generative = bool(set(architectures) & set(SUPPORTED_ARCHITECTURES))
-        if not generative and not set(architectures) & set(BASE_ARCHITECTURES):
-            raise ValueError(f"model architectures {architectures} are not supported; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES + BASE_ARCHITECTURES)}.")
-        runner = self.runner
+        kinds = [kind for kind, names in (("causal", SUPPORTED_ARCHITECTURES), ("base", BASE_ARCHITECTURES),
+                                          ("classifier", SEQ_CLS_ARCHITECTURES)) if set(architectures) & set(names)]
+        if not kinds:
+            raise ValueError(f"model architectures {architectures} are not supported; supported: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES + BASE_ARCHITECTURES + SEQ_CLS_ARCHITECTURES)}.")
+        kind, runner, convert = kinds[0], self.runner, self.convert
         if runner == "auto":
-            pooling = self.convert == "embed" or not generative or is_sentence_transformers_model(self.model_path)
+            pooling = (convert in ("embed", "classify") or kind != "causal"
+                       or is_sentence_transformers_model(self.model_path))
             runner = "pooling" if pooling else "generate"
+        self.convert_type = "none"
         if runner == "generate":
-            if not generative:
+            if kind != "causal":
                 raise ValueError(f"This model does not support `--runner generate` (architectures {architectures}: "
                                  f"a model without LM head); use runner='pooling'.")
-            if self.convert == "embed":
-                raise ValueError("convert='embed' makes an embedding model: it needs runner 'pooling' or 'auto', "
-                                 "got runner='generate'.")
+            if convert in ("embed", "classify"):
+                raise ValueError(f"convert={convert!r} makes a pooling model: it needs runner 'pooling' or 'auto', "
+                                 f"got runner='generate'.")
             if self.pooler_config is not None:
                 raise ValueError(f"pooler_config is for pooling models (runner='pooling'), got "
                                  f"{self.pooler_config!r:.80} with runner='generate'.")
             return runner
+        if convert == "auto":
+            convert = {"causal": "embed", "base": "none", "classifier": "classify"}[kind]
+        if kind == "base" and convert == "classify":
+            raise ValueError(f"convert='classify' needs a causal LM or a classifier checkpoint; architectures "
+                             f"{architectures} have neither an LM head nor a classifier head.")
+        if kind == "classifier" and convert != "classify":
+            raise ValueError(f"a classifier checkpoint (architectures {architectures}) runs with convert 'classify' "
+                             f"or 'auto', got convert={convert!r}.")
+        self.convert_type = "none" if kind == "base" else convert
         self.pooler_config = PoolerConfig.parse(self.pooler_config) or PoolerConfig()
         self.pooler_config.resolve(self.model_path)
+        tasks = self.pooling_tasks
+        if self.pooler_config.task is not None and self.pooler_config.task not in tasks:
+            fix = "--convert classify" if tasks == EMBED_TASKS else "--convert embed"
+            raise ValueError(f"pooler_config.task={self.pooler_config.task!r} is not a task of this model "
+                             f"(supported: {', '.join(tasks)}); try converting the model using `{fix}`.")
         return runner
+
+    @property
+    def pooling_tasks(self) -> tuple[str, ...]:
+        """What a pooling engine does: an embedding model embeds, a classifier classifies."""
+        return CLASSIFY_TASKS if self.convert_type == "classify" else EMBED_TASKS
 
     def _validate_tensor_parallel(self):
         n, hf = self.tensor_parallel_size, self.hf_config

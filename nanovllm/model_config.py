@@ -27,10 +27,9 @@ class ModelConfig:
 
     @property
     def convert_type(self) -> str:
-        """vLLM's: "embed" where a causal LM runs as an embedding model, else "none"."""
-        hf = self._config.hf_config
-        causal = any(name.endswith("ForCausalLM") for name in hf.architectures or ())
-        return "embed" if self._config.runner_type == "pooling" and causal else "none"
+        """vLLM's: "embed" where a causal LM runs as an embedding model, "classify" for a classifier,
+        else "none"."""
+        return self._config.convert_type
 
     @property
     def is_matryoshka(self) -> bool:

@@ -124,11 +124,51 @@ class EmbeddingRequestOutput(PoolingRequestOutput):
 
 
 @dataclass
+class ClassificationOutput:
+    """vLLM's: one prompt's label probabilities (or logits) as a list of floats."""
+    probs: list[float]
+
+    @staticmethod
+    def from_base(output: PoolingOutput) -> "ClassificationOutput":
+        if output.data.ndim != 1:
+            raise ValueError("pooled_data should be a 1-D probability vector")
+        return ClassificationOutput(output.data.tolist())
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """vLLM's: what LLM.classify returns for one prompt."""
+
+    @staticmethod
+    def from_base(output: PoolingRequestOutput) -> "ClassificationRequestOutput":
+        return ClassificationRequestOutput(output.request_id, ClassificationOutput.from_base(output.outputs),
+                                           output.prompt_token_ids, output.num_cached_tokens, output.finished)
+
+
+@dataclass
 class ScoringOutput:
-    """vLLM's: the similarity score of one pair of texts."""
+    """vLLM's: the score of one pair of texts."""
     score: float
+
+    @staticmethod
+    def from_base(output: PoolingOutput) -> "ScoringOutput":
+        """A cross-encoder's result, its one label's probability."""
+        data = output.data.squeeze()
+        if data.ndim != 0:
+            raise ValueError("pooled_data should be a scalar score")
+        return ScoringOutput(data.item())
 
 
 @dataclass
 class ScoringRequestOutput(PoolingRequestOutput):
-    """vLLM's: what LLM.score returns for one pair (request_id "<first's id>_<second's id>")."""
+    """vLLM's: what LLM.score returns for one pair (an embedding model's request_id is "<first's id>_<second's
+    id>"; a cross-encoder's, the pair's own request's)."""
+
+    @staticmethod
+    def from_base(output: PoolingRequestOutput) -> "ScoringRequestOutput":
+        return ScoringRequestOutput(output.request_id, ScoringOutput.from_base(output.outputs),
+                                    output.prompt_token_ids, output.num_cached_tokens, output.finished)

@@ -1,11 +1,14 @@
 """Pooling models (vLLM's runner="pooling"): PoolingParams, what one request asks of the pooler, and
 PoolerConfig, the engine's pooling settings.
 
-A pooling engine runs each prompt through the model once and returns hidden states instead of
-tokens: "embed" pools a prompt's final hidden states into one vector (its last token's, its
-first's, or their mean), "token_embed" returns one vector a token. With use_activation (the
-default) each vector is scaled to length 1; dimensions keeps only the first N features (before the
-scaling), for models trained with Matryoshka representations.
+A pooling engine runs each prompt through the model once and returns what its final hidden states
+give instead of tokens. An embedding model (convert "embed"): "embed" pools a prompt's hidden
+states into one vector (its last token's, its first's, or their mean), "token_embed" returns one
+vector a token; with use_activation (the default) each vector is scaled to length 1, and dimensions
+keeps only the first N features (before the scaling), for models trained with Matryoshka
+representations. A classifier (convert "classify", layers/classifier.py): "classify" maps the
+pooled vector to its labels' probabilities (with use_activation; else their logits),
+"token_classify" each token's.
 """
 import copy
 import json
@@ -14,38 +17,50 @@ from dataclasses import dataclass, fields
 
 from nanovllm.sampling_params import RequestOutputKind
 
-POOLING_TASKS = ("embed", "token_embed")       # what a pooling engine here can do (vLLM's names)
+EMBED_TASKS = ("embed", "token_embed")              # an embedding model's (vLLM's names)
+CLASSIFY_TASKS = ("classify", "token_classify")     # a classifier's
+POOLING_TASKS = EMBED_TASKS + CLASSIFY_TASKS
+TOKEN_TASKS = ("token_embed", "token_classify")     # a result a prompt token, so no prefix-cache reads
+# vLLM's: the PoolingParams fields each task takes
+TASK_PARAMETERS = {"embed": ["dimensions", "use_activation"], "token_embed": ["dimensions", "use_activation"],
+                   "classify": ["use_activation"], "token_classify": ["use_activation"]}
 SEQ_POOLING_TYPES = ("LAST", "CLS", "MEAN")    # "embed": which of a prompt's hidden states make its vector
 TOK_POOLING_TYPES = ("ALL",)                   # "token_embed": every token's
 
 
 @dataclass
 class PoolerConfig:
-    """vLLM's PoolerConfig (its fields for embedding models). Unset fields come from the model's
-    sentence-transformers files (modules.json), then from the defaults: LAST, ALL, use_activation."""
+    """vLLM's PoolerConfig. Unset fields come from the model's sentence-transformers files
+    (modules.json), then from the defaults: LAST, ALL, use_activation. logit_mean and logit_sigma
+    calibrate a classifier's logits before its activation: (logit - mean) / sigma."""
     task: str | None = None
     pooling_type: str | None = None        # sets seq_pooling_type or tok_pooling_type, whichever it names
     seq_pooling_type: str | None = None
     tok_pooling_type: str | None = None
     use_activation: bool | None = None     # normalize each vector to length 1
     dimensions: int | None = None          # the default of PoolingParams.dimensions
+    logit_mean: float | None = None
+    logit_sigma: float | None = None
     # vLLM's fields for what a pooling engine here does not do: accepted at None (or False) only
     enable_chunked_processing: bool = False
     max_embed_len: int | None = None
-    logit_mean: float | None = None
-    logit_sigma: float | None = None
     step_tag_id: int | None = None
     returned_token_ids: list[int] | None = None
 
     def __post_init__(self):
         if self.task is not None and self.task not in POOLING_TASKS:
-            raise ValueError(f"pooler_config.task must be one of {', '.join(map(repr, POOLING_TASKS))} (nanovllm's "
-                             f"pooling models embed; no classifiers), got {self.task!r}.")
-        for name in ("enable_chunked_processing", "max_embed_len", "logit_mean", "logit_sigma", "step_tag_id",
-                     "returned_token_ids"):
+            raise ValueError(f"pooler_config.task must be one of {', '.join(map(repr, POOLING_TASKS))}, "
+                             f"got {self.task!r}.")
+        for name in ("enable_chunked_processing", "max_embed_len", "step_tag_id", "returned_token_ids"):
             if getattr(self, name) not in (None, False):
-                raise ValueError(f"pooler_config.{name} is not supported (embedding pooling only), "
-                                 f"got {getattr(self, name)!r:.80}.")
+                raise ValueError(f"pooler_config.{name} is not supported (no chunked processing or step "
+                                 f"pooling), got {getattr(self, name)!r:.80}.")
+        for name in ("logit_mean", "logit_sigma"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"pooler_config.{name} must be a number or None, got {value!r:.80}.")
+        if self.logit_sigma == 0:
+            raise ValueError("pooler_config.logit_sigma must not be 0.")
         if self.pooling_type is not None:
             if self.seq_pooling_type is not None or self.tok_pooling_type is not None:
                 raise ValueError("Cannot set both `pooling_type` and `seq_pooling_type` or `tok_pooling_type`.")
@@ -129,13 +144,14 @@ def is_sentence_transformers_model(model_path: str) -> bool:
 @dataclass
 class PoolingParams:
     """vLLM's PoolingParams: what one pooling request asks for.
-    use_activation: each vector scaled to length 1 (None: the engine's pooler_config, else True).
-    dimensions: keep the first N features (a Matryoshka model's; None: all)."""
+    use_activation: embeddings scaled to length 1, a classifier's logits made probabilities (None: the
+    engine's pooler_config, else True). dimensions: keep an embedding's first N features (a Matryoshka
+    model's; None: all)."""
     use_activation: bool | None = None
     dimensions: int | None = None
     step_tag_id: int | None = None           # vLLM's, for step pooling: None only
     returned_token_ids: list[int] | None = None
-    task: str | None = None                  # "embed" or "token_embed"; LLM.embed / LLM.encode set it
+    task: str | None = None                  # one of POOLING_TASKS; LLM.embed / classify / encode set it
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
 
     def __post_init__(self):
@@ -145,7 +161,7 @@ class PoolingParams:
             raise ValueError(f"dimensions must be an int or None, got {self.dimensions!r:.80}.")
         for name in ("step_tag_id", "returned_token_ids"):
             if getattr(self, name) is not None:
-                raise ValueError(f"Task {self.task} only supports ['dimensions', 'use_activation'] parameters, "
+                raise ValueError(f"Task {self.task} only supports {TASK_PARAMETERS.get(self.task, TASK_PARAMETERS['embed'])} parameters, "
                                  f"does not support ['{name}'] parameters")
         if self.task is not None and self.task not in POOLING_TASKS:
             raise ValueError(f"task must be one of {', '.join(map(repr, POOLING_TASKS))}, got {self.task!r}.")
@@ -154,14 +170,19 @@ class PoolingParams:
         return PoolingParams(**{f.name: getattr(self, f.name) for f in fields(self)})
 
     def resolved(self, task: str, pooler: PoolerConfig, hf_config, model_name: str) -> "PoolingParams":
-        """A copy for one request of task: the pooler_config's defaults filled in, and dimensions
-        checked as vLLM checks them (a ValueError naming the model)."""
+        """A copy for one request of task: the pooler_config's defaults filled in, and its fields
+        checked as vLLM checks them (a ValueError naming the field or the model)."""
         params = self.clone()
         if params.task is not None and params.task != task:
             raise ValueError(f"You cannot overwrite params.task={params.task!r} with pooling_task={task!r}!")
         params.task = task
         if params.use_activation is None:
             params.use_activation = True if pooler.use_activation is None else pooler.use_activation
+        if task in CLASSIFY_TASKS:
+            if params.dimensions is not None:
+                raise ValueError(f"Task {task!r} only supports {TASK_PARAMETERS[task]} parameters, does not "
+                                 f"support ['dimensions'] parameters")
+            return params
         if params.dimensions is None:
             params.dimensions = pooler.dimensions
         if params.dimensions is not None:

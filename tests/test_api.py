@@ -368,17 +368,18 @@ def test_enqueue_chat_renders_as_chat(llm):
     assert_idle(llm)
 
 
-@pytest.mark.parametrize("method,named", [("encode", "encode"), ("embed", "encode"), ("score", "score")])
+@pytest.mark.parametrize("method,named", [("encode", "encode"), ("embed", "encode"), ("classify", "encode"),
+                                          ("score", "score")])
 def test_pooling_entry_points_need_a_pooling_model(llm, method, named):
-    """As in vLLM: a generative engine's encode / embed / score name runner='pooling'; classify and reward
-    are for classifiers, which nanovllm does not run."""
+    """As in vLLM: a generative engine's encode / embed / classify / score name runner='pooling'; reward
+    is not an LLM method of vLLM 0.26's, and its refusal says what is."""
     args = (["Hello"], ["Hi"]) if method == "score" else (["Hello"],)
     with pytest.raises(ValueError, match=f"^LLM.{named}\\(\\) is only supported for pooling models. Try passing "
                                          f"`--runner pooling` to use the model as a pooling model.$"):
         getattr(llm, method)(*args)
-    for method in ("classify", "reward"):
-        with pytest.raises(ValueError, match=f"LLM.{method}\\(\\) is for classification and reward models"):
-            getattr(llm, method)(["Hello"])
+    with pytest.raises(ValueError, match=r"^LLM.reward\(\) is not one of vLLM 0.26's LLM methods: for rewards, use "
+                                         r"LLM.encode\(\.\.\., pooling_task='classify'\)"):
+        llm.reward(["Hello"])
 
 
 @pytest.mark.parametrize("method", ["init_weight_transfer_engine", "start_weight_update", "start_draft_weight_update",
@@ -1096,10 +1097,10 @@ def test_generate_collects_garbage_less_often_and_restores_the_thresholds(llm, m
     (dict(enable_lora=True), "enable_lora=True is not supported: nanovllm runs the base model only."),
     (dict(speculative_config={"method": "ngram"}), "speculative_config is not supported (no speculative decoding)"),
     (dict(runner="draft"), "runner must be 'auto', 'generate' or 'pooling', got 'draft'."),
-    (dict(convert="classify"), "convert must be 'auto', 'none' or 'embed' (nanovllm's pooling models embed; no "
-                               "classifiers), got 'classify'."),
-    (dict(runner="generate", convert="embed"), "convert='embed' makes an embedding model: it needs runner 'pooling' "
+    (dict(convert="reward"), "convert must be 'auto', 'none', 'embed' or 'classify', got 'reward'."),
+    (dict(runner="generate", convert="embed"), "convert='embed' makes a pooling model: it needs runner 'pooling' "
                                                "or 'auto', got runner='generate'."),
+    (dict(runner="generate", convert="classify"), "convert='classify' makes a pooling model"),
     (dict(pooler_config={"pooling_type": "MEAN"}), "pooler_config is for pooling models (runner='pooling'), got "
                                                    "{'pooling_type': 'MEAN'} with runner='generate'."),
     (dict(model_impl="transformers"), "model_impl must be 'auto' or 'vllm' (nanovllm runs its own model code), "

@@ -274,7 +274,11 @@ def test_bad_input_is_refused_and_engine_stays_usable(qwen3_dir):
         cases = [
             (lambda: llm.encode("Hello", use_tqdm=False), "^pooling_task required for `LLM.encode`"),
             (lambda: llm.encode("Hello", pooling_task="classify", use_tqdm=False),
-             r"^Unsupported task: 'classify' Supported tasks: \('embed', 'token_embed'\)$"),
+             r"^Classification API is not supported by this model\. Try converting the model using "
+             r"`--convert classify`\.$"),
+            (lambda: llm.classify("Hello", use_tqdm=False), r"^Classification API is not supported"),
+            (lambda: llm.encode("Hello", pooling_task="reward", use_tqdm=False),
+             r"^Unsupported task: 'reward' Supported tasks: \('embed', 'token_embed'\)$"),
             (lambda: llm.embed(["Hello", {"prompt_token_ids": [1, 999]}], use_tqdm=False),
              r"^prompt 1: token id 999 is out of vocabulary \(vocab_size=384\)\.$"),
             (lambda: llm.embed([{"prompt_token_ids": [5] * 513}], use_tqdm=False),
@@ -306,10 +310,16 @@ def test_bad_input_is_refused_and_engine_stays_usable(qwen3_dir):
     (dict(task="embed"), "LLM() got an unexpected keyword argument 'task' ('embed'): vLLM 0.26 makes an embedding "
                          "model with runner='pooling'; pass that instead."),
     (dict(pooler_config={"pooling_type": "STEP"}), "seq_pooling_type must be one of LAST, CLS, MEAN, got 'STEP'."),
-    (dict(pooler_config={"task": "classify"}), "pooler_config.task must be one of 'embed', 'token_embed'"),
+    (dict(pooler_config={"task": "classify"}), "pooler_config.task='classify' is not a task of this model "
+                                               "(supported: embed, token_embed); try converting the model using "
+                                               "`--convert classify`."),
+    (dict(pooler_config={"task": "reward"}), "pooler_config.task must be one of 'embed', 'token_embed', 'classify', "
+                                             "'token_classify', got 'reward'."),
     (dict(pooler_config={"normalize": True}), "Parameter `normalize` was removed; use `use_activation` instead."),
-    (dict(pooler_config={"logit_sigma": 2.0}), "pooler_config.logit_sigma is not supported (embedding pooling only), "
-                                               "got 2.0."),
+    (dict(pooler_config={"max_embed_len": 64}), "pooler_config.max_embed_len is not supported (no chunked processing "
+                                                "or step pooling), got 64."),
+    (dict(pooler_config={"logit_sigma": "2"}), "pooler_config.logit_sigma must be a number or None, got '2'."),
+    (dict(pooler_config={"logit_sigma": 0}), "pooler_config.logit_sigma must not be 0."),
     (dict(pooler_config={"pooling_type": "MEAN", "seq_pooling_type": "LAST"}), "Cannot set both `pooling_type`"),
     (dict(pooler_config="MEAN"), "pooler_config must be a PoolerConfig or a dict of its fields, got 'MEAN'."),
 ])
@@ -323,7 +333,8 @@ def test_pooling_params_refusals():
     for kwargs, message in [(dict(dimensions="8"), "dimensions must be an int or None, got '8'."),
                             (dict(use_activation=1), "use_activation must be a bool or None, got 1."),
                             (dict(step_tag_id=3), "does not support ['step_tag_id'] parameters"),
-                            (dict(task="classify"), "task must be one of 'embed', 'token_embed', got 'classify'.")]:
+                            (dict(task="score"), "task must be one of 'embed', 'token_embed', 'classify', "
+                                                 "'token_classify', got 'score'.")]:
         with pytest.raises(ValueError) as error:
             PoolingParams(**kwargs)
         assert message in str(error.value)

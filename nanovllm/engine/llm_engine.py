@@ -28,17 +28,17 @@ from nanovllm.logger import init_logger
 from nanovllm.metrics import EngineMetrics, Metric
 from nanovllm.model_config import ModelConfig
 from nanovllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
-from nanovllm.pooling_params import PoolingParams
+from nanovllm.pooling_params import CLASSIFY_TASKS, POOLING_TASKS, TOKEN_TASKS, PoolingParams
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 from nanovllm.utils.heap import freeze_heap, unfreeze_heap
 
 logger = init_logger(__name__)
 
 # What a pooling request is to the scheduler, by task: a prompt that samples no token, reported when it ends;
-# "token_embed" needs every prompt row computed, so it reads nothing from the prefix cache. (Shared: made once.)
-POOLING_SCHEDULES = {task: SamplingParams(max_tokens=1, skip_reading_prefix_cache=task == "token_embed",
+# a token task needs every prompt row computed, so it reads nothing from the prefix cache. (Shared: made once.)
+POOLING_SCHEDULES = {task: SamplingParams(max_tokens=1, skip_reading_prefix_cache=task in TOKEN_TASKS,
                                           output_kind=RequestOutputKind.FINAL_ONLY)
-                     for task in ("embed", "token_embed")}
+                     for task in POOLING_TASKS}
 
 
 @dataclass
@@ -189,7 +189,7 @@ class LLMEngine:
         [prompt] = self.input_processor.parse_prompts([prompt], tokenization_kwargs)
         if self.config.runner_type == "pooling":
             self.check_pooling_params(params)
-            params = self.resolve_pooling_params(params, params.task or "embed")
+            params = self.resolve_pooling_params(params, params.task or self.config.pooling_tasks[0])
             self.input_processor.validate_pooling_request(0, prompt.token_ids)
             text = prompt.text if prompt.text is not None else prompt_text
             return self.add_pooling_tokens(text, prompt.token_ids, params, priority, prompt.cache_salt, request_id,
@@ -208,7 +208,11 @@ class LLMEngine:
                              f"got {type(params).__name__}.")
 
     def resolve_pooling_params(self, params: PoolingParams, task: str) -> PoolingParams:
-        """params for one request of task ("embed" or "token_embed"), the engine's defaults filled in."""
+        """params for one request of task (one of get_supported_tasks()), the engine's defaults filled in."""
+        if task not in self.config.pooling_tasks:   # (vLLM's words)
+            api, convert = ("Classification", "classify") if task in CLASSIFY_TASKS else ("Embedding", "embed")
+            raise ValueError(f"{api} API is not supported by this model. Try converting the model using "
+                             f"`--convert {convert}`.")
         return params.resolved(task, self.config.pooler_config, self.config.hf_config,
                                self.model_config.served_model_name)
 
@@ -592,7 +596,7 @@ class LLMEngine:
     reset_encoder_cache = reset_mm_cache
 
     def get_supported_tasks(self) -> tuple[str, ...]:
-        return ("embed", "token_embed") if self.config.runner_type == "pooling" else ("generate",)
+        return self.config.pooling_tasks if self.config.runner_type == "pooling" else ("generate",)
 
     def do_log_stats(self):
         """Log the stats line now (vLLM's; with disable_log_stats=False, else nothing)."""

@@ -87,7 +87,7 @@ class ModelRunner:
         self.eos_token_ids = sorted(eos_token_ids)
         hf = config.hf_config
         self.vocab_size = hf.vocab_size
-        self.pooling = config.runner_type == "pooling"   # an embedding model: hidden states, no sampling
+        self.pooling = config.runner_type == "pooling"   # an embedding model or a classifier: no sampling
         self.timings: dict[str, float] = {}
         self.profiler = RankProfiler(config.profiler_config or ProfilerConfig(), tp.rank, self.device)
         start = time.perf_counter()
@@ -96,7 +96,7 @@ class ModelRunner:
         torch.set_default_dtype(config.torch_dtype)
         try:
             with torch.device(self.device):
-                self.model = QwenForCausalLM(hf, tp, lm_head=not self.pooling)
+                self.model = QwenForCausalLM(hf, tp, lm_head=not self.pooling, classifier=config.classifier)
         finally:
             torch.set_default_dtype(default_dtype)
         self._load_weights()
@@ -125,7 +125,7 @@ class ModelRunner:
                         if samples else None)
         self.penalty_counts = PenaltyCounts(self.vocab_size, self.device, config.max_num_seqs) if samples else None
         self.bitmask_filler = BitmaskFiller() if samples else None
-        self.pooler = Pooler(config.pooler_config) if self.pooling and tp.rank == 0 else None
+        self.pooler = Pooler(config.pooler_config, self.model.score) if self.pooling and tp.rank == 0 else None
         self.last_sampled: torch.Tensor | None = None   # the latest step's sampled token ids, on the device
 
         start = time.perf_counter()

@@ -1,15 +1,19 @@
 """The pooler of a pooling engine (runner="pooling"): a step's final hidden states -> the result of
-each prompt that the step completes (pooling_params.py says what each task returns).
+each prompt that the step completes (pooling_params.py says what each task returns). A classifier's
+head (layers/classifier.py) runs on the GPU, on the pooled rows only; what follows it (calibration,
+activation), like an embedding's normalization, runs on the host on each step's results at once.
 
 On CUDA the results travel to the host while the GPU goes on (pinned buffers, non-blocking copies,
 an event after the last): the engine launches the next step before it reads them, so that the
 host's work for a step overlaps the GPU's work for the one before."""
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from nanovllm.pooling_params import PoolerConfig
+from nanovllm.layers.classifier import ClassifierHead, activation_fn
+from nanovllm.pooling_params import CLASSIFY_TASKS, TOKEN_TASKS, PoolerConfig
 
 
 @dataclass
@@ -20,26 +24,32 @@ class PooledStep:
     parts: list[list[torch.Tensor]]
     params: list
     event: "torch.cuda.Event | None"
+    finish: Callable   # (rows, params) -> the result (Pooler.finish)
 
     def results(self) -> dict[int, torch.Tensor]:
-        """{seq_id: its result}, cut to its dimensions and normalized as its params say. Call after the event.
-        (The results are copies: the pinned buffers go back to torch's cache once the step is dropped.)"""
-        results, vectors = {}, {}   # vectors: (dimensions, use_activation) -> [(seq_id, "embed" vector)]
+        """{seq_id: its result}, finished as its params say. Call after the event. (The results are
+        copies: the pinned buffers go back to torch's cache once the step is dropped.)"""
+        results, vectors = {}, {}   # (task, dimensions, use_activation) -> (params, seq_ids, one-vector results)
         for seq_id, parts, params in zip(self.seq_ids, self.parts, self.params):
             if len(parts) == 1 and parts[0].ndim == 1:
-                vectors.setdefault((params.dimensions, params.use_activation), []).append((seq_id, parts[0]))
+                _, ids, rows = vectors.setdefault((params.task, params.dimensions, params.use_activation),
+                                                  (params, [], []))
+                ids.append(seq_id)
+                rows.append(parts[0])
             else:
-                results[seq_id] = finish(torch.cat(parts), params.dimensions, params.use_activation)
-        for (dimensions, use_activation), items in vectors.items():   # one pass for the step's vectors alike
-            block = finish(torch.stack([vector for _, vector in items]), dimensions, use_activation)
-            results.update(zip([seq_id for seq_id, _ in items], block))
+                results[seq_id] = self.finish(torch.cat(parts), params)
+        for params, ids, rows in vectors.values():   # one pass for the step's vectors alike
+            results.update(zip(ids, self.finish(torch.stack(rows), params)))
         return results
 
 
 class Pooler:
-    def __init__(self, config: PoolerConfig):
+    def __init__(self, config: PoolerConfig, head: ClassifierHead | None = None):
+        """head: a classifier's (None for an embedding model)."""
         self.config = config
-        self.chunks: dict[int, list[torch.Tensor]] = {}   # seq_id -> a "token_embed" prompt's rows so far (host)
+        self.head = head
+        self.activation = activation_fn(head.config.activation) if head is not None else None
+        self.chunks: dict[int, list[torch.Tensor]] = {}   # seq_id -> a token task's rows so far (host)
 
     def __call__(self, hidden: torch.Tensor, seqs: list, num_scheduled: list[int],
                  query_start_loc: list[int]) -> PooledStep:
@@ -50,10 +60,10 @@ class Pooler:
         for i, (seq, n) in enumerate(zip(seqs, num_scheduled)):
             rows = hidden[query_start_loc[i]:query_start_loc[i + 1]]
             completes = seq.num_computed_tokens + n == seq.num_prompt_tokens
-            if seq.pooling_params.task == "token_embed":
+            if seq.pooling_params.task in TOKEN_TASKS:
                 if seq.num_computed_tokens == 0:   # (again after a preemption)
                     self.chunks[seq.seq_id] = []
-                self.chunks[seq.seq_id].append(to_host(rows))
+                self.chunks[seq.seq_id].append(to_host(self.project(rows)))
                 if completes:
                     done[seq.seq_id] = self.chunks.pop(seq.seq_id)
             elif completes and self.config.seq_pooling_type == "LAST":
@@ -61,9 +71,10 @@ class Pooler:
                 last_ids.append(seq.seq_id)
             elif completes:   # CLS or MEAN: the whole prompt ran in this step (Config turns chunking off for them)
                 assert seq.num_computed_tokens == 0 and n == seq.num_prompt_tokens
-                done[seq.seq_id] = [to_host(rows[0] if self.config.seq_pooling_type == "CLS" else rows.float().mean(0))]
+                pooled = rows[:1] if self.config.seq_pooling_type == "CLS" else rows.float().mean(0, keepdim=True)
+                done[seq.seq_id] = [to_host(self.project(pooled))[0]]
         if last_rows:
-            rows = to_host(hidden.index_select(0, torch.tensor(last_rows, device=hidden.device)))
+            rows = to_host(self.project(hidden.index_select(0, torch.tensor(last_rows, device=hidden.device))))
             done.update((seq_id, [row]) for seq_id, row in zip(last_ids, rows))
         event = None
         if hidden.device.type == "cuda":
@@ -71,7 +82,25 @@ class Pooler:
             event.record()
         finished = [seq for seq in seqs if seq.seq_id in done]
         return PooledStep([seq.seq_id for seq in finished], [done[seq.seq_id] for seq in finished],
-                          [seq.pooling_params for seq in finished], event)
+                          [seq.pooling_params for seq in finished], event, self.finish)
+
+    def project(self, rows: torch.Tensor) -> torch.Tensor:
+        """Pooled hidden states [n, hidden] -> what a result is made of: themselves, or a classifier's logits."""
+        return rows if self.head is None else self.head(rows)
+
+    def finish(self, data: torch.Tensor, params) -> torch.Tensor:
+        """A result's rows (host, float32) as its params ask: an embedding cut to its first `dimensions`
+        features and, with use_activation, scaled to length 1 (vLLM's order); a classifier's logits
+        calibrated by logit_mean and logit_sigma, then, with use_activation, made probabilities."""
+        if params.task not in CLASSIFY_TASKS:
+            if params.dimensions is not None:
+                data = data[..., :params.dimensions]
+            return F.normalize(data, p=2, dim=-1) if params.use_activation else data
+        if self.config.logit_mean is not None:
+            data = data - self.config.logit_mean
+        if self.config.logit_sigma is not None:
+            data = data / self.config.logit_sigma
+        return self.activation(data) if params.use_activation else data
 
     def forget(self, seq_id: int):
         """Drop what was kept of an aborted sequence."""
@@ -86,12 +115,3 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
         return t.clone()
     return torch.empty(t.shape, dtype=torch.float32, pin_memory=True).copy_(t, non_blocking=True)
 
-
-def finish(data: torch.Tensor, dimensions: int | None, use_activation: bool) -> torch.Tensor:
-    """Pooled vectors (the last dimension) cut to their first `dimensions` features and, with
-    use_activation, scaled to length 1 (vLLM's order)."""
-    if dimensions is not None:
-        data = data[..., :dimensions]
-    if use_activation:
-        data = F.normalize(data, p=2, dim=-1)
-    return data

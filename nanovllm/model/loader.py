@@ -48,8 +48,10 @@ def _param_for(model: nn.Module, ckpt_name: str) -> tuple[str, object]:
 
 def load_model(model: nn.Module, path: str, tie_word_embeddings: bool, fp8: FP8Checkpoint | None = None):
     """fp8: the checkpoint's fp8 weights are dequantized by their scales as they load (model/fp8.py).
-    A model without LM head (an embedding model's) skips the checkpoint's, and takes a base model's
-    tensors (Qwen3Model's: layers.0..., without the model. prefix) as well as a causal LM's."""
+    A model without LM head (a pooling model's) skips the checkpoint's, and takes a base model's
+    tensors (Qwen3Model's: layers.0..., without the model. prefix) as well as a causal LM's. A
+    classifier's head is the checkpoint's score.weight, or is made of rows of its LM head
+    (model.score_source)."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in model directory {path!r}.")
@@ -59,6 +61,7 @@ def load_model(model: nn.Module, path: str, tie_word_embeddings: bool, fp8: FP8C
             file_of |= dict.fromkeys(f.keys(), file)
     params = dict(model.named_parameters())
     headless = getattr(model, "lm_head", 0) is None
+    score_source = getattr(model, "score_source", None)   # a classifier head made of LM-head rows: their tensor
     expected = _expected_shards(model)
     loaded = set()
     for file in files:
@@ -66,6 +69,9 @@ def load_model(model: nn.Module, path: str, tie_word_embeddings: bool, fp8: FP8C
             for ckpt_name in f.keys():
                 if ckpt_name.endswith(IGNORED_SUFFIXES):
                     continue
+                if ckpt_name == score_source:
+                    model.score.load_from_lm_head(f.get_tensor(ckpt_name))
+                    loaded.add(("score.weight", None))
                 if ckpt_name == "lm_head.weight" and (tie_word_embeddings or headless):
                     continue  # the same tensor as the embedding, or a head the model does without
                 if fp8 and ckpt_name.endswith(UNUSED_SUFFIXES):

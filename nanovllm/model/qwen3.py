@@ -11,6 +11,7 @@ from transformers import PretrainedConfig
 
 from nanovllm.distributed import SINGLE, TPGroup
 from nanovllm.layers.attention import Attention, AttentionMetadata
+from nanovllm.layers.classifier import ClassifierConfig, ClassifierHead
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import Partials, QKVParallelLinear, RowParallelLinear
@@ -122,14 +123,21 @@ class QwenForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: PretrainedConfig, tp: TPGroup = SINGLE, lm_head: bool = True):
+    def __init__(self, config: PretrainedConfig, tp: TPGroup = SINGLE, lm_head: bool = True,
+                 classifier: ClassifierConfig | None = None):
         """tp: this rank's tensor-parallel group; each rank holds its shard of every layer.
-        lm_head: False for an embedding model (runner="pooling"), which returns hidden states only."""
+        lm_head: False for a pooling model (runner="pooling"), which returns hidden states only;
+        classifier: a classifier's head (score), which the pooler applies."""
         super().__init__()
         self.model = QwenModel(config, tp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp) if lm_head else None
         if lm_head and config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.score = ClassifierHead(config.hidden_size, classifier) if classifier is not None else None
+        # the checkpoint tensor a head made of LM-head rows comes from (the LM head, or the embedding it is tied to)
+        self.score_source = None
+        if classifier is not None and classifier.from_token_ids is not None:
+            self.score_source = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
