@@ -300,7 +300,8 @@ class LLM:
         if pooling_task is None:
             raise ValueError(ENCODE_TASK)
         if pooling_task not in POOLING_TASKS:
-            raise ValueError(f"Unsupported task: {pooling_task!r} Supported tasks: {self.llm_engine.get_supported_tasks()}")
+            supported = self.llm_engine.get_supported_tasks()
+            raise ValueError(f"Unsupported task: {pooling_task!r} Supported tasks: {supported}")
         check_no_lora(lora_request)
         engine = self.llm_engine
         parsed = engine.input_processor.parse_prompts(prompts, tokenization_kwargs)

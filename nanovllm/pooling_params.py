@@ -161,8 +161,9 @@ class PoolingParams:
             raise ValueError(f"dimensions must be an int or None, got {self.dimensions!r:.80}.")
         for name in ("step_tag_id", "returned_token_ids"):
             if getattr(self, name) is not None:
-                raise ValueError(f"Task {self.task} only supports {TASK_PARAMETERS.get(self.task, TASK_PARAMETERS['embed'])} parameters, "
-                                 f"does not support ['{name}'] parameters")
+                valid = TASK_PARAMETERS.get(self.task, TASK_PARAMETERS["embed"])
+                raise ValueError(f"Task {self.task} only supports {valid} parameters, does not support ['{name}'] "
+                                 f"parameters")
         if self.task is not None and self.task not in POOLING_TASKS:
             raise ValueError(f"task must be one of {', '.join(map(repr, POOLING_TASKS))}, got {self.task!r}.")
 
