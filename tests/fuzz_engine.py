@@ -32,9 +32,10 @@ calls, a generate interrupted by Ctrl-C, sleeps, prefix-cache resets; each call'
 order, finished), the engine is idle after it, and its completions and beams are compared with
 their runs alone.
 
-With --pooling a seed runs an embedding engine (runner="pooling", run_pooling_seed): embed and token_embed
-requests with random options, bad requests, aborts and sleeps between steps; each request not aborted is
-reported once, the engine ends idle, and each result is its prompt's result alone, in a fresh engine.
+With --pooling a seed runs a pooling engine (runner="pooling", run_pooling_seed): an embedding model's embed
+and token_embed requests, or a classifier's classify and token_classify (a head made of LM-head rows, as vLLM's
+reranker recipe), with random options, bad requests, aborts and sleeps between steps; each request not aborted
+is reported once, the engine ends idle, and each result is its prompt's result alone, in a fresh engine.
 
     python tests/fuzz_engine.py [--llm | --pooling] [--seeds 0:50] [--arch qwen3_moe] [--device cuda --dtype bfloat16]
         [--tensor-parallel-size 2]
@@ -236,10 +237,16 @@ def run_seed(model: str, seed: int, **engine_kwargs) -> int:
     return count_differences_alone(model, config, run)
 
 
+# A classifier's head made of LM-head rows (tokens of the test tokenizer's vocabulary): one label, or three
+CLASSIFIERS = [{"classifier_from_token": ["a", "b"], "method": "from_2_way_softmax"},
+               {"classifier_from_token": ["a", "b", "The"], "method": "no_post_processing"}]
+
+
 def random_pooling_config(rng: random.Random, **engine_kwargs) -> dict:
     pooling_type = rng.choice(["LAST", "LAST", "MEAN", "CLS"])   # (MEAN and CLS: no chunks, no prefix cache)
     whole = pooling_type != "LAST" or rng.random() < 0.2
-    return dict(runner="pooling", pooler_config={"pooling_type": pooling_type},
+    kind = dict(convert="classify", hf_overrides=rng.choice(CLASSIFIERS)) if rng.random() < 0.4 else {}
+    return dict(runner="pooling", pooler_config={"pooling_type": pooling_type}, **kind,
                 block_size=rng.choice([16, 16, 32]), num_kvcache_blocks=rng.choice([12, 24, 64]),
                 max_num_seqs=rng.choice([2, 4, 8]), enable_chunked_prefill=not whole,
                 max_num_batched_tokens=rng.choice([MAX_MODEL_LEN, 256] if whole else [32, 64, 256]),
@@ -249,11 +256,13 @@ def random_pooling_config(rng: random.Random, **engine_kwargs) -> dict:
 
 
 def run_pooling_seed(model: str, seed: int, **engine_kwargs) -> int:
-    """One seed of an embedding engine's run (see the module's docstring); AssertionError on a broken
+    """One seed of a pooling engine's run (see the module's docstring); AssertionError on a broken
     invariant -> the number of results that differ from their prompt's alone by more than rounding."""
     rng = random.Random(seed)
     config = random_pooling_config(rng, **engine_kwargs)
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, **config))
+    task, token_task = engine.get_supported_tasks()
+    other_task = "embed" if task == "classify" else "classify"   # (the other kind of model's)
     requests, finished, aborted = {}, {}, set()
     shared = [rng.randrange(VOCAB_SIZE) for _ in range(60)]
     unfinished = lambda: sorted(set(requests) - aborted - set(finished))
@@ -262,14 +271,14 @@ def run_pooling_seed(model: str, seed: int, **engine_kwargs) -> int:
         if action < 0.35:
             prompt = (shared[:rng.randint(0, len(shared))] + [rng.randrange(VOCAB_SIZE)
                                                                 for _ in range(rng.randint(1, 120))])[:MAX_MODEL_LEN]
-            params = PoolingParams(task=rng.choice(["embed", "embed", "token_embed"]),
+            params = PoolingParams(task=rng.choice([task, task, token_task]),
                                    use_activation=rng.choice([None, True, False]))
             engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
             requests[f"r{i}"] = prompt, params
         elif action < 0.4:   # a request the engine must refuse, with nothing else changed
-            bad = rng.choice(["vocabulary", "long", "empty", "sampling", "id"] if unfinished() else ["long"])
+            bad = rng.choice(["vocabulary", "long", "empty", "sampling", "task", "id"] if unfinished() else ["long"])
             prompt = BAD_PROMPTS.get(bad, [1, 2, 3])
-            params = SamplingParams() if bad == "sampling" else PoolingParams()
+            params = {"sampling": SamplingParams(), "task": PoolingParams(task=other_task)}.get(bad, PoolingParams())
             request_id = rng.choice(unfinished()) if bad == "id" else "bad"
             expect_refused(engine, request_id, prompt, params, bad)
         elif action < 0.44 and unfinished():

@@ -4,8 +4,8 @@ come out as they do alone, and the engine's invariants hold.
   between steps, on small random engine configurations.
 - The LLM facade: generate, chat, enqueue / wait_for_completion, beam_search, bad calls, a
   generate interrupted by Ctrl-C, and sleeps, at random.
-- An embedding engine (runner="pooling"): embed and token_embed requests, bad requests, aborts and
-  sleeps between steps; each result equals its prompt's alone."""
+- A pooling engine (runner="pooling"), an embedding model or a classifier: its tasks' requests, bad
+  requests, aborts and sleeps between steps; each result equals its prompt's alone."""
 import pytest
 
 from fuzz_engine import run_llm_seed, run_pooling_seed, run_seed
