@@ -10,7 +10,7 @@ import torch
 
 from conftest import (VOCAB_SIZE, build_model_dir, check_logprobs_close, check_within_top_k_top_p, fp8_checkpoints,
                       make_prompts, tokens_and_tops)
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, PoolingParams, SamplingParams
 from nanovllm.layers.attention import has_flash_attn
 
 pytestmark = pytest.mark.gpu
@@ -362,6 +362,39 @@ def test_embeddings_close_to_hf(gpu_model_dir, variant):
     for out, h in zip(tokens, hidden):
         assert out.outputs.data.shape == h.shape
         assert F.cosine_similarity(out.outputs.data, h, dim=-1).min() > 0.999
+    engine = llm.llm_engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks and not runner.pooler.chunks
+
+
+@pytest.mark.parametrize("variant", ["pieces", "eager", "chunked_prefill"])
+@torch.no_grad()
+def test_classifier_close_to_hf(gpu_model_dir, variant):
+    """A classifier on the GPU (vLLM's reranker recipe: a head of three LM-head rows, in float32 as vLLM's
+    head_dtype): its bf16 logits of the last token, and of every token, close to HF transformers' LM logits
+    of those tokens in bf16; the probabilities their softmax."""
+    kwargs = {"pieces": {}, "eager": dict(enforce_eager=True),
+              "chunked_prefill": dict(block_size=16, max_num_batched_tokens=48)}[variant]
+    tokens = ["a", "b", "The"]
+    llm = LLM(gpu_model_dir, convert="classify", dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
+              hf_overrides={"classifier_from_token": tokens, "method": "no_post_processing"}, **kwargs)
+    runner = llm.llm_engine.model_runner
+    assert runner.model.score.weight.dtype == torch.float32
+    ids = llm.get_tokenizer().convert_tokens_to_ids(tokens)
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(gpu_model_dir, dtype=torch.bfloat16).cuda().eval()
+    logits = [model(torch.tensor([p], device="cuda")).logits[0][:, ids].float().cpu() for p in PROMPTS]
+    raw = PoolingParams(use_activation=False)
+    for _ in range(2):   # the second call reads full blocks from the prefix cache
+        outs = llm.classify([{"prompt_token_ids": p} for p in PROMPTS], pooling_params=raw, use_tqdm=False)
+        for out, expected in zip(outs, logits):
+            torch.testing.assert_close(torch.tensor(out.outputs.probs), expected[-1], atol=0.1, rtol=0.02)
+    probs = llm.classify([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+    for out, expected in zip(probs, logits):
+        torch.testing.assert_close(torch.tensor(out.outputs.probs), expected[-1].softmax(-1), atol=0.02, rtol=0)
+    per_token = llm.encode([{"prompt_token_ids": p} for p in PROMPTS], pooling_params=raw,
+                           pooling_task="token_classify", use_tqdm=False)
+    for out, expected in zip(per_token, logits):
+        torch.testing.assert_close(out.outputs.data, expected, atol=0.1, rtol=0.02)
     engine = llm.llm_engine
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks and not runner.pooler.chunks
 
