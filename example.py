@@ -1,5 +1,6 @@
 """generate, chat and stream with a real model: python example.py [path or hub id]
-An embedding model (e.g. Qwen/Qwen3-Embedding-0.6B, a sentence-transformers model) embeds and scores instead."""
+An embedding model (e.g. Qwen/Qwen3-Embedding-0.6B, a sentence-transformers model) embeds and scores instead;
+a classifier (a *ForSequenceClassification checkpoint, e.g. a reranker converted to one) ranks documents."""
 import sys
 
 from nanovllm import LLM, SamplingParams
@@ -9,6 +10,8 @@ from nanovllm.sampling_params import RequestOutputKind
 def main():
     model = sys.argv[1] if len(sys.argv) > 1 else "Qwen/Qwen3-0.6B"
     llm = LLM(model, max_model_len=4096)
+    if llm.model_config.convert_type == "classify":
+        return rerank(llm)
     if llm.model_config.runner_type == "pooling":
         return embed(llm)
     params = SamplingParams(temperature=0.6, max_tokens=256)
@@ -39,6 +42,19 @@ def embed(llm):
         print(f"{len(out.outputs.embedding)} floats, first {out.outputs.embedding[:3]}")
     for document, out in zip(documents, llm.score("How does vLLM store keys and values?", documents)):
         print(f"score {out.outputs.score:.3f}: {document!r}")
+
+
+def rerank(llm):
+    """A classifier: with one label (a cross-encoder or reranker), how well each document answers a query;
+    with several, each text's label probabilities."""
+    query = "How does vLLM store keys and values?"
+    documents = ["Paged attention keeps the KV cache in fixed-size blocks.", "Bananas are rich in potassium."]
+    if llm.model_config.hf_config.num_labels == 1:
+        for document, out in zip(documents, llm.score(query, documents)):
+            print(f"score {out.outputs.score:.3f}: {document!r}")
+    else:
+        for document, out in zip(documents, llm.classify(documents)):
+            print(f"probabilities {[round(p, 3) for p in out.outputs.probs]}: {document!r}")
 
 
 if __name__ == "__main__":

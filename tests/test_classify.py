@@ -322,3 +322,23 @@ def test_tp2_matches_tp1(qwen3_dir, tmp_path):
         outs = llm.classify(as_prompts(PROMPTS), use_tqdm=False)
         for out, probs in zip(outs, expected):
             assert out.outputs.probs == pytest.approx(probs, abs=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["embedding", "cross-encoder", "three labels"])
+def test_example_script_runs_pooling_models(qwen3_dir, tmp_path, kind):
+    """example.py on a pooling model: an embedding model embeds and scores, a one-label classifier scores
+    documents against a query, a classifier of several labels gives each document's probabilities."""
+    import subprocess
+    import sys
+    path = tmp_path / kind
+    shutil.copytree(qwen3_dir, path)
+    overrides = {"max_position_embeddings": 4096} | ({"architectures": ["Qwen3Model"]} if kind == "embedding" else {})
+    (path / "config.json").write_text(json.dumps(json.loads((path / "config.json").read_text()) | overrides))
+    if kind != "embedding":
+        path = seq_cls_dir(path, tmp_path / "cls", num_labels=1 if kind == "cross-encoder" else 3)
+    root = __file__.rsplit("/tests/", 1)[0]
+    done = subprocess.run([sys.executable, "example.py", str(path)], cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    prefix = "probabilities [" if kind == "three labels" else "score "
+    assert sum(line.startswith(prefix) for line in done.stdout.splitlines()) == 2, done.stdout
