@@ -1,5 +1,6 @@
 """What `LLM.generate` returns: vLLM's RequestOutput / CompletionOutput shapes."""
 from dataclasses import KW_ONLY, dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -95,6 +96,13 @@ class PoolingRequestOutput:
     prompt_token_ids: list[int]
     num_cached_tokens: int
     finished: bool
+    output_type: ClassVar = None   # a task's subclass: what its outputs are (made by output_type.from_base)
+
+    @classmethod
+    def from_base(cls, output: "PoolingRequestOutput") -> "PoolingRequestOutput":
+        """vLLM's: encode()'s output for one prompt as this task's output."""
+        return cls(output.request_id, cls.output_type.from_base(output.outputs), output.prompt_token_ids,
+                   output.num_cached_tokens, output.finished)
 
 
 @dataclass
@@ -114,16 +122,6 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput(PoolingRequestOutput):
-    """vLLM's: what LLM.embed returns for one prompt."""
-
-    @staticmethod
-    def from_base(output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
-        return EmbeddingRequestOutput(output.request_id, EmbeddingOutput.from_base(output.outputs),
-                                      output.prompt_token_ids, output.num_cached_tokens, output.finished)
-
-
-@dataclass
 class ClassificationOutput:
     """vLLM's: one prompt's label probabilities (or logits) as a list of floats."""
     probs: list[float]
@@ -140,16 +138,6 @@ class ClassificationOutput:
 
 
 @dataclass
-class ClassificationRequestOutput(PoolingRequestOutput):
-    """vLLM's: what LLM.classify returns for one prompt."""
-
-    @staticmethod
-    def from_base(output: PoolingRequestOutput) -> "ClassificationRequestOutput":
-        return ClassificationRequestOutput(output.request_id, ClassificationOutput.from_base(output.outputs),
-                                           output.prompt_token_ids, output.num_cached_tokens, output.finished)
-
-
-@dataclass
 class ScoringOutput:
     """vLLM's: the score of one pair of texts."""
     score: float
@@ -163,12 +151,17 @@ class ScoringOutput:
         return ScoringOutput(data.item())
 
 
-@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """vLLM's: what LLM.embed returns for one prompt."""
+    output_type = EmbeddingOutput
+
+
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """vLLM's: what LLM.classify returns for one prompt."""
+    output_type = ClassificationOutput
+
+
 class ScoringRequestOutput(PoolingRequestOutput):
     """vLLM's: what LLM.score returns for one pair (an embedding model's request_id is "<first's id>_<second's
     id>"; a cross-encoder's, the pair's own request's)."""
-
-    @staticmethod
-    def from_base(output: PoolingRequestOutput) -> "ScoringRequestOutput":
-        return ScoringRequestOutput(output.request_id, ScoringOutput.from_base(output.outputs),
-                                    output.prompt_token_ids, output.num_cached_tokens, output.finished)
+    output_type = ScoringOutput

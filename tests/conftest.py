@@ -182,6 +182,18 @@ def make_prompts(seed: int = 0, num: int = 16) -> list[list[int]]:
     return prompts[:num]
 
 
+def as_prompts(prompts: list[list[int]]) -> list[dict]:
+    return [{"prompt_token_ids": ids} for ids in prompts]
+
+
+def assert_pooling_idle(llm):
+    """A pooling engine with nothing left: no request, every block free, no token task's rows kept."""
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests() and not engine.requests
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.model_runner.pooler.chunks
+
+
 @contextlib.contextmanager
 def log_lines(logger_name: str):
     """Yields the list of messages logged under logger_name inside the block (nanovllm's logger

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
-from conftest import hf_model, make_prompts
+from conftest import as_prompts, assert_pooling_idle, hf_model, make_prompts
 from nanovllm import (LLM, ClassificationRequestOutput, EngineArgs, LLMEngine, PoolingParams, PoolingRequestOutput,
                       ScoringRequestOutput)
 from nanovllm.layers.classifier import activation_name
@@ -56,17 +56,6 @@ def hf_yes_probability(path, prompts: list[list[int]], no: int, yes: int) -> lis
     return [torch.softmax(model(torch.tensor([ids])).logits[0, -1, [no, yes]], -1)[1].item() for ids in prompts]
 
 
-def as_prompts(prompts):
-    return [{"prompt_token_ids": ids} for ids in prompts]
-
-
-def assert_idle(llm):
-    engine = llm.llm_engine
-    assert not engine.has_unfinished_requests() and not engine.requests
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert not engine.model_runner.pooler.chunks
-
-
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_classify_equals_hf(model_dir, tmp_path, async_scheduling):
     """Every architecture as a *ForSequenceClassification checkpoint (three labels): LLM.classify gives the
@@ -90,7 +79,7 @@ def test_classify_equals_hf(model_dir, tmp_path, async_scheduling):
         raw = llm.classify(as_prompts(PROMPTS), pooling_params=PoolingParams(use_activation=False), use_tqdm=False)
         for out, expected in zip(raw, logits):
             torch.testing.assert_close(torch.tensor(out.outputs.probs), expected, atol=5e-6, rtol=0)
-        assert_idle(llm)
+        assert_pooling_idle(llm)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -119,7 +108,7 @@ def test_token_classify_across_chunks_and_preemption(qwen3_dir, tmp_path, async_
             outputs |= {o.request_id: o for o in engine.step()}
         torch.testing.assert_close(outputs["long"].outputs.data, tokens[7], atol=5e-6, rtol=0)
         torch.testing.assert_close(outputs["last"].outputs.data, last[7].softmax(-1), atol=1e-6, rtol=0)
-        assert_idle(llm)
+        assert_pooling_idle(llm)
 
 
 def test_cross_encoder_score(qwen3_dir, tmp_path, tokenizer):
@@ -155,7 +144,7 @@ def test_cross_encoder_score(qwen3_dir, tmp_path, tokenizer):
         ]:
             with pytest.raises(ValueError, match=message):
                 call()
-            assert_idle(llm)
+            assert_pooling_idle(llm)
     with LLM(seq_cls_dir(qwen3_dir, tmp_path / "three", num_labels=3), **SMALL) as llm:
         with pytest.raises(ValueError, match=r"^Scoring API is only enabled for num_labels == 1\.$"):
             llm.score(TEXTS[0], TEXTS[1], use_tqdm=False)
@@ -186,7 +175,7 @@ def test_reranker_from_lm_head_rows(request, arch, tokenizer):
         ids = tokenizer(f"<|im_start|>{TEXTS[0]}<|im_end|>{TEXTS[1]}")["input_ids"]
         assert rendered.prompt_token_ids == ids
         assert rendered.outputs.score == pytest.approx(hf_yes_probability(path, [ids], no, yes)[0], abs=1e-6)
-        assert_idle(llm)
+        assert_pooling_idle(llm)
 
 
 def test_no_post_processing_keeps_a_label_a_token(qwen3_dir, tokenizer):
@@ -245,7 +234,7 @@ def test_bad_input_is_refused_and_engine_stays_usable(qwen3_dir, tmp_path):
         ]:
             with pytest.raises(ValueError, match=message):
                 call()
-            assert_idle(llm)
+            assert_pooling_idle(llm)
         assert llm.classify("Hello", use_tqdm=False)[0].outputs.probs == good
 
 

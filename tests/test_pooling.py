@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModel
 
-from conftest import make_prompts
+from conftest import as_prompts, assert_pooling_idle, make_prompts
 from nanovllm import (LLM, EmbeddingRequestOutput, EngineArgs, LLMEngine, PoolingParams, PoolingRequestOutput,
                       SamplingParams, ScoringRequestOutput)
 from nanovllm.pooling_params import PoolerConfig
@@ -25,17 +25,6 @@ def hf_hidden(path, prompts: list[list[int]]) -> list[torch.Tensor]:
     """Each prompt's final hidden states (after the last norm), [tokens, hidden], from HF transformers."""
     model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
     return [model(torch.tensor([ids])).last_hidden_state[0] for ids in prompts]
-
-
-def as_prompts(prompts):
-    return [{"prompt_token_ids": ids} for ids in prompts]
-
-
-def assert_idle(llm):
-    engine = llm.llm_engine
-    assert not engine.has_unfinished_requests() and not engine.requests
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert not engine.model_runner.pooler.chunks
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -58,7 +47,7 @@ def test_embed_equals_hf_last_token(model_dir, async_scheduling):
             cached = [o.num_cached_tokens for o in outs]
             if call == 1:   # the full 16-token blocks, but never the last token
                 assert cached == [min(len(p) - 1, 16 * (len(p) // 16)) // 16 * 16 for p in PROMPTS]
-        assert_idle(llm)
+        assert_pooling_idle(llm)
 
 
 @pytest.mark.parametrize("pooling_type", ["MEAN", "CLS"])
@@ -111,7 +100,7 @@ def test_token_embed_across_chunks_and_preemption(qwen3_dir, async_scheduling):
         torch.testing.assert_close(outputs["long"].outputs.data, F.normalize(hidden[7], dim=-1), atol=2e-6, rtol=0)
         torch.testing.assert_close(outputs["last"].outputs.data, F.normalize(hidden[7][-1], dim=-1),
                                    atol=2e-6, rtol=0)
-        assert_idle(llm)
+        assert_pooling_idle(llm)
 
 
 def test_abort_while_a_result_is_in_flight(qwen3_dir):
@@ -131,7 +120,7 @@ def test_abort_while_a_result_is_in_flight(qwen3_dir):
         assert [o.request_id for o in outputs] == ["long"]
         torch.testing.assert_close(outputs[0].outputs.data, F.normalize(h[-1], dim=-1), atol=2e-6, rtol=0)
         assert engine.in_flight is None
-        assert_idle(llm)
+        assert_pooling_idle(llm)
 
 
 def test_matryoshka_dimensions(qwen3_dir):
@@ -148,7 +137,7 @@ def test_matryoshka_dimensions(qwen3_dir):
             llm.embed("Hello", pooling_params=PoolingParams(dimensions=24), use_tqdm=False)
         with pytest.raises(ValueError, match=r"only supports dimensions in range \[1, 64\], got 65\.$"):
             llm.embed("Hello", pooling_params=PoolingParams(dimensions=65), use_tqdm=False)
-        assert_idle(llm)
+        assert_pooling_idle(llm)
     with LLM(qwen3_dir, runner="pooling", pooler_config={"dimensions": 8}, hf_overrides={"is_matryoshka": True},
              **SMALL) as llm:   # the engine's default dimensions
         assert llm.embed("Hello", use_tqdm=False)[0].outputs.hidden_size == 8
@@ -179,7 +168,7 @@ def test_score_is_cosine_similarity_of_embeddings(qwen3_dir, tokenizer):
             llm.score(texts[:2], texts[1:], use_tqdm=False)
         with pytest.raises(ValueError, match="^At least one text_pair element must be given$"):
             llm.score(texts[0], [], use_tqdm=False)
-        assert_idle(llm)
+        assert_pooling_idle(llm)
 
 
 def test_score_of_a_token_embed_engine_is_max_sim(qwen3_dir):
@@ -299,11 +288,11 @@ def test_bad_input_is_refused_and_engine_stays_usable(qwen3_dir):
         for call, message in cases:
             with pytest.raises(ValueError, match=message):
                 call()
-            assert_idle(llm)
+            assert_pooling_idle(llm)
         # a prompt of max_model_len tokens: no room for an output token is needed
         assert len(llm.embed([{"prompt_token_ids": [5] * 512}], use_tqdm=False)[0].outputs.embedding) == 64
         assert llm.embed("Hello", use_tqdm=False)[0].outputs.embedding == good
-        assert_idle(llm)
+        assert_pooling_idle(llm)
 
 
 @pytest.mark.parametrize("kwargs,message", [
