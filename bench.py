@@ -4,6 +4,7 @@
     python bench.py --workload prefix          # 256 requests sharing a 2048-token prefix
     python bench.py --workload latency         # batch 1: 512-token prompt, 512 greedy tokens
     python bench.py --workload embed           # an embedding model (runner="pooling"): the prompts' embeddings
+    python bench.py --workload classify        # a classifier (one label, a reranker's shape): the prompts' scores
     python bench.py --engine vllm              # the same through vLLM
     python bench.py --kv-cache-dtype fp8       # K/V cached in fp8 (half the bytes), either engine
     python bench.py --top-k 20 --top-p 0.95    # sampled requests also filtered (Qwen3's own defaults)
@@ -27,6 +28,8 @@ import tempfile
 import time
 
 # Real shapes of released checkpoints, built with random weights: nothing to download.
+# The workloads of a pooling model (runner="pooling"): LLM's method -> the word of its result line
+POOLING_WORKLOADS = {"embed": "Embedded", "classify": "Classified"}
 PRESETS = {
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
@@ -105,7 +108,7 @@ def make_workload(args, on_cpu: bool):
         prompts = [prefix + [random.randint(0, 10000) for _ in range(random.randint(64, 256) // (8 if on_cpu else 1))]
                    for _ in range(n)]
         return prompts, [(128 if not on_cpu else 16, 0.6)] * n
-    if args.workload == "embed":   # the default workload's prompts, each embedded (no output tokens)
+    if args.workload in POOLING_WORKLOADS:   # the default workload's prompts, each pooled (no output tokens)
         n, lo_in, hi_in = (args.num_seqs, args.min_input_len, args.max_input_len) if not on_cpu else (4, 16, 64)
         return [[random.randint(0, 10000) for _ in range(random.randint(lo_in, hi_in))] for _ in range(n)], []
     n, lo_in, hi_in, lo_out, hi_out = args.num_seqs, args.min_input_len, args.max_input_len, \
@@ -172,7 +175,8 @@ def main():
     p.add_argument("--engine", choices=["nanovllm", "vllm"], default="nanovllm")
     p.add_argument("--workload", default="default",
                    help="default, prefix or latency; a comma-separated list runs each in turn in one engine "
-                        "(one start-up); or embed alone: the model as an embedding model (runner='pooling')")
+                        "(one start-up); or embed or classify alone: the model as an embedding model or a "
+                        "classifier (runner='pooling'; a preset with a one-label head, as a reranker's)")
     p.add_argument("--repeat", type=int, default=1,
                    help="timed runs of each workload in the one engine (the prefix cache reset before each), "
                         "to see an engine's run-to-run spread without a start-up per run")
@@ -190,10 +194,11 @@ def main():
     args = p.parse_args()
     workloads = args.workload.split(",")
     for name in workloads:
-        if name not in ("default", "prefix", "latency", "embed"):
-            p.error(f"--workload: unknown workload {name!r} (default, prefix, latency, embed)")
-    if "embed" in workloads and len(workloads) > 1:
-        p.error("--workload: embed runs alone (it needs an engine of its own, runner='pooling')")
+        if name not in ("default", "prefix", "latency", *POOLING_WORKLOADS):
+            p.error(f"--workload: unknown workload {name!r} (default, prefix, latency, embed, classify)")
+    pooling = set(workloads) & set(POOLING_WORKLOADS)
+    if pooling and len(workloads) > 1:
+        p.error(f"--workload: {pooling.pop()} runs alone (it needs an engine of its own, runner='pooling')")
     if args.repeat < 1:
         p.error(f"--repeat: must be at least 1, got {args.repeat}")
     if args.n < 1:
@@ -201,8 +206,9 @@ def main():
 
     if args.engine == "vllm" and args.attention_backend != "auto":
         p.error("--attention-backend: nanovllm's setting; leave it at auto with --engine vllm")
-    if args.engine == "vllm" and workloads == ["embed"] and args.model in PRESETS and args.tokenizer is None:
-        print("--workload embed --engine vllm: vLLM's pooling models need a tokenizer; using --tokenizer synthetic.")
+    if args.engine == "vllm" and pooling and args.model in PRESETS and args.tokenizer is None:
+        print(f"--workload {workloads[0]} --engine vllm: vLLM's pooling models need a tokenizer; using --tokenizer "
+              f"synthetic.")
         args.tokenizer = "synthetic"
 
     import torch
@@ -222,8 +228,12 @@ def main():
         kwargs["disable_custom_all_reduce"] = args.custom_all_reduce == "off"
     if args.model in PRESETS:
         kwargs["load_format"] = "dummy"
-    if workloads == ["embed"]:
+    if pooling:
         kwargs["runner"] = "pooling"
+    if workloads == ["classify"] and args.model in PRESETS:   # the preset as a one-label classifier (dummy head)
+        architecture = "Qwen3MoeForSequenceClassification" if "num_experts" in PRESETS[args.model] \
+            else "Qwen3ForSequenceClassification"
+        kwargs["hf_overrides"] = {"architectures": [architecture], "num_labels": 1}
     if args.model in PRESETS or args.tokenizer is not None:   # a preset has no tokenizer unless given one
         kwargs |= tokenizer_options(args.tokenizer)
     if args.engine == "vllm":
@@ -247,9 +257,9 @@ def main():
 def warm_up(llm, SamplingParams, args):
     """Untimed, sampling as the workloads do, at one sequence and at a batch (the top-k/top-p
     kernels differ by batch size), so that no kernel compiles inside a timed run."""
-    if args.workload == "embed":
+    if args.workload in POOLING_WORKLOADS:
         for num_prompts in (1, 32):
-            llm.embed([{"prompt_token_ids": [1, 2, 3]}] * num_prompts, use_tqdm=False)
+            getattr(llm, args.workload)([{"prompt_token_ids": [1, 2, 3]}] * num_prompts, use_tqdm=False)
         return
     params = SamplingParams(max_tokens=4, **sampling_filters(args), **request_options(args))
     for num_prompts in (1, 32):
@@ -274,20 +284,22 @@ def request_options(args) -> dict:
             | (dict(flat_logprobs=True) if args.flat_logprobs else {}))
 
 
-def run_embed_workload(llm, args, on_cpu: bool, startup: float, run: int = 1):
-    """The embed workload: every prompt's embedding; prompt tokens and requests per second."""
+def run_pooling_workload(llm, args, on_cpu: bool, startup: float, run: int = 1):
+    """The embed or classify workload: every prompt's embedding or label probabilities; prompt tokens and
+    requests per second."""
     import torch
     prompts, _ = make_workload(args, on_cpu)
     start = time.perf_counter()
-    outputs = llm.embed([{"prompt_token_ids": ids} for ids in prompts], use_tqdm=False)
+    outputs = getattr(llm, args.workload)([{"prompt_token_ids": ids} for ids in prompts], use_tqdm=False)
     elapsed = time.perf_counter() - start
     num_in = sum(len(ids) for ids in prompts)
-    result = dict(engine=args.engine, model=args.model, workload="embed", tp=args.tp, num_requests=len(prompts),
-                  prompt_tokens=num_in, hidden_size=len(outputs[0].outputs.embedding),
+    size = outputs[0].outputs.hidden_size if args.workload == "embed" else outputs[0].outputs.num_classes
+    result = dict(engine=args.engine, model=args.model, workload=args.workload, tp=args.tp, num_requests=len(prompts),
+                  prompt_tokens=num_in, output_size=size,
                   cached_prompt_tokens=sum(o.num_cached_tokens or 0 for o in outputs), time_s=round(elapsed, 3),
                   prompt_tok_s=round(num_in / elapsed, 2), req_s=round(len(prompts) / elapsed, 3),
                   startup_s=round(startup, 1), run=run, device="cpu" if on_cpu else torch.cuda.get_device_name())
-    print(f"Embedded: {len(prompts)} prompts, {num_in}tok, Time: {elapsed:.2f}s, Throughput: {num_in / elapsed:.2f}"
+    print(f"{POOLING_WORKLOADS[args.workload]}: {len(prompts)} prompts, {num_in}tok, Time: {elapsed:.2f}s, Throughput: {num_in / elapsed:.2f}"
           f"tok/s, Requests: {result['req_s']:.2f}req/s, Start-up: {startup:.1f}s")
     if args.json:
         print(json.dumps(result))
@@ -296,8 +308,8 @@ def run_embed_workload(llm, args, on_cpu: bool, startup: float, run: int = 1):
 
 def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float, run: int = 1):
     import torch
-    if args.workload == "embed":
-        return run_embed_workload(llm, args, on_cpu, startup, run)
+    if args.workload in POOLING_WORKLOADS:
+        return run_pooling_workload(llm, args, on_cpu, startup, run)
     prompts, settings = make_workload(args, on_cpu)
     filters = sampling_filters(args) if any(t > 0 for _, t in settings) else {}
     params = [SamplingParams(temperature=t, ignore_eos=True, max_tokens=m, **(filters if t > 0 else {}),

@@ -382,7 +382,7 @@ class LLM:
                                tokenization_kwargs: dict | None) -> list[dict]:
         """Each pair of texts as one prompt of token ids, as vLLM's cross-encoder makes it."""
         config, tokenizer = self.llm_engine.config, self.llm_engine.tokenizer
-        if config.hf_config.num_labels != 1:
+        if config.classifier.num_labels != 1:
             raise ValueError("Scoring API is only enabled for num_labels == 1.")
         if tokenizer is None:
             raise ValueError("LLM.score() of a cross-encoder tokenizes each pair of texts, and this engine has no "

@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -46,19 +48,20 @@ def test_bench_runs_a_list_of_workloads_in_one_engine():
     assert bad.returncode == 2 and "unknown workload 'nope'" in bad.stderr
 
 
-def test_bench_embeds():
-    """--workload embed: the model as an embedding model, the default workload's prompts embedded; it runs
-    alone (an engine of its own)."""
-    proc = subprocess.run([sys.executable, "bench.py", "--workload", "embed", "--json"], cwd=ROOT,
+@pytest.mark.parametrize("workload,line,size", [("embed", "Embedded", 1024), ("classify", "Classified", 1)])
+def test_bench_pooling_workloads(workload, line, size):
+    """--workload embed / classify: the model as an embedding model or as a one-label classifier (the preset
+    with a dummy head), the default workload's prompts pooled; each runs alone (an engine of its own)."""
+    proc = subprocess.run([sys.executable, "bench.py", "--workload", workload, "--json"], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert any(line.startswith("Embedded: 4 prompts, 158tok, Time: ") for line in proc.stdout.splitlines())
+    assert any(out.startswith(f"{line}: 4 prompts, 158tok, Time: ") for out in proc.stdout.splitlines())
     result = json.loads(proc.stdout.splitlines()[-1])
-    assert (result["workload"], result["num_requests"], result["prompt_tokens"], result["hidden_size"]) == (
-        "embed", 4, 158, 1024)
-    bad = subprocess.run([sys.executable, "bench.py", "--workload", "embed,default"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
-    assert bad.returncode == 2 and "embed runs alone" in bad.stderr
+    assert (result["workload"], result["num_requests"], result["prompt_tokens"], result["output_size"]) == (
+        workload, 4, 158, size)
+    bad = subprocess.run([sys.executable, "bench.py", "--workload", f"{workload},default"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and f"{workload} runs alone" in bad.stderr
 
 
 def test_bench_repeats_each_workload_in_one_engine():
