@@ -299,8 +299,8 @@ def run_pooling_workload(llm, args, on_cpu: bool, startup: float, run: int = 1):
                   cached_prompt_tokens=sum(o.num_cached_tokens or 0 for o in outputs), time_s=round(elapsed, 3),
                   prompt_tok_s=round(num_in / elapsed, 2), req_s=round(len(prompts) / elapsed, 3),
                   startup_s=round(startup, 1), run=run, device="cpu" if on_cpu else torch.cuda.get_device_name())
-    print(f"{POOLING_WORKLOADS[args.workload]}: {len(prompts)} prompts, {num_in}tok, Time: {elapsed:.2f}s, Throughput: {num_in / elapsed:.2f}"
-          f"tok/s, Requests: {result['req_s']:.2f}req/s, Start-up: {startup:.1f}s")
+    print(f"{POOLING_WORKLOADS[args.workload]}: {len(prompts)} prompts, {num_in}tok, Time: {elapsed:.2f}s, "
+          f"Throughput: {num_in / elapsed:.2f}tok/s, Requests: {result['req_s']:.2f}req/s, Start-up: {startup:.1f}s")
     if args.json:
         print(json.dumps(result))
     sys.stdout.flush()
