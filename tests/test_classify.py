@@ -274,7 +274,8 @@ def test_reranker_override_refusals(qwen3_dir, overrides, message):
 def test_convert_classify_needs_a_head(qwen3_dir, tmp_path):
     """A causal LM with convert="classify" and no way to make the head: the checkpoint lacks score.weight;
     a base model has no head to convert."""
-    with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\): score\.weight"):
+    with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\): score\.weight; a causal LM's classifier head is "
+                                         r"made of LM-head rows when hf_overrides name its classifier_from_token"):
         LLM(qwen3_dir, convert="classify", **SMALL)
     base = tmp_path / "base"
     shutil.copytree(qwen3_dir, base)

@@ -96,8 +96,10 @@ def load_model(model: nn.Module, path: str, tie_word_embeddings: bool, fp8: FP8C
                 loaded.add((name, shard_id))
     missing = sorted(f"{n}" + (f" (shard {s!r})" if s is not None else "") for n, s in expected - loaded)
     if missing:
+        hint = ("; a causal LM's classifier head is made of LM-head rows when hf_overrides name its "
+                "classifier_from_token and method (vLLM's reranker recipe)") if "score.weight" in missing else ""
         raise ValueError(f"the checkpoint in {path!r} lacks {len(missing)} tensor(s): {', '.join(missing[:8])}"
-                         + (" ..." if len(missing) > 8 else ""))
+                         + (" ..." if len(missing) > 8 else "") + hint)
 
 
 def _dequantized(weight: torch.Tensor, name: str, fp8: FP8Checkpoint | None, file_of: dict, reading: tuple,
