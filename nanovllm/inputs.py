@@ -160,3 +160,17 @@ class Tokenization(NamedTuple):
             return token_ids
         side = self.truncation_side or getattr(tokenizer, "truncation_side", None) or "right"
         return token_ids[len(token_ids) - keep:] if side == "left" else token_ids[:keep]
+
+
+def one_per_prompt(params, kind: type, name: str, num_prompts: int):
+    """A call's params (SamplingParams or PoolingParams, kind): one for every prompt, or a list of one a
+    prompt -> one a prompt. Anything else is a ValueError naming the argument (name)."""
+    if isinstance(params, kind):
+        return [params] * num_prompts
+    if not isinstance(params, (list, tuple)):
+        hint = "; beam search is LLM.beam_search" if type(params).__name__ == "BeamSearchParams" else ""
+        raise ValueError(f"{name} must be a {kind.__name__} or a list of them, got {type(params).__name__}{hint}.")
+    if len(params) != num_prompts:
+        raise ValueError(f"{name} has {len(params)} entries but there are {num_prompts} prompts; pass one "
+                         f"{kind.__name__} or one per prompt.")
+    return params
