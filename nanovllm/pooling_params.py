@@ -21,11 +21,22 @@ EMBED_TASKS = ("embed", "token_embed")              # an embedding model's (vLLM
 CLASSIFY_TASKS = ("classify", "token_classify")     # a classifier's
 POOLING_TASKS = EMBED_TASKS + CLASSIFY_TASKS
 TOKEN_TASKS = ("token_embed", "token_classify")     # a result a prompt token, so no prefix-cache reads
+# vLLM's words for the task names it has removed
+REMOVED_TASKS = {"score": "`score` task was removed; use `classify` instead.",
+                 "encode": "`encode` task was removed; use `token_embed` or `token_classify` instead."}
 # vLLM's: the PoolingParams fields each task takes
 TASK_PARAMETERS = {"embed": ["dimensions", "use_activation"], "token_embed": ["dimensions", "use_activation"],
                    "classify": ["use_activation"], "token_classify": ["use_activation"]}
 SEQ_POOLING_TYPES = ("LAST", "CLS", "MEAN")    # "embed": which of a prompt's hidden states make its vector
 TOK_POOLING_TYPES = ("ALL",)                   # "token_embed": every token's
+
+
+def check_task(task, name: str):
+    """A ValueError naming the field (name) unless task is None or one of POOLING_TASKS."""
+    if task in REMOVED_TASKS:
+        raise ValueError(REMOVED_TASKS[task])
+    if task is not None and task not in POOLING_TASKS:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, POOLING_TASKS))}, got {task!r}.")
 
 
 @dataclass
@@ -48,9 +59,7 @@ class PoolerConfig:
     returned_token_ids: list[int] | None = None
 
     def __post_init__(self):
-        if self.task is not None and self.task not in POOLING_TASKS:
-            raise ValueError(f"pooler_config.task must be one of {', '.join(map(repr, POOLING_TASKS))}, "
-                             f"got {self.task!r}.")
+        check_task(self.task, "pooler_config.task")
         for name in ("enable_chunked_processing", "max_embed_len", "step_tag_id", "returned_token_ids"):
             if getattr(self, name) not in (None, False):
                 raise ValueError(f"pooler_config.{name} is not supported (no chunked processing or step "
@@ -164,8 +173,7 @@ class PoolingParams:
                 valid = TASK_PARAMETERS.get(self.task, TASK_PARAMETERS["embed"])
                 raise ValueError(f"Task {self.task} only supports {valid} parameters, does not support ['{name}'] "
                                  f"parameters")
-        if self.task is not None and self.task not in POOLING_TASKS:
-            raise ValueError(f"task must be one of {', '.join(map(repr, POOLING_TASKS))}, got {self.task!r}.")
+        check_task(self.task, "task")
 
     def clone(self) -> "PoolingParams":
         return PoolingParams(**{f.name: getattr(self, f.name) for f in fields(self)})

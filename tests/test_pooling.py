@@ -322,8 +322,11 @@ def test_pooling_params_refusals():
     for kwargs, message in [(dict(dimensions="8"), "dimensions must be an int or None, got '8'."),
                             (dict(use_activation=1), "use_activation must be a bool or None, got 1."),
                             (dict(step_tag_id=3), "does not support ['step_tag_id'] parameters"),
-                            (dict(task="score"), "task must be one of 'embed', 'token_embed', 'classify', "
-                                                 "'token_classify', got 'score'.")]:
+                            (dict(task="reward"), "task must be one of 'embed', 'token_embed', 'classify', "
+                                                  "'token_classify', got 'reward'."),
+                            (dict(task="score"), "`score` task was removed; use `classify` instead."),
+                            (dict(task="encode"), "`encode` task was removed; use `token_embed` or `token_classify` "
+                                                  "instead.")]:
         with pytest.raises(ValueError) as error:
             PoolingParams(**kwargs)
         assert message in str(error.value)
