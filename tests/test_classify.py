@@ -212,6 +212,10 @@ def test_activation_and_calibration(qwen3_dir, tmp_path):
     config.sbert_ce_default_activation_function = "os.system"
     with pytest.raises(ValueError, match="restricted to torch.nn.modules for security reasons, got 'os.system'"):
         activation_name(config)
+    for name in ("torch.nn.modules.nothing.Tanh", "torch.nn.modules.activation.Nothing"):
+        config.sbert_ce_default_activation_function = name
+        with pytest.raises(ValueError, match=f"activation_fn '{name}' is not a torch.nn.modules class"):
+            activation_name(config)
     config.sbert_ce_default_activation_function = "torch.nn.modules.activation.Identity"
     assert activation_name(config) == "identity"
 

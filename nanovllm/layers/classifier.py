@@ -110,7 +110,11 @@ def activation_name(hf_config) -> str:
         return "classify"
     if class_name == "Identity":
         return "identity"
-    if not isinstance(getattr(importlib.import_module(module_name), class_name, None), type):
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        module = None
+    if not isinstance(getattr(module, class_name, None), type):
         raise ValueError(f"activation_fn {name!r} is not a torch.nn.modules class.")
     return name
 
