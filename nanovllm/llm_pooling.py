@@ -58,7 +58,8 @@ class PoolingMixin:
                ) -> list[PoolingRequestOutput]:
         """vLLM's: run each prompt through a pooling model -> one PoolingRequestOutput a prompt, in input
         order, its outputs.data a float32 CPU tensor: pooling_task "embed" one vector, "token_embed"
-        one a prompt token. Prompts as generate() takes them; one PoolingParams for all or one each."""
+        one a prompt token; "classify" the label probabilities [num_labels], "token_classify" a prompt
+        token's. Prompts as generate() takes them; one PoolingParams for all or one each."""
         self._check_pooling("encode")
         if pooling_task is None:
             raise ValueError(ENCODE_TASK)
