@@ -23,13 +23,11 @@ RERANKER = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_fro
 TEXTS = ["Hello world!", "The quick brown fox", "Paged attention stores keys", "A scheduler batches"]
 
 
-def seq_cls_dir(src, dst, num_labels: int, **config) -> str:
+def seq_cls_dir(src, dst, num_labels: int) -> str:
     """src's weights as a *ForSequenceClassification checkpoint with a random score head of num_labels."""
     torch.manual_seed(1)
     model = AutoModelForSequenceClassification.from_pretrained(src, num_labels=num_labels, dtype=torch.float32)
     torch.nn.init.normal_(model.score.weight, std=0.2)
-    for name, value in config.items():
-        setattr(model.config, name, value)
     model.config.pad_token_id = None   # (HF then pools a one-prompt batch's last token, as LAST does)
     model.save_pretrained(dst)
     for name in ("tokenizer.json", "tokenizer_config.json"):
