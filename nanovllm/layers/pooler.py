@@ -74,7 +74,10 @@ class Pooler:
                 pooled = rows[:1] if self.config.seq_pooling_type == "CLS" else rows.float().mean(0, keepdim=True)
                 done[seq.seq_id] = [to_host(self.project(pooled))[0]]
         if last_rows:
-            rows = to_host(self.project(hidden.index_select(0, torch.tensor(last_rows, device=hidden.device))))
+            index = torch.tensor(last_rows)
+            if hidden.device.type == "cuda":   # (pinned: a copy from pageable memory would wait for the GPU)
+                index = index.pin_memory().to(hidden.device, non_blocking=True)
+            rows = to_host(self.project(hidden.index_select(0, index)))
             done.update((seq_id, [row]) for seq_id, row in zip(last_ids, rows))
         event = None
         if hidden.device.type == "cuda":
