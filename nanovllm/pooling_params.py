@@ -178,9 +178,10 @@ class PoolingParams:
     def clone(self) -> "PoolingParams":
         return PoolingParams(**{f.name: getattr(self, f.name) for f in fields(self)})
 
-    def resolved(self, task: str, pooler: PoolerConfig, hf_config, model_name: str) -> "PoolingParams":
+    def resolved(self, task: str, pooler: PoolerConfig, model_config) -> "PoolingParams":
         """A copy for one request of task: the pooler_config's defaults filled in, and its fields
-        checked as vLLM checks them (a ValueError naming the field or the model)."""
+        checked as vLLM checks them against the model (model_config.py's ModelConfig; a ValueError
+        naming the field or the model)."""
         params = self.clone()
         if params.task is not None and params.task != task:
             raise ValueError(f"You cannot overwrite params.task={params.task!r} with pooling_task={task!r}!")
@@ -195,8 +196,9 @@ class PoolingParams:
         if params.dimensions is None:
             params.dimensions = pooler.dimensions
         if params.dimensions is not None:
-            size, matryoshka = hf_config.hidden_size, getattr(hf_config, "matryoshka_dimensions", None)
-            if not (matryoshka or getattr(hf_config, "is_matryoshka", False)):
+            model_name, size = model_config.served_model_name, model_config.embedding_size
+            matryoshka = model_config.matryoshka_dimensions
+            if not model_config.is_matryoshka:
                 raise ValueError(f"Model {model_name!r} does not support Matryoshka embeddings; dimensions must "
                                  f"be unset (received dimensions={params.dimensions}).")
             if not 1 <= params.dimensions <= size:

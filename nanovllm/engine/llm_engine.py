@@ -213,8 +213,7 @@ class LLMEngine:
             api, convert = ("Classification", "classify") if task in CLASSIFY_TASKS else ("Embedding", "embed")
             raise ValueError(f"{api} API is not supported by this model. Try converting the model using "
                              f"`--convert {convert}`.")
-        return params.resolved(task, self.config.pooler_config, self.config.hf_config,
-                               self.model_config.served_model_name)
+        return params.resolved(task, self.config.pooler_config, self.model_config)
 
     def add_pooling_tokens(self, prompt: str | None, prompt_token_ids: list[int], params: PoolingParams,
                            priority: int = 0, cache_salt: str | None = None, request_id: str | None = None,
