@@ -8,7 +8,7 @@ from nanovllm.config import Config, sliding_window
 class ModelConfig:
     """vLLM's LLM.model_config and LLMEngine.model_config, read-only: the model's settings by
     vLLM's names (e.g. lm-eval reads llm.llm_engine.model_config.max_model_len). Config's fields
-    read through (model, tokenizer, max_model_len, hf_config, seed, max_logprobs, ...); dtype is
+    read through (model, tokenizer, max_model_len, hf_config, runner_type, convert_type, ...); dtype is
     the resolved torch dtype, as vLLM's."""
     is_multimodal_model = False
     is_encoder_decoder = False
@@ -20,16 +20,6 @@ class ModelConfig:
         if name.startswith("_"):   # not _config itself, which copy and pickle ask for before it is set
             raise AttributeError(name)
         return getattr(self._config, name)
-
-    @property
-    def runner_type(self) -> str:
-        return self._config.runner_type   # "generate" or "pooling"
-
-    @property
-    def convert_type(self) -> str:
-        """vLLM's: "embed" where a causal LM runs as an embedding model, "classify" for a classifier,
-        else "none"."""
-        return self._config.convert_type
 
     @property
     def is_matryoshka(self) -> bool:

@@ -49,7 +49,6 @@ class Request:
     sampling_params: SamplingParams      # (of a pooling request: the scheduler's, one step, no token)
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
-    pooling_params: PoolingParams | None = None   # a pooling engine's request (runner="pooling")
 
     @property
     def is_finished(self) -> bool:
@@ -222,9 +221,7 @@ class LLMEngine:
         It runs its prompt once and finishes with the pooler's result (engine/llm_engine.py: _finish_pooled)."""
         request_id = self.add_tokens(prompt, prompt_token_ids, POOLING_SCHEDULES[params.task], priority, cache_salt,
                                      request_id, arrival_time)
-        request = self.requests[request_id]
-        request.pooling_params = params
-        request.seqs[0].pooling_params = params
+        self.requests[request_id].seqs[0].pooling_params = params
         return request_id
 
     def check_priority(self, priority: int):
@@ -644,7 +641,7 @@ class LLMEngine:
     def _make_output(self, request: Request, seqs: list[Sequence] | None = None) -> RequestOutput:
         """request's output so far, of all its sequences or of seqs: the tokens the host has read
         (a pooling request's: its PoolingRequestOutput, once finished)."""
-        if request.pooling_params is not None:
+        if request.seqs[0].pooling_params is not None:
             return PoolingRequestOutput(request.request_id, PoolingOutput(request.seqs[0].pooled),
                                         request.prompt_token_ids, request.seqs[0].num_cached_tokens,
                                         request.is_finished)
