@@ -145,9 +145,10 @@ class ClassifierHead(nn.Module):
         return F.linear(hidden.to(self.weight.dtype), self.weight)
 
     @torch.no_grad()
-    def load_from_lm_head(self, lm_head: torch.Tensor):
-        """The head made of the LM head's rows (the vocabulary's: [vocab, hidden]) of config.from_token_ids."""
-        rows = lm_head[self.config.from_token_ids].float()
+    def load_from_lm_head(self, lm_head):
+        """The head made of the LM head's rows (the vocabulary's: [vocab, hidden]) of config.from_token_ids.
+        lm_head: a tensor, or a safetensors slice (only those rows are read)."""
+        rows = torch.cat([lm_head[i:i + 1] for i in self.config.from_token_ids]).float()
         if self.config.method == "from_2_way_softmax":   # [false, true] -> true - false
             rows = rows[1:] - rows[:1]
         self.weight.copy_(rows)

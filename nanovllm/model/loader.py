@@ -70,7 +70,7 @@ def load_model(model: nn.Module, path: str, tie_word_embeddings: bool, fp8: FP8C
                 if ckpt_name.endswith(IGNORED_SUFFIXES):
                     continue
                 if ckpt_name == score_source:
-                    model.score.load_from_lm_head(f.get_tensor(ckpt_name))
+                    model.score.load_from_lm_head(f.get_slice(ckpt_name))   # (its rows only: it may load again below)
                     loaded.add(("score.weight", None))
                 if ckpt_name == "lm_head.weight" and (tie_word_embeddings or headless):
                     continue  # the same tensor as the embedding, or a head the model does without
