@@ -27,9 +27,9 @@ import sys
 import tempfile
 import time
 
-# Real shapes of released checkpoints, built with random weights: nothing to download.
 # The workloads of a pooling model (runner="pooling"): LLM's method -> the word of its result line
 POOLING_WORKLOADS = {"embed": "Embedded", "classify": "Classified"}
+# Real shapes of released checkpoints, built with random weights: nothing to download.
 PRESETS = {
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
@@ -108,14 +108,13 @@ def make_workload(args, on_cpu: bool):
         prompts = [prefix + [random.randint(0, 10000) for _ in range(random.randint(64, 256) // (8 if on_cpu else 1))]
                    for _ in range(n)]
         return prompts, [(128 if not on_cpu else 16, 0.6)] * n
-    if args.workload in POOLING_WORKLOADS:   # the default workload's prompts, each pooled (no output tokens)
-        n, lo_in, hi_in = (args.num_seqs, args.min_input_len, args.max_input_len) if not on_cpu else (4, 16, 64)
-        return [[random.randint(0, 10000) for _ in range(random.randint(lo_in, hi_in))] for _ in range(n)], []
     n, lo_in, hi_in, lo_out, hi_out = args.num_seqs, args.min_input_len, args.max_input_len, \
         args.min_output_len, args.max_output_len
     if on_cpu:
         n, lo_in, hi_in, lo_out, hi_out = 4, 16, 64, 8, 16
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(lo_in, hi_in))] for _ in range(n)]
+    if args.workload in POOLING_WORKLOADS:   # the default workload's prompts, each pooled (no output tokens)
+        return prompts, []
     return prompts, [(random.randint(lo_out, hi_out), 0.6) for _ in range(n)]
 
 
