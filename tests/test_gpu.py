@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from conftest import (VOCAB_SIZE, build_model_dir, check_logprobs_close, check_within_top_k_top_p, fp8_checkpoints,
-                      make_prompts, tokens_and_tops)
+from conftest import (VOCAB_SIZE, assert_pooling_idle, build_model_dir, check_logprobs_close, check_within_top_k_top_p,
+                      fp8_checkpoints, make_prompts, tokens_and_tops)
 from nanovllm import LLM, PoolingParams, SamplingParams
 from nanovllm.layers.attention import has_flash_attn
 
@@ -336,7 +336,12 @@ def test_fp8_checkpoint_logprobs_close_to_hf(gpu_model_dir, tmp_path):
     assert check_logprobs_close(ours, hf_reference(ref_dir)) >= len(PROMPTS) // 2
 
 
-@pytest.mark.parametrize("variant", ["pieces", "eager", "chunked_prefill"])
+# A pooling engine's prompt steps: in piecewise graphs, eager, or chunked in 48-token steps with prefix caching
+POOLING_VARIANTS = {"pieces": {}, "eager": dict(enforce_eager=True),
+                    "chunked_prefill": dict(block_size=16, max_num_batched_tokens=48)}
+
+
+@pytest.mark.parametrize("variant", POOLING_VARIANTS)
 @torch.no_grad()
 def test_embeddings_close_to_hf(gpu_model_dir, variant):
     """A pooling engine on the GPU (prompt steps in piecewise graphs, or eager, or chunked in 48-token
@@ -345,10 +350,8 @@ def test_embeddings_close_to_hf(gpu_model_dir, variant):
     its cap, what max_num_seqs sequences of max_model_len tokens use)."""
     from transformers import AutoModel
     import torch.nn.functional as F
-    kwargs = {"pieces": {}, "eager": dict(enforce_eager=True),
-              "chunked_prefill": dict(block_size=16, max_num_batched_tokens=48)}[variant]
     llm = LLM(gpu_model_dir, runner="pooling", dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
-              **kwargs)
+              **POOLING_VARIANTS[variant])
     runner = llm.llm_engine.model_runner
     assert runner.graphs is None and (runner.pieces is None) == (variant == "eager")
     assert runner.num_kvcache_blocks == llm.llm_engine.config.max_num_seqs * runner.max_blocks_per_seq   # (the cap)
@@ -362,21 +365,19 @@ def test_embeddings_close_to_hf(gpu_model_dir, variant):
     for out, h in zip(tokens, hidden):
         assert out.outputs.data.shape == h.shape
         assert F.cosine_similarity(out.outputs.data, h, dim=-1).min() > 0.999
-    engine = llm.llm_engine
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks and not runner.pooler.chunks
+    assert_pooling_idle(llm)
 
 
-@pytest.mark.parametrize("variant", ["pieces", "eager", "chunked_prefill"])
+@pytest.mark.parametrize("variant", POOLING_VARIANTS)
 @torch.no_grad()
 def test_classifier_close_to_hf(gpu_model_dir, variant):
     """A classifier on the GPU (vLLM's reranker recipe: a head of three LM-head rows, in float32 as vLLM's
     head_dtype): its bf16 logits of the last token, and of every token, close to HF transformers' LM logits
     of those tokens in bf16; the probabilities their softmax."""
-    kwargs = {"pieces": {}, "eager": dict(enforce_eager=True),
-              "chunked_prefill": dict(block_size=16, max_num_batched_tokens=48)}[variant]
     tokens = ["a", "b", "The"]
     llm = LLM(gpu_model_dir, convert="classify", dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
-              hf_overrides={"classifier_from_token": tokens, "method": "no_post_processing"}, **kwargs)
+              hf_overrides={"classifier_from_token": tokens, "method": "no_post_processing"},
+              **POOLING_VARIANTS[variant])
     runner = llm.llm_engine.model_runner
     assert runner.model.score.weight.dtype == torch.float32
     ids = llm.get_tokenizer().convert_tokens_to_ids(tokens)
@@ -395,8 +396,7 @@ def test_classifier_close_to_hf(gpu_model_dir, variant):
                            pooling_task="token_classify", use_tqdm=False)
     for out, expected in zip(per_token, logits):
         torch.testing.assert_close(out.outputs.data, expected, atol=0.1, rtol=0.02)
-    engine = llm.llm_engine
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks and not runner.pooler.chunks
+    assert_pooling_idle(llm)
 
 
 def test_sleep_gives_memory_back_and_wakes_up_to_the_same_tokens(gpu_model_dir):
