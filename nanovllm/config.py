@@ -9,6 +9,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.engine.profiler import ProfilerConfig
 from nanovllm.engine.reasoning import ReasoningConfig, reasoning_markers
+from nanovllm.engine.speculative import SpeculativeConfig
 from nanovllm.engine.structured_output import StructuredOutputsConfig
 from nanovllm.layers.classifier import ClassifierConfig
 from nanovllm.layers.rotary import max_positions, rope_settings
@@ -121,7 +122,13 @@ class Config:
     distributed_executor_backend: str | None = None  # None or "mp": tensor-parallel worker processes
     # vLLM arguments for what nanovllm does not do, accepted at the values that ask for nothing.
     enable_lora: bool = False
-    speculative_config: dict | None = None
+    # Speculative decoding by n-gram prompt lookup (engine/speculative.py): vLLM's SpeculativeConfig for
+    # method "ngram", or a dict of its fields; spec_method / spec_model / spec_tokens are vLLM's flags for
+    # its method, model and num_speculative_tokens.
+    speculative_config: object = None
+    spec_method: str | None = None
+    spec_model: str | None = None
+    spec_tokens: int | None = None
     # "generate": a generative model (LLM.generate); "pooling": an embedding model or a classifier
     # (LLM.embed, classify, encode, score; pooling_params.py). "auto" (vLLM's): pooling for a
     # sentence-transformers model (one with a modules.json), a base model without LM head (Qwen3Model,
@@ -213,8 +220,14 @@ class Config:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device is 'cuda', but no CUDA device is available.")
-        if self.async_scheduling is None:
-            self.async_scheduling = self.device == "cuda"
+        self.speculative_config = SpeculativeConfig.from_engine_args(self.speculative_config, self.spec_method,
+                                                                     self.spec_model, self.spec_tokens)
+        if self.async_scheduling is None:   # (vLLM's: not with n-gram speculation, whose drafts need the tokens)
+            self.async_scheduling = self.device == "cuda" and self.speculative_config is None
+        elif self.async_scheduling and self.speculative_config is not None:
+            raise ValueError("Currently, async scheduling is only supported with EAGLE/MTP/Draft Model/NGram GPU/"
+                             "DSpark kind of speculative decoding; nanovllm's is n-gram prompt lookup: "
+                             "leave async_scheduling unset or False.")
         self.model_path = resolve_model_path(self.model, need_weights=self.load_format != "dummy",
                                              revision=self.revision, cache_dir=self.download_dir,
                                              token=self.hf_token)
@@ -236,6 +249,9 @@ class Config:
             raise ValueError("quantization='fp8' is not supported for an unquantized checkpoint: nanovllm does not "
                              "quantize weights as they load; it loads fp8 checkpoints (quant_method 'fp8').")
         self.runner_type = self._resolve_runner()
+        if self.runner_type == "pooling" and self.speculative_config is not None:
+            raise ValueError(f"speculative_config is for generative models; a pooling model (runner='pooling') "
+                             f"computes prompts only, got {self.speculative_config!r:.120}.")
         self._validate_tensor_parallel()
         self.torch_dtype = self._resolve_dtype()
         self.kv_cache_torch_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
@@ -348,8 +364,6 @@ class Config:
               f"distributed_executor_backend must be None or 'mp' (worker processes), "
               f"got {self.distributed_executor_backend!r}.")
         check(not self.enable_lora, "enable_lora=True is not supported: nanovllm runs the base model only.")
-        check(not self.speculative_config, f"speculative_config is not supported (no speculative decoding), "
-                                           f"got {self.speculative_config!r:.80}.")
         check(self.runner in ("auto", "generate", "pooling"),
               f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}.")
         check(self.convert in ("auto", "none", "embed", "classify"),

@@ -3,8 +3,9 @@
 vLLM reads them from its Prometheus registry (vllm.v1.metrics.reader); here the engine keeps the
 totals itself (EngineMetrics) and builds the same objects on request. Kept when
 `LLM(disable_log_stats=False)`, as in vLLM. Of vLLM's metrics these exist: the token, request,
-preemption and prefix-cache counters, the queue and KV-cache gauges, and the per-request
-histograms of time to first token, end-to-end latency, queue time and token counts.
+preemption and prefix-cache counters, the queue and KV-cache gauges, the per-request
+histograms of time to first token, end-to-end latency, queue time and token counts, and with
+speculative decoding its draft counters.
 """
 from dataclasses import dataclass
 
@@ -76,9 +77,13 @@ class _Observations:
 class EngineMetrics:
     """Totals since the engine started, fed by the engine loop."""
 
-    def __init__(self, model_name: str, max_model_len: int):
+    def __init__(self, model_name: str, max_model_len: int, num_speculative_tokens: int = 0):
         self.labels = {"model_name": model_name, "engine": "0"}
         self.num_prompt_tokens = self.num_generation_tokens = 0
+        # speculative decoding: sequences that had drafts, their drafts, the accepted ones (of each position)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * num_speculative_tokens
         self.num_finished = dict.fromkeys(FINISH_REASONS, 0)
         tokens = one_two_five_buckets(max_model_len)
         self.histograms = {"vllm:time_to_first_token_seconds": _Observations(TTFT_BUCKETS),
@@ -92,6 +97,14 @@ class EngineMetrics:
         token, as vLLM counts it."""
         self.num_prompt_tokens += num_prompt_tokens
         self.num_generation_tokens += num_generation_tokens
+
+    def record_drafts(self, num_draft_tokens: int, num_accepted_tokens: int):
+        """One sequence's drafts in a step: how many, and how many of them (the first ones) it kept."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for pos in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[pos] += 1
 
     def record_finished(self, finish_reasons: list[str], num_prompt_tokens: int, num_generation_tokens: int,
                         metrics):
@@ -122,4 +135,10 @@ class EngineMetrics:
         metrics += [Counter("vllm:request_success", labels | {"finished_reason": reason}, n)
                     for reason, n in self.num_finished.items()]
         metrics += [Histogram(name, dict(labels), h.count, h.sum, h.buckets()) for name, h in self.histograms.items()]
+        if self.num_speculative_tokens:
+            metrics += [Counter("vllm:spec_decode_num_drafts", dict(labels), self.num_drafts),
+                        Counter("vllm:spec_decode_num_draft_tokens", dict(labels), self.num_draft_tokens),
+                        Counter("vllm:spec_decode_num_accepted_tokens", dict(labels), self.num_accepted_tokens),
+                        Vector("vllm:spec_decode_num_accepted_tokens_per_pos", dict(labels),
+                               list(self.num_accepted_tokens_per_pos))]
         return metrics

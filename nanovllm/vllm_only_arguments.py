@@ -61,7 +61,6 @@ IDLE_ARGUMENTS = {
              model_class_overrides=None, model_loader_extra_config=None, additional_config=None),
     **_group("no custom logits processors", logits_processors=None),
     **_group("the reasoning parsers are engine/reasoning.py's", reasoning_parser_plugin=None),
-    **_group("no speculative decoding", spec_method=None, spec_model=None, spec_tokens=None),
     **_group("the tokenizer is loaded unless skip_tokenizer_init=True", tokens_only=False),
     **_group("memory is freed by sleep mode's own allocator (enable_sleep_mode)", enable_cumem_allocator=False),
     **_group("the metrics are get_metrics()'s; no tracing", show_hidden_metrics_for_version=None,

@@ -1095,7 +1095,9 @@ def test_generate_collects_garbage_less_often_and_restores_the_thresholds(llm, m
     (dict(scheduling_policy="lifo"), "scheduling_policy must be 'fcfs' or 'priority', got 'lifo'."),
     (dict(max_num_seqs="8"), "max_num_seqs must be int or None, got '8'."),
     (dict(enable_lora=True), "enable_lora=True is not supported: nanovllm runs the base model only."),
-    (dict(speculative_config={"method": "ngram"}), "speculative_config is not supported (no speculative decoding)"),
+    (dict(speculative_config={"method": "eagle", "num_speculative_tokens": 2}),
+     "speculative_config method='eagle' (model=None) is not supported: nanovllm speculates by n-gram prompt lookup "
+     "only (method='ngram')."),
     (dict(runner="draft"), "runner must be 'auto', 'generate' or 'pooling', got 'draft'."),
     (dict(convert="reward"), "convert must be 'auto', 'none', 'embed' or 'classify', got 'reward'."),
     (dict(runner="generate", convert="embed"), "convert='embed' makes a pooling model: it needs runner 'pooling' "
@@ -1130,7 +1132,7 @@ def test_generate_collects_garbage_less_often_and_restores_the_thresholds(llm, m
                                              "None."),
     (dict(enable_prompt_embeds=True), "enable_prompt_embeds is not supported (a prompt is text or token ids, not "
                                       "embeddings); leave it at False."),
-    (dict(spec_method="ngram"), "spec_method is not supported (no speculative decoding); leave it at None."),
+    (dict(spec_method="mtp", spec_tokens=1), "speculative_config method='mtp' (model=None) is not supported"),
     (dict(chat_template="no template here"), "chat_template must be a Jinja template or the path of a file "
                                              "holding one; 'no template here' is neither (no such file)."),
     (dict(profiler_config={"profiler": "nvtx"}), "profiler_config.profiler must be 'torch', 'cuda' or None, got 'nvtx'."),

@@ -1,7 +1,7 @@
 """LLMEngine: the step loop. Requests in, one scheduled batch per step, finished outputs out."""
 import time
 from dataclasses import dataclass, field, replace
-from itertools import count
+from itertools import count, repeat
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
@@ -18,6 +18,7 @@ from nanovllm.engine.reasoning import REASONING_PARSERS, ThinkingBudget, Thinkin
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.sleep import SLEEP_MODES, SLEEP_TAGS
+from nanovllm.engine.speculative import NgramProposer, accepted_tokens
 from nanovllm.engine.streaming import OutputStreamer
 from nanovllm.engine.stat_logger import StatLogger
 from nanovllm.engine.tp_workers import TPWorkers, resolve_method, run_method
@@ -62,6 +63,7 @@ class InFlightStep:
     host: SamplerOutput | PooledStep | None   # the sampler's outputs (or a pooling step's), being copied to the host
     event: "torch.cuda.Event | None"  # recorded after the last copy; None on the CPU
     prompt_scores: PromptScores | None = None
+    drafts: list[list[int]] | None = None   # each sequence's drafts, rows after its own (None: no drafts)
 
 
 @dataclass
@@ -107,9 +109,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.enable_chunked_prefill, config.scheduling_policy)
         self.async_scheduling = config.async_scheduling
+        spec = config.speculative_config
+        self.proposer = None if spec is None else NgramProposer(spec, config.max_model_len)
         self.stat_logger = None if config.disable_log_stats else StatLogger()
-        self.metrics = None if config.disable_log_stats else EngineMetrics(self.model_config.served_model_name,
-                                                                              config.max_model_len)
+        self.metrics = None if config.disable_log_stats else EngineMetrics(
+            self.model_config.served_model_name, config.max_model_len,
+            spec.num_speculative_tokens if spec is not None else 0)
         self.in_flight: InFlightStep | None = None
         self.paused = False   # sleep()'s: no step runs until wake_up()
         self.input_processor = InputProcessor(config, tokenizer, self.block_manager.num_blocks * config.block_size)
@@ -326,6 +331,8 @@ class LLMEngine:
         done, self.finished_asleep = self.finished_asleep, []   # the requests this step finishes
         if self.paused:   # (requests that sleep(mode="keep") kept wait for wake_up)
             return self._report(done), StepStats()
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         stats = StepStats()
         if out.is_empty:   # everything left is waiting for its pending token, or just finished (or none left)
@@ -337,8 +344,8 @@ class LLMEngine:
         for seq, n in zip(out.seqs, out.num_scheduled_tokens):
             metrics = self.requests[seq.request_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
-            if n == 1 and seq.num_output_tokens:
-                stats.num_decode_tokens += 1
+            if n == 1 + len(seq.spec_token_ids) and seq.num_output_tokens:
+                stats.num_decode_tokens += n
             else:
                 stats.num_prefill_tokens += n
         if self.model_runner.pooler is not None:
@@ -363,7 +370,8 @@ class LLMEngine:
                 if not seq.is_finished:   # (read_previous may have stopped it: its token here is wasted)
                     seq.append_pending()
             host, event = self.model_runner.copy_to_host(sampled)
-            self.in_flight = InFlightStep(sampling_seqs, host, event, prompt_scores)
+            drafts = [seq.spec_token_ids for seq in sampling_seqs] if self.proposer is not None else None
+            self.in_flight = InFlightStep(sampling_seqs, host, event, prompt_scores, drafts)
         elif prompt_scores is not None:
             self.in_flight = InFlightStep([], None, prompt_scores.event, prompt_scores)
         if previous is not None:   # (not read before sampling)
@@ -452,19 +460,30 @@ class LLMEngine:
             top = list(zip(*(column.tolist() for column in columns if column is not None)))
         now = time.time()
         finished = []
-        for i, (seq, token_id) in enumerate(zip(step.seqs, token_ids)):
+        row = 0   # each sequence's first row; a sequence with drafts has a row for each after it
+        for seq, drafts in zip(step.seqs, step.drafts or repeat(())):
+            first, row = row, row + 1 + len(drafts)
             if seq.is_finished:   # stopped, or aborted, while this step ran
                 continue
+            tokens = accepted_tokens(drafts, token_ids[first:row]) if drafts else (token_ids[first],)
+            if drafts:   # the rejected drafts' KV is written over by the next steps
+                seq.num_computed_tokens -= len(drafts) + 1 - len(tokens)
+                if self.metrics is not None:
+                    self.metrics.record_drafts(len(drafts), len(tokens) - 1)
             request = self.requests[seq.request_id]
-            if self.metrics is not None:
-                self.metrics.record_tokens(0 if request.metrics.first_token_time else len(request.prompt_token_ids), 1)
+            num_prompt_tokens = 0 if request.metrics.first_token_time else len(request.prompt_token_ids)
             request.metrics.first_token_time = request.metrics.first_token_time or now
             request.metrics.last_token_time = now
             num_pending = seq.pop_pending()     # this step's token first, then any later ones
-            self.output_processor.append(
-                seq, token_id,
-                logprob=logprobs[i] if logprobs else None, rank=ranks[i] if ranks else None,
-                top=top[i] if top else None)
+            for i, token_id in enumerate(tokens, first):
+                self.output_processor.append(
+                    seq, token_id,
+                    logprob=logprobs[i] if logprobs else None, rank=ranks[i] if ranks else None,
+                    top=top[i] if top else None)
+                if seq.finish_reason is not None:
+                    break
+            if self.metrics is not None:
+                self.metrics.record_tokens(num_prompt_tokens, i + 1 - first)
             if seq.finish_reason is None:
                 for _ in range(num_pending - 1):
                     seq.append_pending()

@@ -21,6 +21,7 @@ from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sleep import SLEEP_TAGS, ArenaMemory, Hibernation, Storages
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.shared_prefix import SharedPrefixPlan, plan_arrays, plan_shared_prefixes
+from nanovllm.engine.speculative import sampling_rows
 from nanovllm.engine.step_inputs import HostBatch, StepInputs, build_step, mixed_step_decodes, prompt_spans
 from nanovllm.engine.structured_output import BitmaskFiller
 from nanovllm.engine.upload import upload
@@ -296,17 +297,22 @@ class ModelRunner:
                                                                            np.zeros((1, 3), np.int32)))
                             for b in decodes]
         # top_k without max_top_k or max_set_top_k sorts every row: the sampler's largest path; and
-        # the logprobs at the engine's cap, with logprob_token_ids (a whole log_softmax kept past MAX_TOP)
+        # the logprobs at the engine's cap, with logprob_token_ids (a whole log_softmax kept past MAX_TOP).
+        # With speculative decoding a sequence samples a row for its last token and one for each draft.
+        last_tokens = torch.tensor(batch.query_start_loc[1:], device=self.device) - 1
+        num_rows = num_seqs
+        if cfg.speculative_config is not None:
+            num_rows = min(num_seqs * (1 + cfg.speculative_config.num_speculative_tokens), num_tokens)
+            last_tokens = torch.arange(num_rows, device=self.device)
         md = SamplingMetadata(
-            temperatures=torch.ones(num_seqs, device=self.device),
-            is_greedy=torch.zeros(num_seqs, dtype=torch.bool, device=self.device), all_greedy=False,
-            any_greedy=False, top_k=torch.full((num_seqs,), self.vocab_size, device=self.device), max_top_k=None,
-            top_p=torch.full((num_seqs,), 0.9, device=self.device),
-            min_p=torch.full((num_seqs,), 0.1, device=self.device),
+            temperatures=torch.ones(num_rows, device=self.device),
+            is_greedy=torch.zeros(num_rows, dtype=torch.bool, device=self.device), all_greedy=False,
+            any_greedy=False, top_k=torch.full((num_rows,), self.vocab_size, device=self.device), max_top_k=None,
+            top_p=torch.full((num_rows,), 0.9, device=self.device),
+            min_p=torch.full((num_rows,), 0.1, device=self.device),
             row_seeds=[], banned_rows=None, banned_tokens=None, max_num_logprobs=cfg.logprobs_cap,
             logprob_rows=torch.zeros(1, dtype=torch.int64, device=self.device),
             logprob_token_ids=torch.zeros(1, 1, dtype=torch.int64, device=self.device))
-        last_tokens = torch.tensor(batch.query_start_loc[1:], device=self.device) - 1
 
         def largest_step():
             hidden = self.model(*inputs)
@@ -388,7 +394,8 @@ class ModelRunner:
         return input_ids, positions, meta
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
-        return build_sampling_metadata(seqs, self.vocab_size, self.eos_token_ids, self.device, self.penalty_counts,
+        """The sampler's inputs: a row per sequence and per draft (engine/speculative.py)."""
+        return build_sampling_metadata(sampling_rows(seqs), self.vocab_size, self.eos_token_ids, self.device, self.penalty_counts,
                                        self.bitmask_filler)
 
     @torch.inference_mode()

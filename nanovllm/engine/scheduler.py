@@ -1,8 +1,8 @@
 """Scheduler: picks which tokens of which sequences the next step computes (no torch here).
 
 One token budget per step (vLLM v1): running sequences first, in admission order, each takes
-what it still needs (1 token for a decode, the rest of its prompt for a prefill, capped by what
-is left of the budget); then waiting sequences are admitted while budget, blocks and
+what it still needs (1 token for a decode, with its drafts under speculative decoding; the rest of
+its prompt for a prefill; capped by what is left of the budget); then waiting sequences are admitted while budget, blocks and
 `max_num_seqs` allow. Any sequence's prefill can be chunked, so decodes and prefill chunks share
 one batch (unless chunked prefill is off: then a prompt that does not fit what is left of the
 budget waits for the next step). When blocks run out, the most recently admitted sequence is
@@ -32,9 +32,10 @@ class SchedulerOutput:
 
     @property
     def sampling_seqs(self) -> list[Sequence]:
-        """Sequences whose scheduled tokens reach their last token: they get a new one."""
+        """Sequences whose scheduled tokens reach their last token: they get a new one (or more,
+        with drafts)."""
         return [seq for seq, n in zip(self.seqs, self.num_scheduled_tokens)
-                if seq.num_computed_tokens + n == seq.num_tokens]
+                if seq.num_computed_tokens + n >= seq.num_tokens]
 
     @property
     def is_empty(self) -> bool:
@@ -80,8 +81,13 @@ class Scheduler:
             if seq.num_pending_tokens and seq.reached_length_limit(self.max_model_len):
                 i += 1      # done once its pending token is read; nothing left to compute
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed_tokens, budget)
+            del seq.spec_token_ids[max(seq.num_computed_tokens + num_new - seq.num_tokens, 0):]   # past the budget
             while not self.block_manager.allocate_slots(seq, num_new):
+                if seq.spec_token_ids:   # drafts are a guess: drop them before preempting anyone
+                    num_new -= len(seq.spec_token_ids)
+                    seq.spec_token_ids = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -133,6 +139,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence):
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         self._enqueue(self.waiting, seq, self.waiting.appendleft)
         self.num_preemptions += 1

@@ -27,7 +27,9 @@ class Sequence:
                             ... | pending |          num_pending_tokens placeholders at the end
 
     `num_computed_tokens` counts tokens whose KV is in the cache. A step computes the next
-    `num_scheduled` tokens; when that reaches `num_tokens`, the step also samples a new token.
+    `num_scheduled` tokens; when that reaches `num_tokens`, the step also samples a new token
+    (with speculative decoding, the scheduled tokens may run on into `spec_token_ids`, drafts
+    that are not in token_ids: the step samples after each of them too).
     With async scheduling the sampled token is appended as PENDING_TOKEN and replaced once the
     host reads it, one step later; the next step takes its input id straight from the GPU.
     """
@@ -51,6 +53,7 @@ class Sequence:
         self.block_hashes: list[int] = []        # chained hashes of the full blocks of token_ids
         self.cache_salt = cache_salt             # mixed into the first block's hash (inputs.py)
         self.num_pending_tokens = 0              # PENDING_TOKEN placeholders at the end of token_ids
+        self.spec_token_ids: list[int] = []      # drafts the next step checks (engine/speculative.py)
         # Output state, owned by the engine (detokenizer and stop checks).
         self.output_text = ""
         self.prefix_offset = 0                   # incremental detokenization window

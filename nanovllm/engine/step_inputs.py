@@ -52,6 +52,8 @@ def host_batch(out: SchedulerOutput, block_size: int) -> HostBatch:
     input_ids = []
     for seq, start, end in zip(seqs, starts, seq_lens):
         input_ids += seq.token_ids[start:end]
+        if end > seq.num_tokens:   # drafts (engine/speculative.py)
+            input_ids += seq.spec_token_ids[:end - seq.num_tokens]
     block_tables = padded([seq.block_table for seq in seqs], 0, np.int32)
     if len(input_ids) == len(seqs):   # one token a sequence, a decode step (each schedules at least one)
         rows, positions = np.arange(len(seqs)), np.asarray(starts, np.int64)
@@ -76,10 +78,12 @@ def build_step(out: SchedulerOutput, sampling_seqs: list[Sequence], pending: dic
     num_tokens = len(batch.input_ids)
     if len(sampling_seqs) == len(out.seqs) == num_tokens:
         logits_rows = None                          # pure decode: every row samples
-    else:
+    else:   # a sampling sequence's last 1 + len(drafts) rows: its last token's and its drafts'
         sampling = {id(s) for s in sampling_seqs}
-        logits_rows = [batch.query_start_loc[i + 1] - 1 for i, seq in enumerate(out.seqs) if id(seq) in sampling]
-    return StepInputs(batch, rows, sources, logits_rows, len(sampling_seqs))
+        logits_rows = [row for i, seq in enumerate(out.seqs) if id(seq) in sampling
+                       for row in range(batch.query_start_loc[i + 1] - 1 - len(seq.spec_token_ids),
+                                        batch.query_start_loc[i + 1])]
+    return StepInputs(batch, rows, sources, logits_rows, num_tokens if logits_rows is None else len(logits_rows))
 
 
 def prompt_spans(out: SchedulerOutput, batch: HostBatch) -> list[tuple[Sequence, int, list[int]]]:

@@ -1,0 +1,173 @@
+"""Speculative decoding by n-gram prompt lookup: vLLM's `speculative_config={"method": "ngram",
+"num_speculative_tokens": k, "prompt_lookup_max": ..., "prompt_lookup_min": ...}` (no torch here).
+
+Before each step, a decoding sequence whose tokens end with an n-gram (prompt_lookup_min <= n <=
+prompt_lookup_max) that also occurs earlier in its tokens proposes, as drafts, the up to k tokens that
+followed the earliest such occurrence (the longest n that occurs wins). The step computes the sequence's
+last token and its drafts together, one logits row each, and samples a token from every row:
+
+    tokens   ... a b c | d          drafts  e f g        (d: the last token, its KV not yet written)
+    rows               | d  e  f  g
+    sampled            | s0 s1 s2 s3
+
+Draft i is accepted while the drafts before it were and s[i-1] equals it. The sequence gets the
+accepted drafts, then the first sampled token that differs from its draft (or s3 when all were
+accepted): 1 to k + 1 tokens from one step, and the KV of the rejected drafts is written over later.
+
+Every row samples from the sequence's own distribution at its position (logit edits, temperature,
+min-p, top-k, top-p; a seeded request its noise for that output position). For a draft that is a
+single token, "sample, accept if equal" is rejection sampling: a draft is accepted with its target
+probability, and on a rejection the token is a sample of the target without the draft. So the outputs
+are distributed as without drafts, and with a seed they are the same tokens.
+
+Sequences whose sampling reads their earlier output tokens (penalties, a grammar, multi-token bad
+words, a thinking budget) get no drafts: they decode a token a step beside the others.
+"""
+from array import array
+from dataclasses import dataclass
+
+from nanovllm.engine.sequence import Sequence
+
+SPECULATIVE_CONFIG_FIELDS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's SpeculativeConfig for its "ngram" method (`method="ngram"`, or `model="[ngram]"`)."""
+    method: str | None = None
+    model: str | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    @classmethod
+    def from_engine_args(cls, value, spec_method: str | None = None, spec_model: str | None = None,
+                         spec_tokens: int | None = None) -> "SpeculativeConfig | None":
+        """LLM(speculative_config=..., spec_method=..., ...): None, a dict of the fields (keys with "-"
+        or "_"), or a SpeculativeConfig; vLLM's flags --spec-method, --spec-model and --spec-tokens add
+        their field to it."""
+        if isinstance(value, cls):
+            value = {name: getattr(value, name) for name in SPECULATIVE_CONFIG_FIELDS}
+        elif value is not None and not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict of its fields, got {value!r:.80}.")
+        value = None if value is None else {key.replace("-", "_"): v for key, v in value.items()}
+        for flag, key, given in (("--spec-method", "method", spec_method), ("--spec-model", "model", spec_model),
+                                 ("--spec-tokens", "num_speculative_tokens", spec_tokens)):
+            if given is None:
+                continue
+            value = {} if value is None else value
+            if key in value:
+                raise ValueError(f"{flag} and --speculative-config['{key}'] are mutually exclusive")
+            value[key] = given
+        if value is None:
+            return None
+        unknown = sorted(set(value) - set(SPECULATIVE_CONFIG_FIELDS))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {unknown}; nanovllm's n-gram speculation "
+                             f"knows {', '.join(SPECULATIVE_CONFIG_FIELDS)}.")
+        return cls(**value)
+
+    def __post_init__(self):
+        if self.method is None and self.model in ("ngram", "[ngram]"):
+            self.method = "ngram"
+        if self.method == "[ngram]":
+            self.method = "ngram"
+        if self.method != "ngram":
+            raise ValueError(f"speculative_config method={self.method!r} (model={self.model!r}) is not supported: "
+                             f"nanovllm speculates by n-gram prompt lookup only (method='ngram').")
+        self.model = "ngram"
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config num_speculative_tokens must be a positive integer, got {k!r}.")
+        # vLLM's defaults: 5 and 5, or the one given for both
+        if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
+            self.prompt_lookup_min = self.prompt_lookup_max = 5
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            n = getattr(self, name)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"speculative_config {name} must be a positive integer, got {n!r}.")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= "
+                             f"prompt_lookup_max={self.prompt_lookup_max}")
+
+
+def ngram_drafts(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The up to k tokens that follow the earliest earlier occurrence of the longest n-gram
+    (min_n <= n <= max_n) that ends token_ids; [] when none occurs. (vLLM's ngram proposer.)
+    The search runs over the ids as 4-byte words, by bytes.find, a word boundary at a time."""
+    total = len(token_ids)
+    words = array("i", token_ids).tobytes()
+    end = 4 * (total - 1)   # an occurrence ends before the last token: not the suffix itself
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        suffix = words[-4 * n:]
+        start = words.find(suffix, 0, end)
+        while start != -1 and start % 4:   # (a match across token boundaries: look further)
+            start = words.find(suffix, start + 1, end)
+        if start != -1:
+            first = start // 4 + n
+            return token_ids[first:first + k]
+    return []
+
+
+def can_draft(seq: Sequence) -> bool:
+    """seq's sampling needs nothing of its earlier output tokens but their number (which a draft row
+    adds its offset to): no penalties, grammar, multi-token bad words or thinking budget."""
+    return not (seq.needs_output_ids_on_host or seq.sampling_params.has_penalties)
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.k = config.num_speculative_tokens
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.max_model_len = max_model_len
+
+    def propose(self, seqs: list[Sequence]):
+        """Set spec_token_ids of each of seqs: drafts for one that decodes next and may speculate,
+        as many as its max_tokens and max_model_len leave room for after the step's own token."""
+        for seq in seqs:
+            seq.spec_token_ids = []
+            if seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_pending_tokens or not can_draft(seq):
+                continue
+            room = min(self.k, self.max_model_len - seq.num_tokens - 1)
+            max_tokens = seq.sampling_params.max_tokens
+            if max_tokens is not None:
+                room = min(room, max_tokens - seq.num_output_tokens - 1)
+            if room > 0:
+                seq.spec_token_ids = ngram_drafts(seq.token_ids, self.min_n, self.max_n, room)
+
+
+class DraftRow:
+    """The sampler's row for draft position `offset` of seq: seq's sampling state, `offset` output
+    tokens further on (its seed's noise, min_tokens)."""
+
+    def __init__(self, seq: Sequence, offset: int):
+        self.seq, self.offset = seq, offset
+
+    def __getattr__(self, name):
+        return getattr(self.seq, name)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.seq.num_output_tokens + self.offset
+
+
+def sampling_rows(seqs: list[Sequence]) -> list[Sequence | DraftRow]:
+    """The sampler's rows for seqs: each sequence, followed by its draft positions."""
+    rows = []
+    for seq in seqs:
+        rows.append(seq)
+        rows += [DraftRow(seq, i) for i in range(1, len(seq.spec_token_ids) + 1)]
+    return rows
+
+
+def accepted_tokens(drafts: list[int], sampled: list[int]) -> list[int]:
+    """The tokens a step gives a sequence: sampled[0..a], where the first a drafts each equal the
+    token sampled at the row before them (sampled has len(drafts) + 1 tokens)."""
+    a = 0
+    while a < len(drafts) and sampled[a] == drafts[a]:
+        a += 1
+    return sampled[:a + 1]
