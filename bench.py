@@ -187,6 +187,9 @@ def main():
     p.add_argument("--attention-backend", choices=["auto", "triton", "flash_attn", "torch"], default="auto",
                    help="nanovllm's attention_backend (auto: flash-attn when installed, else Triton)")
     p.add_argument("--kv-cache-dtype", default="auto", help="'auto' (the model's dtype), 'fp8', 'fp8_e5m2', ...")
+    p.add_argument("--speculative-config", type=json.loads, default=None,
+                   help='LLM(speculative_config=...), JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 3}\' (n-gram drafts; async scheduling off, as vLLM does)')
     add_request_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="also print one JSON line with the results")
@@ -223,6 +226,8 @@ def main():
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.logprobs_mode is not None:
         kwargs["logprobs_mode"] = args.logprobs_mode
+    if args.speculative_config is not None:   # (with the metrics on, for the drafts' counters)
+        kwargs |= dict(speculative_config=args.speculative_config, disable_log_stats=False)
     if args.custom_all_reduce != "default":
         kwargs["disable_custom_all_reduce"] = args.custom_all_reduce == "off"
     if args.model in PRESETS:
@@ -305,6 +310,12 @@ def run_pooling_workload(llm, args, on_cpu: bool, startup: float, run: int = 1):
     sys.stdout.flush()
 
 
+def draft_counts(llm) -> tuple[int, int]:
+    """Speculative decoding's draft tokens and accepted draft tokens so far (get_metrics' counters)."""
+    values = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    return values["vllm:spec_decode_num_draft_tokens"], values["vllm:spec_decode_num_accepted_tokens"]
+
+
 def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float, run: int = 1):
     import torch
     if args.workload in POOLING_WORKLOADS:
@@ -315,6 +326,7 @@ def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float, run: i
                              **request_options(args)) for m, t in settings]
     inputs = [{"prompt_token_ids": ids} for ids in prompts]
 
+    drafts_before = draft_counts(llm) if args.speculative_config else None
     start = time.perf_counter()
     outputs = llm.generate(inputs, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -346,6 +358,10 @@ def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float, run: i
     if args.workload == "latency":
         result["ms_per_token"] = round(elapsed * 1000 / num_out, 3)
         print(f"Latency: {result['ms_per_token']:.3f} ms/token (batch 1)")
+    if drafts_before is not None:
+        drafted, accepted = (after - before for after, before in zip(draft_counts(llm), drafts_before))
+        result |= dict(draft_tokens=drafted, accepted_draft_tokens=accepted)
+        print(f"Drafts: {accepted} of {drafted} draft tokens accepted ({accepted / max(drafted, 1):.1%})")
     if args.json:
         print(json.dumps(result))
     sys.stdout.flush()

@@ -3,7 +3,7 @@ tests/test_fuzz.py runs a few seeds in CI).
 
 A seed picks a small engine configuration (block size, KV blocks, max_num_seqs, token budget,
 chunked prefill, prefix caching, async scheduling, CUDA graphs, scheduling policy, an fp8 KV cache,
-a reasoning parser, the logprobs mode) and a random run of requests (random sampling options, among them penalties,
+a reasoning parser, the logprobs mode, n-gram speculative decoding in three seeds of ten) and a random run of requests (random sampling options, among them penalties,
 stops, bad words, allowed ids, logprobs, truncation, thinking budgets and, with xgrammar, a choice,
 regex or JSON grammar; output kinds, priorities and cache salts), requests it must refuse, aborts
 and sleeps (levels 0-2, modes "keep" and "abort") between step() calls. Every fourth seed samples its
@@ -126,17 +126,22 @@ def random_bad_request(rng: random.Random, unfinished: list[str]) -> tuple[list[
 
 def random_config(rng: random.Random, **engine_kwargs) -> dict:
     chunked_prefill = rng.random() < 0.8   # (without it a step must hold a whole prompt)
-    return dict(block_size=rng.choice([16, 16, 32]), num_kvcache_blocks=rng.choice([12, 24, 64]),
-                max_num_seqs=rng.choice([2, 4, 8]), scheduling_policy=rng.choice(["fcfs", "priority"]),
-                enable_chunked_prefill=chunked_prefill,
-                max_num_batched_tokens=rng.choice([32, 64, 256] if chunked_prefill else [MAX_MODEL_LEN, 256]),
-                max_model_len=MAX_MODEL_LEN, enable_prefix_caching=rng.choice([True, False]),
-                async_scheduling=rng.choice([True, False]), enforce_eager=rng.choice([True, False]),
-                kv_cache_dtype=rng.choice(["auto", "auto", "fp8"]), enable_sleep_mode=True,
-                reasoning_parser=rng.choice(["", "", "qwen3"]),
-                logprobs_mode=rng.choice(["raw_logprobs"] * 3 + ["raw_logits", "processed_logprobs",
-                                                                 "processed_logits"]),
-                **engine_kwargs)
+    config = dict(block_size=rng.choice([16, 16, 32]), num_kvcache_blocks=rng.choice([12, 24, 64]),
+                  max_num_seqs=rng.choice([2, 4, 8]), scheduling_policy=rng.choice(["fcfs", "priority"]),
+                  enable_chunked_prefill=chunked_prefill,
+                  max_num_batched_tokens=rng.choice([32, 64, 256] if chunked_prefill else [MAX_MODEL_LEN, 256]),
+                  max_model_len=MAX_MODEL_LEN, enable_prefix_caching=rng.choice([True, False]),
+                  async_scheduling=rng.choice([True, False]), enforce_eager=rng.choice([True, False]),
+                  kv_cache_dtype=rng.choice(["auto", "auto", "fp8"]), enable_sleep_mode=True,
+                  reasoning_parser=rng.choice(["", "", "qwen3"]),
+                  logprobs_mode=rng.choice(["raw_logprobs"] * 3 + ["raw_logits", "processed_logprobs",
+                                                                   "processed_logits"]),
+                  **engine_kwargs)
+    if rng.random() < 0.3:   # n-gram speculative decoding (without async scheduling, as in vLLM)
+        config.update(async_scheduling=False, speculative_config={
+            "method": "ngram", "num_speculative_tokens": rng.randint(1, 5), "prompt_lookup_min": 1,
+            "prompt_lookup_max": rng.randint(1, 4)})
+    return config
 
 
 @dataclass

@@ -60,6 +60,7 @@ def run(llm):
     return tokens_and_tops(outs), outs
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 VARIANTS = {
     "graphs": dict(),
     "eager": dict(enforce_eager=True),
@@ -69,6 +70,12 @@ VARIANTS = {
     "torch_backend": dict(attention_backend="torch", block_size=16),
     "fp8_kv_graphs": dict(kv_cache_dtype="fp8"),
     "fp8_kv_chunked_prefill": dict(kv_cache_dtype="fp8", block_size=16, max_num_batched_tokens=48),
+    # n-gram speculative decoding: the drafts' rows in steps run in pieces (or eagerly); the counters
+    # show that drafts were accepted
+    "ngram_graphs": dict(speculative_config=NGRAM, disable_log_stats=False),
+    "ngram_eager": dict(speculative_config=NGRAM, disable_log_stats=False, enforce_eager=True),
+    "ngram_chunked_prefill": dict(speculative_config=NGRAM, disable_log_stats=False, block_size=16,
+                                  max_num_batched_tokens=48),
     # Skipped without flash-attn (tests/shims/flash_attn runs them with vLLM's build of its kernels).
     # 16 sequences at most, i.e. five decode graphs: through the shim, FlashAttention 2's decode
     # graphs once took ~3 s each to capture (benchmarks.md, tenth session, call 15; 3.1 s for all
@@ -93,6 +100,9 @@ def test_logprobs_close_to_hf(gpu_model_dir, variant):
         assert full >= len(PROMPTS) // 2, f"only {full} of {len(PROMPTS)} sequences matched HF fully"
     if variant == "preemption":
         assert llm.llm_engine.scheduler.num_preemptions > 0
+    if variant.startswith("ngram"):
+        accepted = next(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_accepted_tokens")
+        assert accepted > 0
     runner = llm.llm_engine.model_runner
     if variant in ("graphs", "eager", "flash_attn_graphs", "flash_attn_eager"):
         assert (runner.graphs is None) == variant.endswith("eager")
