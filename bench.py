@@ -187,6 +187,8 @@ def main():
     p.add_argument("--attention-backend", choices=["auto", "triton", "flash_attn", "torch"], default="auto",
                    help="nanovllm's attention_backend (auto: flash-attn when installed, else Triton)")
     p.add_argument("--kv-cache-dtype", default="auto", help="'auto' (the model's dtype), 'fp8', 'fp8_e5m2', ...")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="LLM(async_scheduling=False): each step's tokens read before the next step is scheduled")
     p.add_argument("--speculative-config", type=json.loads, default=None,
                    help='LLM(speculative_config=...), JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 3}\' (n-gram drafts; async scheduling off, as vLLM does)')
@@ -226,6 +228,8 @@ def main():
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.logprobs_mode is not None:
         kwargs["logprobs_mode"] = args.logprobs_mode
+    if args.no_async_scheduling:
+        kwargs["async_scheduling"] = False
     if args.speculative_config is not None:   # (with the metrics on, for the drafts' counters)
         kwargs |= dict(speculative_config=args.speculative_config, disable_log_stats=False)
     if args.custom_all_reduce != "default":

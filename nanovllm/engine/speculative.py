@@ -95,22 +95,31 @@ class SpeculativeConfig:
                              f"prompt_lookup_max={self.prompt_lookup_max}")
 
 
-def ngram_drafts(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+def ngram_drafts(token_ids: list[int] | array, min_n: int, max_n: int, k: int) -> list[int]:
     """The up to k tokens that follow the earliest earlier occurrence of the longest n-gram
     (min_n <= n <= max_n) that ends token_ids; [] when none occurs. (vLLM's ngram proposer.)
-    The search runs over the ids as 4-byte words, by bytes.find, a word boundary at a time."""
-    total = len(token_ids)
-    words = array("i", token_ids).tobytes()
-    end = 4 * (total - 1)   # an occurrence ends before the last token: not the suffix itself
-    for n in range(min(max_n, total - 1), min_n - 1, -1):
+    The search runs over the ids as 4-byte words (an array("i") is taken as it is), by bytes.find,
+    a word boundary at a time."""
+    ids = token_ids if isinstance(token_ids, array) else array("i", token_ids)
+    words = ids.tobytes()
+    end = 4 * (len(ids) - 1)   # an occurrence ends before the last token: not the suffix itself
+
+    def earliest(n: int) -> int:   # the first token of the last n tokens' earliest earlier occurrence, or -1
         suffix = words[-4 * n:]
         start = words.find(suffix, 0, end)
         while start != -1 and start % 4:   # (a match across token boundaries: look further)
             start = words.find(suffix, start + 1, end)
-        if start != -1:
-            first = start // 4 + n
-            return token_ids[first:first + k]
-    return []
+        return start // 4 if start != -1 else -1
+
+    # The shortest first: where it does not occur (most steps), no longer one does.
+    if len(ids) <= min_n or (start := earliest(min_n)) == -1:
+        return []
+    n = min_n
+    for longer in range(min(max_n, len(ids) - 1), min_n, -1):
+        if (found := earliest(longer)) != -1:
+            start, n = found, longer
+            break
+    return ids[start + n:start + n + k].tolist()
 
 
 def can_draft(seq: Sequence) -> bool:
@@ -124,10 +133,15 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.max_model_len = max_model_len
+        # seq_id -> (its token ids as an array("i"), each id's first position), extended by the tokens
+        # each step adds: made once a sequence. Most steps' last token occurs nowhere before (so no n-gram
+        # ending with it does), which the positions tell without searching.
+        self.known: dict[int, tuple[array, dict[int, int]]] = {}
 
     def propose(self, seqs: list[Sequence]):
         """Set spec_token_ids of each of seqs: drafts for one that decodes next and may speculate,
         as many as its max_tokens and max_model_len leave room for after the step's own token."""
+        known = {}
         for seq in seqs:
             seq.spec_token_ids = []
             if seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_pending_tokens or not can_draft(seq):
@@ -136,8 +150,16 @@ class NgramProposer:
             max_tokens = seq.sampling_params.max_tokens
             if max_tokens is not None:
                 room = min(room, max_tokens - seq.num_output_tokens - 1)
-            if room > 0:
-                seq.spec_token_ids = ngram_drafts(seq.token_ids, self.min_n, self.max_n, room)
+            if room <= 0:
+                continue
+            # (a sequence's tokens only grow between its steps: the known ones are kept)
+            ids, first = known[seq.seq_id] = self.known.get(seq.seq_id) or (array("i"), {})
+            for position in range(len(ids), seq.num_tokens):
+                first.setdefault(seq.token_ids[position], position)
+            ids.extend(seq.token_ids[len(ids):])
+            if first[ids[-1]] < len(ids) - 1:
+                seq.spec_token_ids = ngram_drafts(ids, self.min_n, self.max_n, room)
+        self.known = known   # (those of sequences that finished, or stopped drafting, dropped)
 
 
 class DraftRow:
