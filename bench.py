@@ -314,10 +314,12 @@ def run_pooling_workload(llm, args, on_cpu: bool, startup: float, run: int = 1):
     sys.stdout.flush()
 
 
-def draft_counts(llm) -> tuple[int, int]:
-    """Speculative decoding's draft tokens and accepted draft tokens so far (get_metrics' counters)."""
+def draft_counts(llm) -> tuple[int, int] | None:
+    """Speculative decoding's draft tokens and accepted draft tokens so far (get_metrics' counters; None
+    without them)."""
     values = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-    return values["vllm:spec_decode_num_draft_tokens"], values["vllm:spec_decode_num_accepted_tokens"]
+    counts = values.get("vllm:spec_decode_num_draft_tokens"), values.get("vllm:spec_decode_num_accepted_tokens")
+    return None if None in counts else counts
 
 
 def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float, run: int = 1):
@@ -362,7 +364,7 @@ def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float, run: i
     if args.workload == "latency":
         result["ms_per_token"] = round(elapsed * 1000 / num_out, 3)
         print(f"Latency: {result['ms_per_token']:.3f} ms/token (batch 1)")
-    if drafts_before is not None:
+    if drafts_before is not None and draft_counts(llm) is not None:
         drafted, accepted = (after - before for after, before in zip(draft_counts(llm), drafts_before))
         result |= dict(draft_tokens=drafted, accepted_draft_tokens=accepted)
         print(f"Drafts: {accepted} of {drafted} draft tokens accepted ({accepted / max(drafted, 1):.1%})")
