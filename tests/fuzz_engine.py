@@ -3,11 +3,12 @@ tests/test_fuzz.py runs a few seeds in CI).
 
 A seed picks a small engine configuration (block size, KV blocks, max_num_seqs, token budget,
 chunked prefill, prefix caching, async scheduling, CUDA graphs, scheduling policy, an fp8 KV cache,
-a reasoning parser, the logprobs mode, n-gram speculative decoding in three seeds of ten) and a random run of requests (random sampling options, among them penalties,
-stops, bad words, allowed ids, logprobs, truncation, thinking budgets and, with xgrammar, a choice,
-regex or JSON grammar; output kinds, priorities and cache salts), requests it must refuse, aborts
-and sleeps (levels 0-2, modes "keep" and "abort") between step() calls. Every fourth seed samples its
-rows with a top_k above 16 on the sampler's sorted path (SORTED_PATH_TOP_K_MAX). Checked:
+a reasoning parser, the logprobs mode, n-gram speculative decoding in three seeds of ten) and a
+random run of requests (random sampling options, among them penalties, stops, bad words, allowed
+ids, logprobs, truncation, thinking budgets and, with xgrammar, a choice, regex or JSON grammar;
+output kinds, priorities and cache salts), requests it must refuse, aborts and sleeps (levels 0-2,
+modes "keep" and "abort") between step() calls. Every fourth seed samples its rows with a top_k
+above 16 on the sampler's sorted path (SORTED_PATH_TOP_K_MAX). Checked:
 - a bad request (out-of-vocabulary id, a prompt too long, an unfinished request's id, ...) is a
   ValueError and changes nothing else;
 - every request that is not aborted is reported finished exactly once, and the engine counts as

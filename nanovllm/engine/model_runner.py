@@ -395,8 +395,8 @@ class ModelRunner:
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
         """The sampler's inputs: a row per sequence and per draft (engine/speculative.py)."""
-        return build_sampling_metadata(sampling_rows(seqs), self.vocab_size, self.eos_token_ids, self.device, self.penalty_counts,
-                                       self.bitmask_filler)
+        return build_sampling_metadata(sampling_rows(seqs), self.vocab_size, self.eos_token_ids, self.device,
+                                       self.penalty_counts, self.bitmask_filler)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, sampling_seqs: list[Sequence], pending: dict[int, int] | None = None,

@@ -1,13 +1,13 @@
 """Scheduler: picks which tokens of which sequences the next step computes (no torch here).
 
 One token budget per step (vLLM v1): running sequences first, in admission order, each takes
-what it still needs (1 token for a decode, with its drafts under speculative decoding; the rest of
-its prompt for a prefill; capped by what is left of the budget); then waiting sequences are admitted while budget, blocks and
-`max_num_seqs` allow. Any sequence's prefill can be chunked, so decodes and prefill chunks share
-one batch (unless chunked prefill is off: then a prompt that does not fit what is left of the
-budget waits for the next step). When blocks run out, the most recently admitted sequence is
-preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
-(cheaply, when its blocks are still in the prefix cache).
+what it still needs (1 token for a decode, with its drafts under speculative decoding; the rest
+of its prompt for a prefill; capped by what is left of the budget); then waiting sequences are
+admitted while budget, blocks and `max_num_seqs` allow. Any sequence's prefill can be chunked,
+so decodes and prefill chunks share one batch (unless chunked prefill is off: then a prompt that
+does not fit what is left of the budget waits for the next step). When blocks run out, the most
+recently admitted sequence is preempted: its blocks are freed and it goes back to the front of
+the queue, to be recomputed (cheaply, when its blocks are still in the prefix cache).
 
 With policy="priority" (vLLM's `scheduling_policy`) both queues stay ordered by (priority,
 arrival), lower priority values first: admission takes the best waiting sequence, the budget goes
