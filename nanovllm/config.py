@@ -17,7 +17,7 @@ from nanovllm.logger import init_logger
 from nanovllm.model.fp8 import FP8Checkpoint, fp8_checkpoint
 from nanovllm.pooling_params import CLASSIFY_TASKS, EMBED_TASKS, PoolerConfig, is_sentence_transformers_model
 from nanovllm.utils.hub import check_directory_or_hub_id, resolve_model_path
-from nanovllm.utils.validation import check_field_types
+from nanovllm.utils.validation import check_field_types, check_known_keys
 from nanovllm.vllm_only_arguments import IDLE_ARGUMENTS, IGNORED_ARGUMENTS
 
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")   # vLLM's
@@ -320,9 +320,7 @@ class Config:
         check(self.generation_config in ("auto", "vllm") or os.path.isdir(self.generation_config),
               f"generation_config must be 'auto', 'vllm' or a folder with a generation_config.json, "
               f"got {self.generation_config!r}.")
-        unknown = sorted(set(self.override_generation_config or {}) - set(GENERATION_FIELDS))
-        check(not unknown, f"override_generation_config has unknown key(s) {unknown}; known: "
-                           f"{', '.join(GENERATION_FIELDS)}.")
+        check_known_keys("override_generation_config", self.override_generation_config or {}, GENERATION_FIELDS)
         check(self.load_format in ("auto", "safetensors", "dummy"),
               f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}.")
         check(self.max_model_len is None or self.max_model_len >= 1 or self.max_model_len == -1,

@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, fields
 
 from nanovllm.sampling_params import RequestOutputKind
+from nanovllm.utils.validation import check_known_keys
 
 EMBED_TASKS = ("embed", "token_embed")              # an embedding model's (vLLM's names)
 CLASSIFY_TASKS = ("classify", "token_classify")     # a classifier's
@@ -93,10 +94,7 @@ class PoolerConfig:
         if isinstance(value, dict):
             if "normalize" in value:
                 raise ValueError("Parameter `normalize` was removed; use `use_activation` instead.")
-            known = {f.name for f in fields(cls)}
-            unknown = sorted(set(value) - known)
-            if unknown:
-                raise ValueError(f"pooler_config has unknown key(s) {unknown}; known: {', '.join(sorted(known))}.")
+            check_known_keys("pooler_config", value, sorted(f.name for f in fields(cls)))
             return cls(**value)
         raise ValueError(f"pooler_config must be a PoolerConfig or a dict of its fields, got {value!r:.80}.")
 

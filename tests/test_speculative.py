@@ -128,7 +128,7 @@ def test_speculative_config_from_vllm_flags():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, {},
      "speculative_config prompt_lookup_min must be a positive integer, got 0."),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, {},
-     "speculative_config has unknown key(s) ['draft_tensor_parallel_size']"),
+     "speculative_config has unknown key(s) ['draft_tensor_parallel_size']; known: method, model"),
     ({"method": "ngram"}, {"spec_method": "ngram"}, "--spec-method and --speculative-config['method'] are mutually "
                                                     "exclusive"),
     ("ngram", {}, "speculative_config must be a dict of its fields, got 'ngram'."),

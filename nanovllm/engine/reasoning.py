@@ -13,6 +13,8 @@ chat template that opens it) counts its tokens after the marker too, as vLLM doe
 """
 from dataclasses import dataclass
 
+from nanovllm.utils.validation import check_known_keys
+
 # vLLM 0.26's reasoning parsers whose blocks lie between two strings: name -> (start, end).
 REASONING_PARSERS = {name: ("<think>", "</think>") for name in ("qwen3", "deepseek_r1", "mimo", "ernie45")}
 REASONING_CONFIG_FIELDS = ("reasoning_parser", "reasoning_start_str", "reasoning_end_str")
@@ -32,10 +34,7 @@ class ReasoningConfig:
         ReasoningConfig (ours or vLLM's, taken as it is)."""
         if not isinstance(value, dict):
             return value
-        unknown = sorted(set(value) - set(REASONING_CONFIG_FIELDS))
-        if unknown:
-            raise ValueError(f"reasoning_config has unknown key(s) {unknown}; known: "
-                             f"{', '.join(REASONING_CONFIG_FIELDS)}.")
+        check_known_keys("reasoning_config", value, REASONING_CONFIG_FIELDS)
         return cls(**value)
 
 

@@ -27,6 +27,7 @@ from array import array
 from dataclasses import dataclass
 
 from nanovllm.engine.sequence import Sequence
+from nanovllm.utils.validation import check_known_keys
 
 SPECULATIVE_CONFIG_FIELDS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 
@@ -61,10 +62,7 @@ class SpeculativeConfig:
             value[key] = given
         if value is None:
             return None
-        unknown = sorted(set(value) - set(SPECULATIVE_CONFIG_FIELDS))
-        if unknown:
-            raise ValueError(f"speculative_config has unknown key(s) {unknown}; nanovllm's n-gram speculation "
-                             f"knows {', '.join(SPECULATIVE_CONFIG_FIELDS)}.")
+        check_known_keys("speculative_config", value, SPECULATIVE_CONFIG_FIELDS)
         return cls(**value)
 
     def __post_init__(self):

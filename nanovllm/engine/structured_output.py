@@ -25,6 +25,7 @@ import torch
 
 from nanovllm.engine.reasoning import MarkerScan, ThinkingMarkers
 from nanovllm.sampling_params import StructuredOutputsParams
+from nanovllm.utils.validation import check_known_keys
 
 
 @dataclass
@@ -46,9 +47,7 @@ class StructuredOutputsConfig:
             value = {}
         elif not isinstance(value, dict):
             value = {name: getattr(value, name) for name in names if hasattr(value, name)}
-        unknown = sorted(set(value) - set(names))
-        if unknown:
-            raise ValueError(f"structured_outputs_config has unknown key(s) {unknown}; known: {', '.join(names)}.")
+        check_known_keys("structured_outputs_config", value, names)
         config = cls(**value)
         if config.backend not in ("auto", "xgrammar"):
             raise ValueError(f"structured_outputs_config backend must be 'auto' or 'xgrammar' (nanovllm uses "

@@ -27,6 +27,13 @@ def as_python(value):
     return value
 
 
+def check_known_keys(name: str, value: dict, known) -> None:
+    """A config given as a dict: ValueError naming the keys that are not among known."""
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ValueError(f"{name} has unknown key(s) {unknown}; known: {', '.join(known)}.")
+
+
 def check_field_types(obj):
     """Raise ValueError naming the first init field whose value is not of its annotated type, so
     that max_num_seqs="8" is reported as such and not as a TypeError deep inside. Checked at the
