@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from conftest import hf_greedy
-from nanovllm import LLM, LLMEngine, EngineArgs, SamplingParams
+from conftest import hf_greedy, log_lines
+from nanovllm import LLM, BeamSearchParams, EngineArgs, LLMEngine, SamplingParams
 from nanovllm.config import Config
 from nanovllm.engine.speculative import SpeculativeConfig, accepted_tokens, ngram_drafts
 from nanovllm.sampling_params import RequestOutputKind
@@ -276,3 +276,38 @@ def test_tensor_parallel(qwen3_dir):
     with LLM(path, speculative_config=NGRAM, tensor_parallel_size=2, **SETTINGS) as llm:
         assert [o.outputs[0].token_ids for o in run(llm, params)] == expected
         assert draft_counts(llm)["num_accepted_tokens"] > 0
+
+
+def test_stats_log_the_drafts(qwen3_dir):
+    """disable_log_stats=False: the accepted drafts count as generated tokens in vLLM's periodic line, and
+    vLLM's SpecDecoding line follows it."""
+    llm = LLM(qwen3_dir, speculative_config=NGRAM, **SETTINGS)
+    stats = llm.llm_engine.stat_logger
+    stats.interval_s = float("inf")
+    run(llm, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    counts = draft_counts(llm)
+    assert stats.num_generation_tokens == 40 * len(PROMPTS)
+    with log_lines("nanovllm.engine.stat_logger") as lines:
+        stats.log(llm.llm_engine.scheduler, llm.llm_engine.block_manager)
+    accepted, drafted, drafts = counts["num_accepted_tokens"], counts["num_draft_tokens"], counts["num_drafts"]
+    rates = ", ".join(f"{n / drafts:.3f}" for n in counts["num_accepted_tokens_per_pos"])
+    assert lines[1].startswith(f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, ")
+    assert lines[1].endswith(f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, Per-position acceptance "
+                             f"rate: {rates}, Avg Draft acceptance rate: {accepted / drafted:.1%}")
+    with log_lines("nanovllm.engine.stat_logger") as lines:   # (nothing drafted since)
+        stats.log(llm.llm_engine.scheduler, llm.llm_engine.block_manager)
+    assert len(lines) == 1
+
+
+def test_chat_and_beam_search(plain, spec):
+    """The facade's other generating calls on an engine with drafts: chat's tokens, and beam search (one
+    token a step: no room for drafts) as without drafts."""
+    messages = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. The quick brown"}]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected, ours = plain.chat(messages, params, use_tqdm=False), spec.chat(messages, params, use_tqdm=False)
+    assert ours[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    beams = BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    assert ([[b.tokens for b in o.sequences] for o in spec.beam_search(prompts, beams)]
+            == [[b.tokens for b in o.sequences] for o in plain.beam_search(prompts, beams)])
+    assert_idle(spec)

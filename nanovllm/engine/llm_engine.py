@@ -111,7 +111,8 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         spec = config.speculative_config
         self.proposer = None if spec is None else NgramProposer(spec, config.max_model_len)
-        self.stat_logger = None if config.disable_log_stats else StatLogger()
+        self.stat_logger = None if config.disable_log_stats else StatLogger(
+            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0)
         self.metrics = None if config.disable_log_stats else EngineMetrics(
             self.model_config.served_model_name, config.max_model_len,
             spec.num_speculative_tokens if spec is not None else 0)
@@ -468,8 +469,9 @@ class LLMEngine:
             tokens = accepted_tokens(drafts, token_ids[first:row]) if drafts else (token_ids[first],)
             if drafts:   # the rejected drafts' KV is written over by the next steps
                 seq.num_computed_tokens -= len(drafts) + 1 - len(tokens)
-                if self.metrics is not None:
-                    self.metrics.record_drafts(len(drafts), len(tokens) - 1)
+                for counts in (self.metrics, self.stat_logger):
+                    if counts is not None:
+                        counts.record_drafts(len(drafts), len(tokens) - 1)
             request = self.requests[seq.request_id]
             num_prompt_tokens = 0 if request.metrics.first_token_time else len(request.prompt_token_ids)
             request.metrics.first_token_time = request.metrics.first_token_time or now

@@ -1,5 +1,6 @@
 """The engine's periodic log line, as vLLM prints it when `LLM(disable_log_stats=False)`:
-throughput since the last line, the queues, KV-cache use and the prefix-cache hit rate since start."""
+throughput since the last line, the queues, KV-cache use and the prefix-cache hit rate since start;
+with speculative decoding vLLM's second line, the drafts since the last line."""
 import time
 
 from nanovllm.engine.block_manager import BlockManager
@@ -10,10 +11,26 @@ logger = init_logger(__name__)
 
 
 class StatLogger:
-    def __init__(self, interval_s: float = 10.0):   # vLLM's VLLM_LOG_STATS_INTERVAL default
-        self.interval_s = interval_s
+    def __init__(self, interval_s: float = 10.0, num_speculative_tokens: int = 0):
+        self.interval_s = interval_s   # vLLM's VLLM_LOG_STATS_INTERVAL default
         self.since = time.monotonic()
         self.num_prompt_tokens = self.num_generation_tokens = 0
+        self.num_speculative_tokens = num_speculative_tokens
+        self._reset_drafts()
+
+    def _reset_drafts(self):
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * self.num_speculative_tokens
+
+    def record_drafts(self, num_draft_tokens: int, num_accepted_tokens: int):
+        """One sequence's drafts in a step; the accepted ones are generated tokens too (record() counts
+        one a sampling sequence)."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for pos in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[pos] += 1
+        self.num_generation_tokens += num_accepted_tokens
 
     def record(self, num_prompt_tokens: int, num_generation_tokens: int, scheduler: Scheduler,
                block_manager: BlockManager):
@@ -34,5 +51,15 @@ class StatLogger:
                     f"Avg generation throughput: {self.num_generation_tokens / elapsed:.1f} tokens/s, "
                     f"Running: {len(scheduler.running)} reqs, Waiting: {len(scheduler.waiting)} reqs, "
                     f"KV cache usage: {used:.1%}, Prefix cache hit rate: {hit_rate:.1%}")
+        if self.num_drafts:
+            rates = ", ".join(f"{n / self.num_drafts:.3f}" for n in self.num_accepted_tokens_per_pos)
+            logger.info(f"SpecDecoding metrics: Mean acceptance length: "
+                        f"{1 + self.num_accepted_tokens / self.num_drafts:.2f}, "
+                        f"Accepted throughput: {self.num_accepted_tokens / elapsed:.2f} tokens/s, "
+                        f"Drafted throughput: {self.num_draft_tokens / elapsed:.2f} tokens/s, "
+                        f"Accepted: {self.num_accepted_tokens} tokens, Drafted: {self.num_draft_tokens} tokens, "
+                        f"Per-position acceptance rate: {rates}, "
+                        f"Avg Draft acceptance rate: {self.num_accepted_tokens / self.num_draft_tokens:.1%}")
+            self._reset_drafts()
         self.since = now
         self.num_prompt_tokens = self.num_generation_tokens = 0
