@@ -176,6 +176,20 @@ def test_reranker_from_lm_head_rows(request, arch, tokenizer):
         assert_pooling_idle(llm)
 
 
+def test_reranker_head_rounds_its_rows_to_the_model_dtype(qwen3_dir, tokenizer):
+    """A float32 checkpoint run in bf16: the head is made of the LM head's rows as the model holds them (rounded
+    to bf16), then in float32, as vLLM makes it from the loaded LM head; not of the checkpoint's float32 rows."""
+    from safetensors.torch import load_file
+    weights = load_file(f"{qwen3_dir}/model.safetensors")["model.embed_tokens.weight"]   # (tied, as Qwen3's)
+    assert weights.dtype == torch.float32
+    no, yes = tokenizer.convert_tokens_to_ids(RERANKER["classifier_from_token"])
+    with LLM(qwen3_dir, hf_overrides=RERANKER, **(SMALL | dict(dtype="bfloat16"))) as llm:
+        head = llm.llm_engine.model_runner.model.score.weight
+        assert head.dtype == torch.float32
+        assert torch.equal(head[0], weights[yes].bfloat16().float() - weights[no].bfloat16().float())
+        assert not torch.equal(head[0], weights[yes] - weights[no])
+
+
 def test_no_post_processing_keeps_a_label_a_token(qwen3_dir, tokenizer):
     """method "no_post_processing": one label a named token, its logit the LM's logit of that token."""
     tokens = ["a", "b", "The"]

@@ -28,6 +28,8 @@ class ClassifierConfig:
     use_sep_token: bool                # a cross-encoder's pair of texts tokenized as a pair (else joined)
     from_token_ids: list[int] | None = None   # the LM-head rows the head is made of (None: score.weight)
     method: str | None = None
+    rows_dtype: torch.dtype | None = None     # those rows rounded to it first: the model's, in which vLLM
+                                              # holds the loaded LM head it takes them from
 
     @classmethod
     def resolve(cls, hf_config, model_dtype: torch.dtype, tokenizer_path: str) -> "ClassifierConfig":
@@ -60,7 +62,7 @@ class ClassifierConfig:
         if use_sep_token is None:
             use_sep_token = getattr(hf_config, "use_sep_token", method is None)
         return cls(num_labels, head_dtype(hf_config, model_dtype), activation_name(hf_config), bool(use_sep_token),
-                   token_ids, method)
+                   token_ids, method, model_dtype if method is not None else None)
 
 
 def token_ids_of(tokens: list, tokenizer_path: str) -> list[int]:
@@ -148,7 +150,7 @@ class ClassifierHead(nn.Module):
     def load_from_lm_head(self, lm_head):
         """The head made of the LM head's rows (the vocabulary's: [vocab, hidden]) of config.from_token_ids.
         lm_head: a tensor, or a safetensors slice (only those rows are read)."""
-        rows = torch.cat([lm_head[i:i + 1] for i in self.config.from_token_ids]).float()
+        rows = torch.cat([lm_head[i:i + 1] for i in self.config.from_token_ids]).to(self.config.rows_dtype).float()
         if self.config.method == "from_2_way_softmax":   # [false, true] -> true - false
             rows = rows[1:] - rows[:1]
         self.weight.copy_(rows)
