@@ -222,12 +222,8 @@ class Config:
             raise ValueError("device is 'cuda', but no CUDA device is available.")
         self.speculative_config = SpeculativeConfig.from_engine_args(self.speculative_config, self.spec_method,
                                                                      self.spec_model, self.spec_tokens)
-        if self.async_scheduling is None:   # (vLLM's: not with n-gram speculation, whose drafts need the tokens)
-            self.async_scheduling = self.device == "cuda" and self.speculative_config is None
-        elif self.async_scheduling and self.speculative_config is not None:
-            raise ValueError("Currently, async scheduling is only supported with EAGLE/MTP/Draft Model/NGram GPU/"
-                             "DSpark kind of speculative decoding; nanovllm's is n-gram prompt lookup: "
-                             "leave async_scheduling unset or False.")
+        if self.async_scheduling is None:   # (with n-gram speculation too: engine/speculative.py)
+            self.async_scheduling = self.device == "cuda"
         self.model_path = resolve_model_path(self.model, need_weights=self.load_format != "dummy",
                                              revision=self.revision, cache_dir=self.download_dir,
                                              token=self.hf_token)

@@ -138,10 +138,9 @@ def random_config(rng: random.Random, **engine_kwargs) -> dict:
                   logprobs_mode=rng.choice(["raw_logprobs"] * 3 + ["raw_logits", "processed_logprobs",
                                                                    "processed_logits"]),
                   **engine_kwargs)
-    if rng.random() < 0.3:   # n-gram speculative decoding (without async scheduling, as in vLLM)
-        config.update(async_scheduling=False, speculative_config={
-            "method": "ngram", "num_speculative_tokens": rng.randint(1, 5), "prompt_lookup_min": 1,
-            "prompt_lookup_max": rng.randint(1, 4)})
+    if rng.random() < 0.3:   # n-gram speculative decoding
+        config["speculative_config"] = {"method": "ngram", "num_speculative_tokens": rng.randint(1, 5),
+                                        "prompt_lookup_min": 1, "prompt_lookup_max": rng.randint(1, 4)}
     return config
 
 

@@ -222,12 +222,15 @@ def test_start_and_stop_profile_write_a_trace(qwen3_dir, tmp_path):
     assert len(plain.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)) == 1
 
 
-def test_get_metrics_counts_what_ran(qwen3_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_get_metrics_counts_what_ran(qwen3_dir, async_scheduling):
     """get_metrics() with stat logging on (vLLM's names, labels and types): token and request
-    counters, queue and KV-cache gauges, per-request histograms; an aborted request counts as
-    "abort". With stat logging off (the default) it is a RuntimeError."""
+    counters (each generated token once, also when steps overlap), queue and KV-cache gauges,
+    per-request histograms; an aborted request counts as "abort". With stat logging off (the
+    default) it is a RuntimeError."""
     from nanovllm.metrics import Counter, Gauge, Histogram
-    llm = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=64, disable_log_stats=False)
+    llm = LLM(qwen3_dir, dtype="float32", block_size=16, num_kvcache_blocks=64, disable_log_stats=False,
+              async_scheduling=async_scheduling)
     prompts = PROMPTS[:3]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     first = llm.enqueue([PROMPTS[3]], SamplingParams(max_tokens=4))

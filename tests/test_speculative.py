@@ -8,7 +8,8 @@ import pytest
 from conftest import hf_greedy, log_lines
 from nanovllm import LLM, BeamSearchParams, EngineArgs, LLMEngine, SamplingParams
 from nanovllm.config import Config
-from nanovllm.engine.speculative import SpeculativeConfig, accepted_tokens, ngram_drafts
+from nanovllm.engine.speculative import (MIN_GAIN, PROBE_STEPS, NgramProposer, SpeculativeConfig, accepted_tokens,
+                                         ngram_drafts)
 from nanovllm.sampling_params import RequestOutputKind
 from nanovllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -49,9 +50,9 @@ def plain(qwen3_dir):
     return LLM(qwen3_dir, **SETTINGS)
 
 
-@pytest.fixture(scope="module")
-def spec(qwen3_dir):
-    return LLM(qwen3_dir, speculative_config=NGRAM, **SETTINGS)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def spec(qwen3_dir, request):
+    return LLM(qwen3_dir, speculative_config=NGRAM, async_scheduling=request.param, **SETTINGS)
 
 
 # ---- the proposer -------------------------------------------------------------------------------------------
@@ -140,14 +141,12 @@ def test_speculative_config_refusals(value, flags, message):
 
 
 def test_engine_arguments(qwen3_dir):
-    """The engine turns async scheduling off (vLLM's, for n-gram drafts, which need the sampled tokens),
-    refuses it asked for explicitly, and refuses speculation for a pooling model."""
-    config = Config(qwen3_dir, speculative_config=NGRAM, device="cpu")
-    assert config.async_scheduling is False and config.speculative_config.num_speculative_tokens == 4
+    """vLLM's flags, async scheduling kept (unlike vLLM's n-gram drafts: a step with drafts is read before the
+    next is scheduled), and no speculation for a pooling model."""
+    config = Config(qwen3_dir, speculative_config=NGRAM, async_scheduling=True, device="cpu")
+    assert config.async_scheduling is True and config.speculative_config.num_speculative_tokens == 4
     config = Config(qwen3_dir, spec_method="ngram", spec_tokens=2, device="cpu")
     assert config.speculative_config.num_speculative_tokens == 2
-    with pytest.raises(ValueError, match="async scheduling is only supported with EAGLE/MTP"):
-        Config(qwen3_dir, speculative_config=NGRAM, async_scheduling=True, device="cpu")
     with pytest.raises(ValueError, match="speculative_config is for generative models"):
         Config(qwen3_dir, speculative_config=NGRAM, runner="pooling", device="cpu")
     args = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
@@ -156,11 +155,12 @@ def test_engine_arguments(qwen3_dir):
 
 
 # ---- engines with drafts -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
-def test_greedy_tokens_equal_the_plain_engine_and_hf(arch, request):
+def test_greedy_tokens_equal_the_plain_engine_and_hf(arch, async_scheduling, request):
     path = request.getfixturevalue(f"{arch}_dir")
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    llm = LLM(path, speculative_config=NGRAM, **SETTINGS)
+    llm = LLM(path, speculative_config=NGRAM, async_scheduling=async_scheduling, **SETTINGS)
     ours = [o.outputs[0].token_ids for o in run(llm, params)]
     assert ours == hf_greedy(path, PROMPTS, 40)
     counts = draft_counts(llm)
@@ -218,8 +218,8 @@ def test_requests_that_read_their_tokens_decode_beside_drafted_ones(plain, spec)
     seen = []
     propose = speculating.propose
 
-    def recording(seqs):
-        propose(seqs)
+    def recording(seqs, drafting):
+        propose(seqs, drafting)
         seen.extend((seq.request_id, bool(seq.spec_token_ids)) for seq in seqs)
     speculating.propose = recording
     try:
@@ -237,14 +237,15 @@ def test_requests_that_read_their_tokens_decode_beside_drafted_ones(plain, spec)
     assert_idle(spec)
 
 
-def test_small_cache_small_budget_and_chunked_prompts(qwen3_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_small_cache_small_budget_and_chunked_prompts(qwen3_dir, async_scheduling):
     """Blocks of 16 tokens, too few for every sequence (preemptions), and 24 tokens a step (drafts cut to
     the budget, prompts chunked): the greedy tokens of an engine without drafts."""
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     small = dict(SETTINGS, block_size=16, num_kvcache_blocks=14, max_num_batched_tokens=24, max_num_seqs=8)
     prompts = repetitive_prompts(8, seed=1)
     expected = [o.outputs[0].token_ids for o in run(LLM(qwen3_dir, **small), params, prompts)]
-    llm = LLM(qwen3_dir, speculative_config=NGRAM, **small)
+    llm = LLM(qwen3_dir, speculative_config=NGRAM, async_scheduling=async_scheduling, **small)
     assert [o.outputs[0].token_ids for o in run(llm, params, prompts)] == expected
     assert llm.llm_engine.scheduler.num_preemptions > 0 and draft_counts(llm)["num_accepted_tokens"] > 0
     assert_idle(llm)
@@ -311,3 +312,41 @@ def test_chat_and_beam_search(plain, spec):
     assert ([[b.tokens for b in o.sequences] for o in spec.beam_search(prompts, beams)]
             == [[b.tokens for b in o.sequences] for o in plain.beam_search(prompts, beams)])
     assert_idle(spec)
+
+
+def test_drafting_stops_where_drafts_do_not_pay():
+    """The proposer drafts while the tokens drafts added per sequence average at least MIN_GAIN over recent
+    drafting steps (from 1 at the start), and below that in one step of PROBE_STEPS."""
+    proposer = NgramProposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4), max_model_len=256)
+    decisions = []
+    for _ in range(3 * PROBE_STEPS):
+        drafting = proposer.should_draft()
+        decisions.append(drafting)
+        proposer.propose([], drafting)
+        if drafting:
+            proposer.record(num_seqs=8, num_accepted_tokens=0)
+    first_off = decisions.index(False)
+    assert all(decisions[:first_off]) and 2 <= first_off <= 4
+    probes = [i for i, d in enumerate(decisions) if d and i >= first_off]
+    assert [b - a for a, b in zip(probes, probes[1:])] == [PROBE_STEPS] * (len(probes) - 1) and len(probes) >= 2
+    for _ in range(3):   # a probe that finds drafts paying turns drafting back on
+        proposer.record(num_seqs=8, num_accepted_tokens=24)
+    assert proposer.gain >= MIN_GAIN and proposer.should_draft()
+
+
+def test_an_async_engine_drafts_rarely_where_nothing_repeats(qwen3_dir):
+    """Random prompts sampled at temperature 1: drafts are found but not accepted, so after a few steps the
+    engine drafts only in probe steps; the seeded tokens are the plain engine's all the same."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 384) for _ in range(rng.randint(20, 60))] for _ in range(8)]
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=96, ignore_eos=True)
+    llm = LLM(qwen3_dir, speculative_config=NGRAM, async_scheduling=True, **SETTINGS)
+    steps = []
+    should_draft = llm.llm_engine.proposer.should_draft
+    llm.llm_engine.proposer.should_draft = lambda: steps.append(should_draft()) or steps[-1]
+    ours = run(llm, params, prompts)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids
+                                                      for o in run(LLM(qwen3_dir, **SETTINGS), params, prompts)]
+    assert len(steps) >= 96 and sum(steps) <= 3 + len(steps) // PROBE_STEPS + 1
+    assert draft_counts(llm)["num_drafts"] > 0
+    assert_idle(llm)

@@ -63,7 +63,7 @@ class InFlightStep:
     host: SamplerOutput | PooledStep | None   # the sampler's outputs (or a pooling step's), being copied to the host
     event: "torch.cuda.Event | None"  # recorded after the last copy; None on the CPU
     prompt_scores: PromptScores | None = None
-    drafts: list[list[int]] | None = None   # each sequence's drafts, rows after its own (None: no drafts)
+    drafts: list[list[int]] | None = None   # each sequence's drafts, rows after its own (None: it did not draft)
 
 
 @dataclass
@@ -332,8 +332,11 @@ class LLMEngine:
         done, self.finished_asleep = self.finished_asleep, []   # the requests this step finishes
         if self.paused:   # (requests that sleep(mode="keep") kept wait for wake_up)
             return self._report(done), StepStats()
+        drafting = self.proposer is not None and self.proposer.should_draft()
+        if drafting and self.in_flight is not None:
+            done += self._resolve_in_flight()   # (drafts follow each sequence's last token: read it first)
         if self.proposer is not None:
-            self.proposer.propose(self.scheduler.running)
+            self.proposer.propose(self.scheduler.running, drafting)
         out = self.scheduler.schedule()
         stats = StepStats()
         if out.is_empty:   # everything left is waiting for its pending token, or just finished (or none left)
@@ -371,17 +374,18 @@ class LLMEngine:
                 if not seq.is_finished:   # (read_previous may have stopped it: its token here is wasted)
                     seq.append_pending()
             host, event = self.model_runner.copy_to_host(sampled)
-            drafts = [seq.spec_token_ids for seq in sampling_seqs] if self.proposer is not None else None
+            drafts = [seq.spec_token_ids for seq in sampling_seqs] if drafting else None
             self.in_flight = InFlightStep(sampling_seqs, host, event, prompt_scores, drafts)
         elif prompt_scores is not None:
             self.in_flight = InFlightStep([], None, prompt_scores.event, prompt_scores)
         if previous is not None:   # (not read before sampling)
             done += self._resolve(previous)
-        if self.in_flight is not None and (not self.async_scheduling or (
+        if self.in_flight is not None and (not self.async_scheduling or any(self.in_flight.drafts or ()) or (
                 self.in_flight.seqs and all(seq.is_finished for seq in self.in_flight.seqs))):
-            # (with async scheduling, a step whose sequences all stopped while it ran: nothing to
-            # overlap it with, and the engine is idle after it; one that only scored prompts is
-            # followed by the steps that go on with them)
+            # (with async scheduling, a step with drafts: how many tokens each sequence gets is needed to
+            # schedule the next; a step whose sequences all stopped while it ran: nothing to overlap it
+            # with, and the engine is idle after it; one that only scored prompts is followed by the steps
+            # that go on with them)
             done += self._resolve_in_flight()
         if self.stat_logger is not None:
             self.stat_logger.record(stats.num_prefill_tokens, len(sampling_seqs), self.scheduler, self.block_manager)
@@ -462,6 +466,7 @@ class LLMEngine:
         now = time.time()
         finished = []
         row = 0   # each sequence's first row; a sequence with drafts has a row for each after it
+        num_accepted = 0
         for seq, drafts in zip(step.seqs, step.drafts or repeat(())):
             first, row = row, row + 1 + len(drafts)
             if seq.is_finished:   # stopped, or aborted, while this step ran
@@ -469,6 +474,7 @@ class LLMEngine:
             tokens = accepted_tokens(drafts, token_ids[first:row]) if drafts else (token_ids[first],)
             if drafts:   # the rejected drafts' KV is written over by the next steps
                 seq.num_computed_tokens -= len(drafts) + 1 - len(tokens)
+                num_accepted += len(tokens) - 1
                 for counts in (self.metrics, self.stat_logger):
                     if counts is not None:
                         counts.record_drafts(len(drafts), len(tokens) - 1)
@@ -487,16 +493,16 @@ class LLMEngine:
             if self.metrics is not None:
                 self.metrics.record_tokens(num_prompt_tokens, i + 1 - first)
             if seq.finish_reason is None:
-                for _ in range(num_pending - 1):
+                for _ in range(num_pending - 1):   # (later steps' tokens: counted when those are read)
                     seq.append_pending()
-                if self.metrics is not None:
-                    self.metrics.record_tokens(0, num_pending - 1)
                 continue
             self.scheduler.finish(seq)
             if request.is_finished:
                 request.metrics.finished_time = now
                 self._record_finished(request, [s.finish_reason for s in request.seqs])
                 finished.append(self.requests.pop(seq.request_id))
+        if step.drafts is not None:
+            self.proposer.record(len(step.seqs), num_accepted)
         return finished
 
     def get_metrics(self) -> list[Metric]:

@@ -22,6 +22,15 @@ are distributed as without drafts, and with a seed they are the same tokens.
 
 Sequences whose sampling reads their earlier output tokens (penalties, a grammar, multi-token bad
 words, a thinking budget) get no drafts: they decode a token a step beside the others.
+
+Drafts cost where they are not accepted: a step that carries them runs outside the decode graphs and
+is read before the next step is scheduled (the next step's tokens depend on how many were accepted),
+and the step that proposes them reads the step in flight first (the drafts follow each sequence's
+last token). So the engine drafts only while drafts pay: while the tokens they added per sequence, on
+average over the recent steps that drafted, are at least MIN_GAIN, and otherwise in one step of
+PROBE_STEPS, to notice text that starts repeating. The other steps overlap the host's work with the
+GPU's under async scheduling, as without speculation (vLLM turns async scheduling off for n-gram
+drafts instead).
 """
 from array import array
 from dataclasses import dataclass
@@ -30,6 +39,11 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.validation import check_known_keys
 
 SPECULATIVE_CONFIG_FIELDS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+# Drafting pays when drafts add about this many tokens per sequence to a step: a step with drafts took ~40%
+# longer than one without at 256 sequences on an H100 (docs/perf_notes.md rows 133-135).
+MIN_GAIN = 0.5
+GAIN_WEIGHT = 0.25   # of each drafting step in the running average
+PROBE_STEPS = 32     # below MIN_GAIN, one step in this many still drafts
 
 
 @dataclass
@@ -135,10 +149,28 @@ class NgramProposer:
         # each step adds: made once a sequence. Most steps' last token occurs nowhere before (so no n-gram
         # ending with it does), which the positions tell without searching.
         self.known: dict[int, tuple[array, dict[int, int]]] = {}
+        self.gain = 1.0              # running average of the tokens drafts added per sequence in a drafting step
+        self.steps_since_drafting = 0
 
-    def propose(self, seqs: list[Sequence]):
-        """Set spec_token_ids of each of seqs: drafts for one that decodes next and may speculate,
-        as many as its max_tokens and max_model_len leave room for after the step's own token."""
+    def should_draft(self) -> bool:
+        """Whether the next step drafts: while drafts pay, or as a probe."""
+        return self.gain >= MIN_GAIN or self.steps_since_drafting + 1 >= PROBE_STEPS
+
+    def record(self, num_seqs: int, num_accepted_tokens: int):
+        """A drafting step's outcome: num_accepted_tokens drafts kept over its num_seqs sampling sequences."""
+        self.gain += GAIN_WEIGHT * (num_accepted_tokens / max(num_seqs, 1) - self.gain)
+
+    def propose(self, seqs: list[Sequence], drafting: bool = True):
+        """Set spec_token_ids of each of seqs: none unless drafting; else drafts for one that decodes next
+        and may speculate, as many as its max_tokens and max_model_len leave room for after the step's own
+        token."""
+        if not drafting:
+            self.steps_since_drafting += 1
+            for seq in seqs:
+                if seq.spec_token_ids:
+                    seq.spec_token_ids = []
+            return
+        self.steps_since_drafting = 0
         known = {}
         for seq in seqs:
             seq.spec_token_ids = []
