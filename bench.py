@@ -191,7 +191,7 @@ def main():
                    help="LLM(async_scheduling=False): each step's tokens read before the next step is scheduled")
     p.add_argument("--speculative-config", type=json.loads, default=None,
                    help='LLM(speculative_config=...), JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_max": 3}\' (n-gram drafts; async scheduling off, as vLLM does)')
+                        '"prompt_lookup_max": 3}\' (n-gram drafts)')
     add_request_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="also print one JSON line with the results")
