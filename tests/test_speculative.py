@@ -8,8 +8,8 @@ import pytest
 from conftest import hf_greedy, log_lines
 from nanovllm import LLM, BeamSearchParams, EngineArgs, LLMEngine, SamplingParams
 from nanovllm.config import Config
-from nanovllm.engine.speculative import (MIN_GAIN, PROBE_STEPS, NgramProposer, SpeculativeConfig, accepted_tokens,
-                                         ngram_drafts)
+from nanovllm.engine.speculative import (GAIN_WEIGHT, MIN_GAIN, PROBE_STEPS, NgramProposer, SpeculativeConfig,
+                                         accepted_tokens, ngram_drafts)
 from nanovllm.sampling_params import RequestOutputKind
 from nanovllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -326,10 +326,11 @@ def test_drafting_stops_where_drafts_do_not_pay():
         if drafting:
             proposer.record(num_seqs=8, num_accepted_tokens=0)
     first_off = decisions.index(False)
-    assert all(decisions[:first_off]) and 2 <= first_off <= 4
+    assert all(decisions[:first_off]) and first_off == next(n for n in range(1, 100)
+                                                           if (1 - GAIN_WEIGHT) ** n < MIN_GAIN)
     probes = [i for i, d in enumerate(decisions) if d and i >= first_off]
     assert [b - a for a, b in zip(probes, probes[1:])] == [PROBE_STEPS] * (len(probes) - 1) and len(probes) >= 2
-    for _ in range(3):   # a probe that finds drafts paying turns drafting back on
+    for _ in range(2):   # probes that find drafts paying turn drafting back on
         proposer.record(num_seqs=8, num_accepted_tokens=24)
     assert proposer.gain >= MIN_GAIN and proposer.should_draft()
 
@@ -347,6 +348,7 @@ def test_an_async_engine_drafts_rarely_where_nothing_repeats(qwen3_dir):
     ours = run(llm, params, prompts)
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids
                                                       for o in run(LLM(qwen3_dir, **SETTINGS), params, prompts)]
-    assert len(steps) >= 96 and sum(steps) <= 3 + len(steps) // PROBE_STEPS + 1
+    first_off = next(n for n in range(1, 100) if (1 - GAIN_WEIGHT) ** n < MIN_GAIN)
+    assert len(steps) >= 96 and sum(steps) <= first_off + len(steps) // PROBE_STEPS + 1
     assert draft_counts(llm)["num_drafts"] > 0
     assert_idle(llm)

@@ -42,7 +42,10 @@ SPECULATIVE_CONFIG_FIELDS = ("method", "model", "num_speculative_tokens", "promp
 # Drafting pays when drafts add about this many tokens per sequence to a step: a step with drafts took ~40%
 # longer than one without at 256 sequences on an H100 (docs/perf_notes.md rows 133-135).
 MIN_GAIN = 0.5
-GAIN_WEIGHT = 0.25   # of each drafting step in the running average
+# Of each drafting step in the running average: from 1 it takes ~11 steps whose drafts add nothing to fall
+# below MIN_GAIN, and ~30 from a gain of ~3 tokens a step (one sequence's repeating text), where 1/4 took 7
+# and lost drafts a repetition later would have accepted (docs/perf_notes.md row 136).
+GAIN_WEIGHT = 1 / 16
 PROBE_STEPS = 32     # below MIN_GAIN, one step in this many still drafts
 
 
