@@ -7,7 +7,7 @@ preemption and prefix-cache counters, the queue and KV-cache gauges, the per-req
 histograms of time to first token, end-to-end latency, queue time and token counts, and with
 speculative decoding its draft counters.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # vLLM's buckets: time to first token, and request latencies (e2e, queue); token counts use
 # 1-2-5 steps up to max_model_len.
@@ -59,6 +59,28 @@ def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
         exponent += 1
 
 
+@dataclass
+class DraftCounts:
+    """Speculative decoding's drafts: sequences that had drafts in a step, their drafts, and the accepted
+    ones (in all, and of each draft position)."""
+    num_speculative_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(init=False)
+
+    def __post_init__(self):
+        self.num_accepted_tokens_per_pos = [0] * self.num_speculative_tokens
+
+    def record(self, num_draft_tokens: int, num_accepted_tokens: int):
+        """One sequence's drafts in a step: how many, and how many of them (the first ones) it kept."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for pos in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+
 class _Observations:
     def __init__(self, bounds):
         self.bounds, self.counts, self.count, self.sum = bounds, [0] * len(bounds), 0, 0.0
@@ -80,10 +102,7 @@ class EngineMetrics:
     def __init__(self, model_name: str, max_model_len: int, num_speculative_tokens: int = 0):
         self.labels = {"model_name": model_name, "engine": "0"}
         self.num_prompt_tokens = self.num_generation_tokens = 0
-        # speculative decoding: sequences that had drafts, their drafts, the accepted ones (of each position)
-        self.num_speculative_tokens = num_speculative_tokens
-        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
-        self.num_accepted_tokens_per_pos = [0] * num_speculative_tokens
+        self.drafts = DraftCounts(num_speculative_tokens)
         self.num_finished = dict.fromkeys(FINISH_REASONS, 0)
         tokens = one_two_five_buckets(max_model_len)
         self.histograms = {"vllm:time_to_first_token_seconds": _Observations(TTFT_BUCKETS),
@@ -99,12 +118,7 @@ class EngineMetrics:
         self.num_generation_tokens += num_generation_tokens
 
     def record_drafts(self, num_draft_tokens: int, num_accepted_tokens: int):
-        """One sequence's drafts in a step: how many, and how many of them (the first ones) it kept."""
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted_tokens
-        for pos in range(num_accepted_tokens):
-            self.num_accepted_tokens_per_pos[pos] += 1
+        self.drafts.record(num_draft_tokens, num_accepted_tokens)
 
     def record_finished(self, finish_reasons: list[str], num_prompt_tokens: int, num_generation_tokens: int,
                         metrics):
@@ -135,10 +149,11 @@ class EngineMetrics:
         metrics += [Counter("vllm:request_success", labels | {"finished_reason": reason}, n)
                     for reason, n in self.num_finished.items()]
         metrics += [Histogram(name, dict(labels), h.count, h.sum, h.buckets()) for name, h in self.histograms.items()]
-        if self.num_speculative_tokens:
-            metrics += [Counter("vllm:spec_decode_num_drafts", dict(labels), self.num_drafts),
-                        Counter("vllm:spec_decode_num_draft_tokens", dict(labels), self.num_draft_tokens),
-                        Counter("vllm:spec_decode_num_accepted_tokens", dict(labels), self.num_accepted_tokens),
+        drafts = self.drafts
+        if drafts.num_speculative_tokens:
+            metrics += [Counter("vllm:spec_decode_num_drafts", dict(labels), drafts.num_drafts),
+                        Counter("vllm:spec_decode_num_draft_tokens", dict(labels), drafts.num_draft_tokens),
+                        Counter("vllm:spec_decode_num_accepted_tokens", dict(labels), drafts.num_accepted_tokens),
                         Vector("vllm:spec_decode_num_accepted_tokens_per_pos", dict(labels),
-                               list(self.num_accepted_tokens_per_pos))]
+                               list(drafts.num_accepted_tokens_per_pos))]
         return metrics

@@ -6,6 +6,7 @@ import time
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.logger import init_logger
+from nanovllm.metrics import DraftCounts
 
 logger = init_logger(__name__)
 
@@ -15,21 +16,12 @@ class StatLogger:
         self.interval_s = interval_s   # vLLM's VLLM_LOG_STATS_INTERVAL default
         self.since = time.monotonic()
         self.num_prompt_tokens = self.num_generation_tokens = 0
-        self.num_speculative_tokens = num_speculative_tokens
-        self._reset_drafts()
-
-    def _reset_drafts(self):
-        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
-        self.num_accepted_tokens_per_pos = [0] * self.num_speculative_tokens
+        self.drafts = DraftCounts(num_speculative_tokens)   # since the last line
 
     def record_drafts(self, num_draft_tokens: int, num_accepted_tokens: int):
         """One sequence's drafts in a step; the accepted ones are generated tokens too (record() counts
         one a sampling sequence)."""
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted_tokens
-        for pos in range(num_accepted_tokens):
-            self.num_accepted_tokens_per_pos[pos] += 1
+        self.drafts.record(num_draft_tokens, num_accepted_tokens)
         self.num_generation_tokens += num_accepted_tokens
 
     def record(self, num_prompt_tokens: int, num_generation_tokens: int, scheduler: Scheduler,
@@ -51,15 +43,16 @@ class StatLogger:
                     f"Avg generation throughput: {self.num_generation_tokens / elapsed:.1f} tokens/s, "
                     f"Running: {len(scheduler.running)} reqs, Waiting: {len(scheduler.waiting)} reqs, "
                     f"KV cache usage: {used:.1%}, Prefix cache hit rate: {hit_rate:.1%}")
-        if self.num_drafts:
-            rates = ", ".join(f"{n / self.num_drafts:.3f}" for n in self.num_accepted_tokens_per_pos)
+        drafts = self.drafts
+        if drafts.num_drafts:
+            rates = ", ".join(f"{n / drafts.num_drafts:.3f}" for n in drafts.num_accepted_tokens_per_pos)
             logger.info(f"SpecDecoding metrics: Mean acceptance length: "
-                        f"{1 + self.num_accepted_tokens / self.num_drafts:.2f}, "
-                        f"Accepted throughput: {self.num_accepted_tokens / elapsed:.2f} tokens/s, "
-                        f"Drafted throughput: {self.num_draft_tokens / elapsed:.2f} tokens/s, "
-                        f"Accepted: {self.num_accepted_tokens} tokens, Drafted: {self.num_draft_tokens} tokens, "
+                        f"{1 + drafts.num_accepted_tokens / drafts.num_drafts:.2f}, "
+                        f"Accepted throughput: {drafts.num_accepted_tokens / elapsed:.2f} tokens/s, "
+                        f"Drafted throughput: {drafts.num_draft_tokens / elapsed:.2f} tokens/s, "
+                        f"Accepted: {drafts.num_accepted_tokens} tokens, Drafted: {drafts.num_draft_tokens} tokens, "
                         f"Per-position acceptance rate: {rates}, "
-                        f"Avg Draft acceptance rate: {self.num_accepted_tokens / self.num_draft_tokens:.1%}")
-            self._reset_drafts()
+                        f"Avg Draft acceptance rate: {drafts.num_accepted_tokens / drafts.num_draft_tokens:.1%}")
+            self.drafts = DraftCounts(drafts.num_speculative_tokens)
         self.since = now
         self.num_prompt_tokens = self.num_generation_tokens = 0
