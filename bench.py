@@ -364,8 +364,9 @@ def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float, run: i
     if args.workload == "latency":
         result["ms_per_token"] = round(elapsed * 1000 / num_out, 3)
         print(f"Latency: {result['ms_per_token']:.3f} ms/token (batch 1)")
-    if drafts_before is not None and draft_counts(llm) is not None:
-        drafted, accepted = (after - before for after, before in zip(draft_counts(llm), drafts_before))
+    drafts_after = draft_counts(llm) if drafts_before is not None else None
+    if drafts_after is not None:
+        drafted, accepted = (after - before for after, before in zip(drafts_after, drafts_before))
         result |= dict(draft_tokens=drafted, accepted_draft_tokens=accepted)
         print(f"Drafts: {accepted} of {drafted} draft tokens accepted ({accepted / max(drafted, 1):.1%})")
     if args.json:

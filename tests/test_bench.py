@@ -113,6 +113,19 @@ def test_bench_asks_for_chosen_ids_logprobs():
     assert bad.returncode == 2 and "argument --logprob-token-ids: invalid token_ids value: '3,x'" in bad.stderr
 
 
+def test_bench_speculates_and_reports_the_drafts():
+    """--speculative-config (n-gram drafts) prints the drafts the run proposed and accepted, in --json too."""
+    config = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    proc = subprocess.run([sys.executable, "bench.py", "--workload", "latency", "--speculative-config", config,
+                           "--no-async-scheduling", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert 0 <= result["accepted_draft_tokens"] <= result["draft_tokens"]
+    drafts = [line for line in proc.stdout.splitlines() if line.startswith("Drafts: ")]
+    assert drafts == [f"Drafts: {result['accepted_draft_tokens']} of {result['draft_tokens']} draft tokens accepted "
+                      f"({result['accepted_draft_tokens'] / max(result['draft_tokens'], 1):.1%})"]
+
+
 def test_profile_run_takes_bench_flags():
     """tests/profile_run.py builds its requests with bench.py's helpers from bench.py's own flags, so a
     flag bench.py gains cannot leave the tool behind (it did twice: --min-p, --logprob-token-ids)."""
