@@ -172,6 +172,26 @@ def test_greedy_tokens_equal_the_plain_engine_and_hf(arch, async_scheduling, req
     assert_idle(llm)
 
 
+def test_drafting_steps_attend_as_decode_rows(qwen3_dir):
+    """A step of last tokens and their drafts runs as a decode step of a row a token (step_inputs.token_rows),
+    which CUDA's decode kernel and graphs take; a step with a longer prompt chunk keeps its sequences."""
+    llm = LLM(qwen3_dir, speculative_config=NGRAM, max_num_seqs=2, **SETTINGS)
+    runner = llm.llm_engine.model_runner
+    assert (runner.decode_query_len, runner.max_decode_rows) == (5, 10)
+    layer, steps = runner.attention_layers[0], []
+    backend = layer.backend
+
+    def spy(q, k, v, k_cache, v_cache, meta, scale, out=None):
+        steps.append((len(q), len(meta.seq_lens_cpu), meta.max_query_len))
+        return backend(q, k, v, k_cache, v_cache, meta, scale, out)
+    layer.backend = spy
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in run(llm, params, PROMPTS[:2])] == hf_greedy(qwen3_dir, PROMPTS[:2], 40)
+    assert steps[0] == (70, 2, 35)   # the prompts
+    drafting = [step for step in steps[1:] if step[0] > 2]
+    assert drafting and all(rows == seqs and query_len == 1 for rows, seqs, query_len in steps[1:])
+
+
 def test_seeded_sampling_equals_the_plain_engine(plain, spec):
     """Each row draws with its own output position's noise: with seeds, the same tokens and logprobs
     as without drafts, under top-k, top-p, min-p, min_tokens, logit_bias and n > 1."""

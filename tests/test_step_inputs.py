@@ -5,7 +5,7 @@ import torch
 
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
-from nanovllm.engine.step_inputs import build_step, prompt_spans
+from nanovllm.engine.step_inputs import build_step, prompt_spans, token_rows
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -38,6 +38,20 @@ def test_pure_decode_samples_every_row():
     a, b = seq([1, 2, 3], [0], 2), seq([4, 5], [1], 1)
     step = build_step(SchedulerOutput([a, b], [1, 1]), [a, b], None, block_size=4)
     assert step.logits_rows is None and step.num_sampling == 2
+
+
+def test_token_rows_give_each_token_its_context_up_to_itself():
+    # block_size 4. a: its last token (position 9) and two drafts; b: a decode of position 4.
+    a = seq(list(range(10, 20)), [7, 3, 8], 9)
+    a.spec_token_ids = [90, 91]
+    b = seq([20, 21, 22, 23, 24], [5, 6], 4)
+    step = build_step(SchedulerOutput([a, b], [3, 1]), [a, b], None, block_size=4)
+    rows = token_rows(step.batch)
+    assert rows.input_ids.tolist() == [19, 90, 91, 24] and rows.positions.tolist() == [9, 10, 11, 4]
+    assert rows.slot_mapping.tolist() == step.batch.slot_mapping.tolist() == [8 * 4 + 1, 8 * 4 + 2, 8 * 4 + 3, 6 * 4]
+    assert rows.block_tables.tolist() == [[7, 3, 8], [7, 3, 8], [7, 3, 8], [5, 6, 0]]
+    assert rows.query_start_loc == [0, 1, 2, 3, 4] and rows.seq_lens == [10, 11, 12, 5]
+    assert step.logits_rows == [0, 1, 2, 3]
 
 
 def test_prompt_spans_score_each_prompt_token_once():

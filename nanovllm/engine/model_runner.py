@@ -22,7 +22,8 @@ from nanovllm.engine.sleep import SLEEP_TAGS, ArenaMemory, Hibernation, Storages
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.shared_prefix import SharedPrefixPlan, plan_arrays, plan_shared_prefixes
 from nanovllm.engine.speculative import sampling_rows
-from nanovllm.engine.step_inputs import HostBatch, StepInputs, build_step, mixed_step_decodes, prompt_spans
+from nanovllm.engine.step_inputs import (HostBatch, StepInputs, build_step, mixed_step_decodes, prompt_spans,
+                                         token_rows)
 from nanovllm.engine.structured_output import BitmaskFiller
 from nanovllm.engine.upload import upload
 from nanovllm.kernels import compile_ahead, device as device_info
@@ -121,6 +122,12 @@ class ModelRunner:
         self.num_sms = device_info.num_sms(self.device) if self.device.type == "cuda" else 1
         self.splits = SplitRules(self.attention_layers[0].num_kv_heads, self.num_sms, config.max_model_len,
                                  self.shared_prefix_tile_seqs)
+        # A decode step has a row a sequence; with speculative decoding a row a token (its last and its drafts,
+        # step_inputs.token_rows), up to decode_query_len a sequence, while the rows fit a decode graph's.
+        spec = config.speculative_config
+        self.decode_query_len = 1 if spec is None else 1 + spec.num_speculative_tokens
+        self.max_decode_rows = max(config.max_num_seqs,
+                                   min(config.max_num_seqs * self.decode_query_len, MAX_GRAPH_BATCH_SIZE))
         samples = tp.rank == 0 and not self.pooling
         self.sampler = (Sampler(torch.Generator(device=self.device).manual_seed(config.seed), config.logprobs_mode)
                         if samples else None)
@@ -147,7 +154,7 @@ class ModelRunner:
         self.hibernations: dict[str, Hibernation] | None = None   # sleep mode's, made by the first sleep()
         # the LM head computes the logits of n rows for logits_bucket(n) rows (see there)
         on_gpu = self.device.type == "cuda" and not self.pooling
-        self.logits_buckets = graph_buckets(config.max_num_seqs) if on_gpu else []
+        self.logits_buckets = graph_buckets(self.max_decode_rows) if on_gpu else []
         # Prompt tokens scored a logits pass (prompt_logprobs): the rows whose logits and sampling
         # the KV cache's sizing ran (_profile_kv_budget), so that a part fits what it measured.
         self.prompt_logits_rows = min(config.max_num_seqs, config.max_num_batched_tokens)
@@ -172,7 +179,7 @@ class ModelRunner:
 
     def _capture_graphs(self) -> DecodeGraphs:
         cfg = self.config
-        return DecodeGraphs(self.model, min(cfg.max_num_seqs, MAX_GRAPH_BATCH_SIZE), self.max_blocks_per_seq,
+        return DecodeGraphs(self.model, min(self.max_decode_rows, MAX_GRAPH_BATCH_SIZE), self.max_blocks_per_seq,
                             cfg.hf_config.hidden_size, cfg.torch_dtype, self.device, self.splits.decode_split,
                             pool=None if self.pieces is None else self.pieces.pool,
                             shared_prefix_tile_seqs=self.shared_prefix_tile_seqs,
@@ -290,7 +297,7 @@ class ModelRunner:
         short = host_batch(kv_cache.even_split(num_tokens, num_seqs))
         powers_of_two = [1 << i for i in range((num_tokens - 1).bit_length())]
         smaller = [host_batch(kv_cache.even_split(n, -(-n // max(lens)))) for n in powers_of_two]
-        decodes = [host_batch([1] * n) for n in decode_variant_sizes(cfg.max_num_seqs, self.splits.decode_split)]
+        decodes = [host_batch([1] * n) for n in decode_variant_sizes(self.max_decode_rows, self.splits.decode_split)]
         other_steps = [self._device_inputs(b) for b in [short, *smaller, *decodes]]
         if self.backend.supports_shared_prefixes:   # and each variant's kernels with shared prefixes
             other_steps += [self._device_inputs(b, shared=SharedPrefixPlan(np.zeros(len(b.seq_lens), np.int32),
@@ -456,10 +463,14 @@ class ModelRunner:
         computed when the iterator reaches it (one part's logits alive at a time). A pooling engine
         returns the hidden states of every row instead of logits, and no prompt logits."""
         batch = step.batch
-        num_seqs = len(batch.seq_lens)
+        num_tokens, num_seqs = len(batch.input_ids), len(batch.seq_lens)
+        max_query_len = max(np.diff(batch.query_start_loc))
+        if num_seqs < num_tokens <= self.max_decode_rows and max_query_len <= self.decode_query_len:
+            batch = token_rows(batch)   # a speculative step, as a decode step
+            num_seqs = num_tokens
         pending = (step.pending_rows, step.pending_sources) if step.pending_rows else None
         shared = self.plan_shared_prefixes(batch)
-        from_graph = (self.graphs is not None and len(batch.input_ids) == num_seqs
+        from_graph = (self.graphs is not None and num_tokens == num_seqs
                       and num_seqs <= self.graphs.max_batch_size)
         if from_graph:
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,

@@ -7,7 +7,7 @@ input_ids, positions and slot_mapping.
     seq 0 (decode)    seq 1 (prefill chunk of 3)    seq 2 (decode)
     | row 0 |         | row 1 | row 2 | row 3 |     | row 4 |        query_start_loc = [0, 1, 4, 5]
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 
 import numpy as np
@@ -84,6 +84,21 @@ def build_step(out: SchedulerOutput, sampling_seqs: list[Sequence], pending: dic
                        for row in range(batch.query_start_loc[i + 1] - 1 - len(seq.spec_token_ids),
                                         batch.query_start_loc[i + 1])]
     return StepInputs(batch, rows, sources, logits_rows, num_tokens if logits_rows is None else len(logits_rows))
+
+
+def token_rows(batch: HostBatch) -> HostBatch:
+    """The batch as a decode step of one row a token: each token attends to its sequence's context up to
+    itself, the step's earlier tokens included (all are stored before attention reads the cache), which is
+    causal attention over the sequence's new tokens. A speculative step (each sequence's last token and its
+    drafts) runs so in the decode kernel and graphs instead of the prefill kernel.
+
+        seq 0: tokens at 7, 8, 9    seq 1: token at 4    ->  rows 7, 8, 9 (seq 0's pages), 4 (seq 1's)
+        query_start_loc [0, 3, 4]                             query_start_loc [0, 1, 2, 3, 4]
+        seq_lens [10, 5]                                      seq_lens [8, 9, 10, 5]
+    """
+    seq_of_row = np.repeat(np.arange(len(batch.seq_lens)), np.diff(batch.query_start_loc))
+    return replace(batch, block_tables=batch.block_tables[seq_of_row],
+                   query_start_loc=list(range(len(batch.input_ids) + 1)), seq_lens=(batch.positions + 1).tolist())
 
 
 def prompt_spans(out: SchedulerOutput, batch: HostBatch) -> list[tuple[Sequence, int, list[int]]]:
