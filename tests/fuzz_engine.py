@@ -141,6 +141,10 @@ def random_config(rng: random.Random, **engine_kwargs) -> dict:
     if rng.random() < 0.3:   # n-gram speculative decoding
         config["speculative_config"] = {"method": "ngram", "num_speculative_tokens": rng.randint(1, 5),
                                         "prompt_lookup_min": 1, "prompt_lookup_max": rng.randint(1, 4)}
+        if rng.random() < 0.5:   # k by the number of running sequences
+            small = rng.randint(1, 4)
+            config["speculative_config"]["num_speculative_tokens_per_batch_size"] = [
+                (1, small, rng.randint(0, 5)), (small + 1, 4096, rng.randint(0, 5))]
     return config
 
 

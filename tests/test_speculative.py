@@ -119,6 +119,18 @@ def test_speculative_config_from_vllm_flags():
     assert SpeculativeConfig.from_engine_args(None) is None
 
 
+def test_drafts_per_batch_size():
+    """vLLM's num_speculative_tokens_per_batch_size: a range's k, the k before a gap or past the last range,
+    never more than num_speculative_tokens; JSON's lists are taken, in any order."""
+    config = SpeculativeConfig.from_engine_args({"method": "ngram", "num_speculative_tokens": 4,
+                                                 "num_speculative_tokens_per_batch_size": [[32, 128, 2], [1, 16, 6],
+                                                                                           [129, 129, 0]]})
+    assert config.num_speculative_tokens_per_batch_size == [(1, 16, 6), (32, 128, 2), (129, 129, 0)]
+    assert [config.num_drafts_for(b) for b in (1, 16, 17, 31, 32, 128, 129, 130, 1000)] == [4, 4, 4, 4, 2, 2, 0, 0, 0]
+    plain = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    assert [plain.num_drafts_for(b) for b in (1, 256)] == [3, 3]
+
+
 @pytest.mark.parametrize("value, flags, message", [
     ({"method": "ngram"}, {}, "speculative_config num_speculative_tokens must be a positive integer, got None."),
     ({"method": "ngram", "num_speculative_tokens": 0}, {}, "must be a positive integer, got 0."),
@@ -133,6 +145,25 @@ def test_speculative_config_from_vllm_flags():
     ({"method": "ngram"}, {"spec_method": "ngram"}, "--spec-method and --speculative-config['method'] are mutually "
                                                     "exclusive"),
     ("ngram", {}, "speculative_config must be a dict of its fields, got 'ngram'."),
+    ({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": []}, {},
+     "num_speculative_tokens_per_batch_size must be a non-empty list of (range_start, range_end, "
+     "num_speculative_tokens) entries."),
+    ({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [(1, 8)]}, {},
+     "Each num_speculative_tokens_per_batch_size entry must be a 3-item sequence of integers: (range_start, "
+     "range_end, num_speculative_tokens), got (1, 8)."),
+    ({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [(1, 0, 2)]}, {},
+     "Batch-size range (1, 0) must be positive."),
+    ({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [(1, 8, 2),
+                                                                                                (9, 4, 1)]}, {},
+     "Batch-size range start must be <= end for (9, 4, 1)."),
+    ({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [(1, 8, -1)]}, {},
+     "num_speculative_tokens_per_batch_size values must be >= 0, got -1 for (1, 8)."),
+    ({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [(1, 8, 2),
+                                                                                                (8, 16, 1)]}, {},
+     "Batch-size ranges must be non-overlapping and sorted, got [(1, 8, 2), (8, 16, 1)]."),
+    ({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [(2, 8, 2)]}, {},
+     "The first batch-size range must start at 1 so every runtime batch size has a defined schedule, got "
+     "[(2, 8, 2)]."),
 ])
 def test_speculative_config_refusals(value, flags, message):
     with pytest.raises(ValueError) as e:
@@ -190,6 +221,27 @@ def test_drafting_steps_attend_as_decode_rows(qwen3_dir):
     assert steps[0] == (70, 2, 35)   # the prompts
     drafting = [step for step in steps[1:] if step[0] > 2]
     assert drafting and all(rows == seqs and query_len == 1 for rows, seqs, query_len in steps[1:])
+
+
+def test_drafts_follow_the_batch_size_schedule(qwen3_dir):
+    """num_speculative_tokens_per_batch_size: no drafts while 3 or more sequences run, at most 2 below that;
+    the greedy tokens are HF's all the same."""
+    config = dict(NGRAM, num_speculative_tokens_per_batch_size=[(1, 2, 2), (3, 256, 0)])
+    llm = LLM(qwen3_dir, speculative_config=config, **SETTINGS)
+    batch_sizes = []
+    propose = llm.llm_engine.proposer.propose
+    llm.llm_engine.proposer.propose = lambda seqs, drafting: (
+        batch_sizes.append((len(seqs), drafting)), propose(seqs, drafting))
+    prompts = PROMPTS[:4]
+    lengths = [10, 20, 30, 40]   # sequences finish one by one: 4, 3, 2 then 1 run
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    ours = [o.outputs[0].token_ids for o in run(llm, params, prompts)]
+    assert ours == [tokens[:n] for tokens, n in zip(hf_greedy(qwen3_dir, prompts, 40), lengths)]
+    assert not any(drafting for size, drafting in batch_sizes if size >= 3)
+    assert any(drafting for size, drafting in batch_sizes if size == 1)
+    counts = draft_counts(llm)
+    assert counts["num_accepted_tokens"] > 0 and counts["num_accepted_tokens_per_pos"][2:] == [0, 0]
+    assert_idle(llm)
 
 
 def test_seeded_sampling_equals_the_plain_engine(plain, spec):
@@ -340,7 +392,7 @@ def test_drafting_stops_where_drafts_do_not_pay():
     proposer = NgramProposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4), max_model_len=256)
     decisions = []
     for _ in range(3 * PROBE_STEPS):
-        drafting = proposer.should_draft()
+        drafting = proposer.should_draft(8)
         decisions.append(drafting)
         proposer.propose([], drafting)
         if drafting:
@@ -352,7 +404,7 @@ def test_drafting_stops_where_drafts_do_not_pay():
     assert [b - a for a, b in zip(probes, probes[1:])] == [PROBE_STEPS] * (len(probes) - 1) and len(probes) >= 2
     for _ in range(2):   # probes that find drafts paying turn drafting back on
         proposer.record(num_seqs=8, num_accepted_tokens=24)
-    assert proposer.gain >= MIN_GAIN and proposer.should_draft()
+    assert proposer.gain >= MIN_GAIN and proposer.should_draft(8)
 
 
 def test_an_async_engine_drafts_rarely_where_nothing_repeats(qwen3_dir):
@@ -364,7 +416,7 @@ def test_an_async_engine_drafts_rarely_where_nothing_repeats(qwen3_dir):
     llm = LLM(qwen3_dir, speculative_config=NGRAM, async_scheduling=True, **SETTINGS)
     steps = []
     should_draft = llm.llm_engine.proposer.should_draft
-    llm.llm_engine.proposer.should_draft = lambda: steps.append(should_draft()) or steps[-1]
+    llm.llm_engine.proposer.should_draft = lambda batch_size: steps.append(should_draft(batch_size)) or steps[-1]
     ours = run(llm, params, prompts)
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids
                                                       for o in run(LLM(qwen3_dir, **SETTINGS), params, prompts)]

@@ -332,7 +332,7 @@ class LLMEngine:
         done, self.finished_asleep = self.finished_asleep, []   # the requests this step finishes
         if self.paused:   # (requests that sleep(mode="keep") kept wait for wake_up)
             return self._report(done), StepStats()
-        drafting = self.proposer is not None and self.proposer.should_draft()
+        drafting = self.proposer is not None and self.proposer.should_draft(len(self.scheduler.running))
         if drafting and self.in_flight is not None:
             done += self._resolve_in_flight()   # (drafts follow each sequence's last token: read it first)
         if self.proposer is not None:

@@ -14,6 +14,8 @@ Draft i is accepted while the drafts before it were and s[i-1] equals it. The se
 accepted drafts, then the first sampled token that differs from its draft (or s3 when all were
 accepted): 1 to k + 1 tokens from one step, and the KV of the rejected drafts is written over later.
 
+vLLM's num_speculative_tokens_per_batch_size sets k by the number of running sequences.
+
 Every row samples from the sequence's own distribution at its position (logit edits, temperature,
 min-p, top-k, top-p; a seeded request its noise for that output position). For a draft that is a
 single token, "sample, accept if equal" is rejection sampling: a draft is accepted with its target
@@ -23,12 +25,13 @@ are distributed as without drafts, and with a seed they are the same tokens.
 Sequences whose sampling reads their earlier output tokens (penalties, a grammar, multi-token bad
 words, a thinking budget) get no drafts: they decode a token a step beside the others.
 
-Drafts cost where they are not accepted: a step that carries them runs outside the decode graphs and
-is read before the next step is scheduled (the next step's tokens depend on how many were accepted),
-and the step that proposes them reads the step in flight first (the drafts follow each sequence's
-last token). So the engine drafts only while drafts pay: while the tokens they added per sequence, on
-average over the recent steps that drafted, are at least MIN_GAIN, and otherwise in one step of
-PROBE_STEPS, to notice text that starts repeating. The other steps overlap the host's work with the
+A step that carries drafts runs as a decode step of a row a token (step_inputs.token_rows), in the
+decode graphs. Drafts still cost where they are not accepted: the step computes their rows, it is read
+before the next step is scheduled (the next step's tokens depend on how many were accepted), and the
+step that proposes them reads the step in flight first (the drafts follow each sequence's last token).
+So the engine drafts only while drafts pay: while the tokens they added per sequence, on average over
+the recent steps that drafted, are at least MIN_GAIN, and otherwise in one step of PROBE_STEPS, to
+notice text that starts repeating. The other steps overlap the host's work with the
 GPU's under async scheduling, as without speculation (vLLM turns async scheduling off for n-gram
 drafts instead).
 """
@@ -38,7 +41,8 @@ from dataclasses import dataclass
 from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.validation import check_known_keys
 
-SPECULATIVE_CONFIG_FIELDS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+SPECULATIVE_CONFIG_FIELDS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                             "num_speculative_tokens_per_batch_size")
 # Drafting pays when drafts add about this many tokens per sequence to a step: a step with drafts took ~40%
 # longer than one without at 256 sequences on an H100 (docs/perf_notes.md rows 133-135).
 MIN_GAIN = 0.5
@@ -57,6 +61,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int | None = None
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    # (range_start, range_end, k) entries, inclusive ranges of a step's sequences starting at 1: the drafts a
+    # sequence proposes at that batch size (num_drafts_for), at most num_speculative_tokens
+    num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None
 
     @classmethod
     def from_engine_args(cls, value, spec_method: str | None = None, spec_model: str | None = None,
@@ -108,6 +115,48 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= "
                              f"prompt_lookup_max={self.prompt_lookup_max}")
+        if self.num_speculative_tokens_per_batch_size is not None:
+            self.num_speculative_tokens_per_batch_size = batch_size_schedule(self.num_speculative_tokens_per_batch_size)
+
+    def num_drafts_for(self, batch_size: int) -> int:
+        """The drafts a sequence proposes in a step of batch_size sequences: num_speculative_tokens, or with
+        num_speculative_tokens_per_batch_size the k of the range that holds batch_size (in a gap between
+        ranges or past the last, the k of the range before), at most num_speculative_tokens."""
+        k = self.num_speculative_tokens
+        for start, _, tokens in self.num_speculative_tokens_per_batch_size or ():
+            if start > batch_size:
+                break
+            k = min(tokens, self.num_speculative_tokens)
+        return k
+
+
+def batch_size_schedule(entries) -> list[tuple[int, int, int]]:
+    """num_speculative_tokens_per_batch_size checked as vLLM checks it (its messages), sorted by range."""
+    if not isinstance(entries, (list, tuple)) or not entries:
+        raise ValueError("num_speculative_tokens_per_batch_size must be a non-empty list of "
+                         "(range_start, range_end, num_speculative_tokens) entries.")
+    schedule = []
+    for entry in entries:
+        if not isinstance(entry, (list, tuple)) or len(entry) != 3 or not all(
+                isinstance(value, int) and not isinstance(value, bool) for value in entry):
+            raise ValueError("Each num_speculative_tokens_per_batch_size entry must be a 3-item sequence of "
+                             f"integers: (range_start, range_end, num_speculative_tokens), got {entry!r:.80}.")
+        start, end, tokens = entry
+        if start <= 0 or end <= 0:
+            raise ValueError(f"Batch-size range ({start}, {end}) must be positive.")
+        if start > end:
+            raise ValueError(f"Batch-size range start must be <= end for ({start}, {end}, {tokens}).")
+        if tokens < 0:
+            raise ValueError(f"num_speculative_tokens_per_batch_size values must be >= 0, got {tokens} "
+                             f"for ({start}, {end}).")
+        schedule.append((start, end, tokens))
+    schedule.sort()
+    if any(start <= end for (_, end, _), (start, _, _) in zip(schedule, schedule[1:])):
+        raise ValueError(f"Batch-size ranges must be non-overlapping and sorted, got {schedule}.")
+    if schedule[0][0] != 1:
+        raise ValueError("The first batch-size range must start at 1 so every runtime batch size has a defined "
+                         f"schedule, got {schedule}.")
+    return schedule
 
 
 def ngram_drafts(token_ids: list[int] | array, min_n: int, max_n: int, k: int) -> list[int]:
@@ -145,7 +194,7 @@ def can_draft(seq: Sequence) -> bool:
 
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
-        self.k = config.num_speculative_tokens
+        self.config = config
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.max_model_len = max_model_len
         # seq_id -> (its token ids as an array("i"), each id's first position), extended by the tokens
@@ -155,8 +204,11 @@ class NgramProposer:
         self.gain = 1.0              # running average of the tokens drafts added per sequence in a drafting step
         self.steps_since_drafting = 0
 
-    def should_draft(self) -> bool:
-        """Whether the next step drafts: while drafts pay, or as a probe."""
+    def should_draft(self, batch_size: int) -> bool:
+        """Whether the next step, of about batch_size sequences, drafts: where that size has drafts, while
+        they pay or as a probe."""
+        if not self.config.num_drafts_for(batch_size):
+            return False
         return self.gain >= MIN_GAIN or self.steps_since_drafting + 1 >= PROBE_STEPS
 
     def record(self, num_seqs: int, num_accepted_tokens: int):
@@ -164,9 +216,9 @@ class NgramProposer:
         self.gain += GAIN_WEIGHT * (num_accepted_tokens / max(num_seqs, 1) - self.gain)
 
     def propose(self, seqs: list[Sequence], drafting: bool = True):
-        """Set spec_token_ids of each of seqs: none unless drafting; else drafts for one that decodes next
-        and may speculate, as many as its max_tokens and max_model_len leave room for after the step's own
-        token."""
+        """Set spec_token_ids of each of seqs (the running sequences): none unless drafting; else drafts for
+        one that decodes next and may speculate, as many as the batch size's k (num_drafts_for), its max_tokens
+        and max_model_len leave room for after the step's own token."""
         if not drafting:
             self.steps_since_drafting += 1
             for seq in seqs:
@@ -175,11 +227,12 @@ class NgramProposer:
             return
         self.steps_since_drafting = 0
         known = {}
+        k = self.config.num_drafts_for(len(seqs))
         for seq in seqs:
             seq.spec_token_ids = []
             if seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_pending_tokens or not can_draft(seq):
                 continue
-            room = min(self.k, self.max_model_len - seq.num_tokens - 1)
+            room = min(k, self.max_model_len - seq.num_tokens - 1)
             max_tokens = seq.sampling_params.max_tokens
             if max_tokens is not None:
                 room = min(room, max_tokens - seq.num_output_tokens - 1)
