@@ -11,7 +11,8 @@
     PYTHONPATH=. python3 tests/profile_run.py [--model qwen3-0.6b] [--workload default] [--tp 2] [--profile-steps 200]
         [--max-num-seqs 512] [--top-k 20 --top-p 0.95] [--presence-penalty 0.5 ...] [--runs 2] [--no-profile] [--pause 5]
         [--n 8] [--logprobs 20 [--flat-logprobs]] [--prompt-logprobs 1] [--tokenizer synthetic]
-        [--cprofile | --cprofile-steps 3 8]     (bench.py's workload and request flags, and this tool's own)
+        [--cprofile | --cprofile-steps 3 8] [--speculative-config JSON]     (bench.py's workload and request
+        flags, and this tool's own)
         [--num-seqs 128 --min-input-len 6000 --max-input-len 8000 --min-output-len 16 --max-output-len 64
          --max-model-len 8192]     (the long-prompt workload; the default workload's lengths otherwise)
 """
@@ -19,6 +20,7 @@ import argparse
 import collections
 import cProfile
 import gc
+import json
 import os
 import pstats
 import sys
@@ -127,6 +129,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      help="each host-view run under cProfile: its top functions by own time "
                                           "(where a first run's host time goes)")
     p.add_argument("--cprofile-dump", metavar="DIR", help="save the --cprofile-steps' stats here (step<N>.prof)")
+    p.add_argument("--speculative-config", type=json.loads, default=None,
+                   help="LLM(speculative_config=...), JSON, as bench.py's")
     p.add_argument("--pause", type=float, default=0.0, help="seconds the GPU sits idle before each host-view run "
                                                             "after the first (as before a process's first run)")
     args = p.parse_args(argv)
@@ -138,6 +142,8 @@ def main():
     args = parse_args()
     params = sampling_filters(args) | request_options(args)
     engine_options = {} if args.logprobs_mode is None else dict(logprobs_mode=args.logprobs_mode)
+    if args.speculative_config is not None:
+        engine_options["speculative_config"] = args.speculative_config
     llm = LLM(preset_dir(args.model), load_format="dummy", max_model_len=args.max_model_len,
               tensor_parallel_size=args.tp, max_num_seqs=args.max_num_seqs, **tokenizer_options(args.tokenizer),
               **engine_options)
