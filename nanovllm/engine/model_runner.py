@@ -464,8 +464,8 @@ class ModelRunner:
         returns the hidden states of every row instead of logits, and no prompt logits."""
         batch = step.batch
         num_tokens, num_seqs = len(batch.input_ids), len(batch.seq_lens)
-        max_query_len = max(np.diff(batch.query_start_loc))
-        if num_seqs < num_tokens <= self.max_decode_rows and max_query_len <= self.decode_query_len:
+        if (num_seqs < num_tokens <= self.max_decode_rows
+                and max(np.diff(batch.query_start_loc)) <= self.decode_query_len):
             batch = token_rows(batch)   # a speculative step, as a decode step
             num_seqs = num_tokens
         pending = (step.pending_rows, step.pending_sources) if step.pending_rows else None

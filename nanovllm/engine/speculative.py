@@ -31,9 +31,8 @@ before the next step is scheduled (the next step's tokens depend on how many wer
 step that proposes them reads the step in flight first (the drafts follow each sequence's last token).
 So the engine drafts only while drafts pay: while the tokens they added per sequence, on average over
 the recent steps that drafted, are at least MIN_GAIN, and otherwise in one step of PROBE_STEPS, to
-notice text that starts repeating. The other steps overlap the host's work with the
-GPU's under async scheduling, as without speculation (vLLM turns async scheduling off for n-gram
-drafts instead).
+notice text that starts repeating. The other steps overlap the host's work with the GPU's under async
+scheduling, as without speculation (vLLM turns async scheduling off for n-gram drafts instead).
 """
 from array import array
 from dataclasses import dataclass
