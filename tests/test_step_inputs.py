@@ -5,6 +5,7 @@ import torch
 
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
+from nanovllm.engine.shared_prefix import plan_shared_prefixes
 from nanovllm.engine.step_inputs import build_step, prompt_spans, token_rows
 from nanovllm.sampling_params import SamplingParams
 
@@ -52,6 +53,17 @@ def test_token_rows_give_each_token_its_context_up_to_itself():
     assert rows.block_tables.tolist() == [[7, 3, 8], [7, 3, 8], [7, 3, 8], [5, 6, 0]]
     assert rows.query_start_loc == [0, 1, 2, 3, 4] and rows.seq_lens == [10, 11, 12, 5]
     assert step.logits_rows == [0, 1, 2, 3]
+
+
+def test_token_rows_of_one_sequence_read_its_full_pages_once():
+    """A long sequence's last token and 4 drafts as token rows: the rows share the pages before their newest
+    token's, so the decode step's shared-prefix plan reads those once for the five (engine/shared_prefix.py)."""
+    a = seq(list(range(1000)), list(range(10, 14)), 999)
+    a.spec_token_ids = [1, 2, 3, 4]
+    rows = token_rows(build_step(SchedulerOutput([a], [5]), [a], None, block_size=256).batch)
+    assert rows.seq_lens == [1000, 1001, 1002, 1003, 1004]
+    plan = plan_shared_prefixes(rows.block_tables, rows.seq_lens, 256, seqs_per_tile=16)
+    assert plan.prefix_lens.tolist() == [768] * 5 and plan.tiles.tolist() == [[0, 5, 768]]
 
 
 def test_prompt_spans_score_each_prompt_token_once():
