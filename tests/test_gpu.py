@@ -70,8 +70,8 @@ VARIANTS = {
     "torch_backend": dict(attention_backend="torch", block_size=16),
     "fp8_kv_graphs": dict(kv_cache_dtype="fp8"),
     "fp8_kv_chunked_prefill": dict(kv_cache_dtype="fp8", block_size=16, max_num_batched_tokens=48),
-    # n-gram speculative decoding: the drafts' rows in steps run in pieces (or eagerly); the counters
-    # show that drafts were accepted
+    # n-gram speculative decoding: a step's drafts as decode rows of their own (step_inputs.token_rows), in the
+    # decode graphs or eagerly, and beside prompt chunks; the counters show that drafts were accepted
     "ngram_graphs": dict(speculative_config=NGRAM, disable_log_stats=False),
     "ngram_eager": dict(speculative_config=NGRAM, disable_log_stats=False, enforce_eager=True),
     "ngram_chunked_prefill": dict(speculative_config=NGRAM, disable_log_stats=False, block_size=16,

@@ -111,11 +111,11 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         spec = config.speculative_config
         self.proposer = None if spec is None else NgramProposer(spec, config.max_model_len)
+        num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.stat_logger = None if config.disable_log_stats else StatLogger(
-            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0)
+            num_speculative_tokens=num_speculative_tokens)
         self.metrics = None if config.disable_log_stats else EngineMetrics(
-            self.model_config.served_model_name, config.max_model_len,
-            spec.num_speculative_tokens if spec is not None else 0)
+            self.model_config.served_model_name, config.max_model_len, num_speculative_tokens)
         self.in_flight: InFlightStep | None = None
         self.paused = False   # sleep()'s: no step runs until wake_up()
         self.input_processor = InputProcessor(config, tokenizer, self.block_manager.num_blocks * config.block_size)

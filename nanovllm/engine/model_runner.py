@@ -306,11 +306,11 @@ class ModelRunner:
         # top_k without max_top_k or max_set_top_k sorts every row: the sampler's largest path; and
         # the logprobs at the engine's cap, with logprob_token_ids (a whole log_softmax kept past MAX_TOP).
         # With speculative decoding a sequence samples a row for its last token and one for each draft.
-        if cfg.speculative_config is None:
+        if self.decode_query_len == 1:
             num_rows = num_seqs
             last_tokens = torch.tensor(batch.query_start_loc[1:], device=self.device) - 1
         else:
-            num_rows = min(num_seqs * (1 + cfg.speculative_config.num_speculative_tokens), num_tokens)
+            num_rows = min(num_seqs * self.decode_query_len, num_tokens)
             last_tokens = torch.arange(num_rows, device=self.device)
         md = SamplingMetadata(
             temperatures=torch.ones(num_rows, device=self.device),
