@@ -152,18 +152,19 @@ def test_drafts_per_batch_size():
      "Each num_speculative_tokens_per_batch_size entry must be a 3-item sequence of integers: (range_start, "
      "range_end, num_speculative_tokens), got (1, 8)."),
     ({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [(1, 0, 2)]}, {},
-     "Batch-size range (1, 0) must be positive."),
+     "num_speculative_tokens_per_batch_size: Batch-size range (1, 0) must be positive."),
     ({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [(1, 8, 2),
                                                                                                 (9, 4, 1)]}, {},
-     "Batch-size range start must be <= end for (9, 4, 1)."),
+     "num_speculative_tokens_per_batch_size: Batch-size range start must be <= end for (9, 4, 1)."),
     ({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [(1, 8, -1)]}, {},
      "num_speculative_tokens_per_batch_size values must be >= 0, got -1 for (1, 8)."),
     ({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [(1, 8, 2),
                                                                                                 (8, 16, 1)]}, {},
-     "Batch-size ranges must be non-overlapping and sorted, got [(1, 8, 2), (8, 16, 1)]."),
+     "num_speculative_tokens_per_batch_size: Batch-size ranges must be non-overlapping and sorted, got "
+     "[(1, 8, 2), (8, 16, 1)]."),
     ({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [(2, 8, 2)]}, {},
-     "The first batch-size range must start at 1 so every runtime batch size has a defined schedule, got "
-     "[(2, 8, 2)]."),
+     "num_speculative_tokens_per_batch_size: The first batch-size range must start at 1 so every runtime batch "
+     "size has a defined schedule, got [(2, 8, 2)]."),
 ])
 def test_speculative_config_refusals(value, flags, message):
     with pytest.raises(ValueError) as e:

@@ -142,19 +142,22 @@ def batch_size_schedule(entries) -> list[tuple[int, int, int]]:
                              f"integers: (range_start, range_end, num_speculative_tokens), got {entry!r:.80}.")
         start, end, tokens = entry
         if start <= 0 or end <= 0:
-            raise ValueError(f"Batch-size range ({start}, {end}) must be positive.")
+            raise ValueError(f"num_speculative_tokens_per_batch_size: Batch-size range ({start}, {end}) must be "
+                             f"positive.")
         if start > end:
-            raise ValueError(f"Batch-size range start must be <= end for ({start}, {end}, {tokens}).")
+            raise ValueError(f"num_speculative_tokens_per_batch_size: Batch-size range start must be <= end for "
+                             f"({start}, {end}, {tokens}).")
         if tokens < 0:
             raise ValueError(f"num_speculative_tokens_per_batch_size values must be >= 0, got {tokens} "
                              f"for ({start}, {end}).")
         schedule.append((start, end, tokens))
     schedule.sort()
     if any(start <= end for (_, end, _), (start, _, _) in zip(schedule, schedule[1:])):
-        raise ValueError(f"Batch-size ranges must be non-overlapping and sorted, got {schedule}.")
+        raise ValueError(f"num_speculative_tokens_per_batch_size: Batch-size ranges must be non-overlapping and "
+                         f"sorted, got {schedule}.")
     if schedule[0][0] != 1:
-        raise ValueError("The first batch-size range must start at 1 so every runtime batch size has a defined "
-                         f"schedule, got {schedule}.")
+        raise ValueError("num_speculative_tokens_per_batch_size: The first batch-size range must start at 1 so "
+                         f"every runtime batch size has a defined schedule, got {schedule}.")
     return schedule
 
 
