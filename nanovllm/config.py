@@ -29,6 +29,7 @@ BASE_ARCHITECTURES = tuple(name.removesuffix("ForCausalLM") + "Model" for name i
 # ...and with a classifier head instead (Qwen3ForSequenceClassification, ...): classifiers (convert="classify").
 SEQ_CLS_ARCHITECTURES = tuple(name.replace("ForCausalLM", "ForSequenceClassification")
                               for name in SUPPORTED_ARCHITECTURES)
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # vLLM's
 ATTENTION_BACKENDS = ("auto", "triton", "flash_attn", "torch")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "half": torch.float16, "float": torch.float32}
@@ -120,8 +121,13 @@ class Config:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1                  # only 1
     distributed_executor_backend: str | None = None  # None or "mp": tensor-parallel worker processes
-    # vLLM arguments for what nanovllm does not do, accepted at the values that ask for nothing.
+    # LoRA adapters (lora/): requests name theirs with lora_request=LoRARequest(...); up to max_loras adapters
+    # of rank <= max_lora_rank run in one step, max_cpu_loras (default max_loras) stay read on the host.
     enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"                # "auto" (the model's dtype), "float16" or "bfloat16"
     # Speculative decoding by n-gram prompt lookup (engine/speculative.py): vLLM's SpeculativeConfig for
     # method "ngram", or a dict of its fields; spec_method / spec_model / spec_tokens are vLLM's flags for
     # its method, model and num_speculative_tokens.
@@ -250,6 +256,9 @@ class Config:
                              f"computes prompts only, got {self.speculative_config!r:.120}.")
         self._validate_tensor_parallel()
         self.torch_dtype = self._resolve_dtype()
+        if self.enable_lora and self.lora_dtype not in ("auto", str(self.torch_dtype).removeprefix("torch.")):
+            raise ValueError(f"lora_dtype {self.lora_dtype!r} must be 'auto' or the model's dtype "
+                             f"({self.torch_dtype}): the adapters' products run in the model's dtype.")
         self.kv_cache_torch_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
         rope_settings(self.hf_config)   # an unsupported RoPE variant refused here, before any worker starts
         max_len = max_positions(self.hf_config)
@@ -357,7 +366,16 @@ class Config:
         check(self.distributed_executor_backend in (None, "mp"),
               f"distributed_executor_backend must be None or 'mp' (worker processes), "
               f"got {self.distributed_executor_backend!r}.")
-        check(not self.enable_lora, "enable_lora=True is not supported: nanovllm runs the base model only.")
+        check(isinstance(self.max_loras, int) and self.max_loras >= 1,
+              f"max_loras must be a positive integer, got {self.max_loras!r}.")
+        check(self.max_lora_rank in MAX_LORA_RANKS,
+              f"max_lora_rank must be one of {MAX_LORA_RANKS}, got {self.max_lora_rank!r}.")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        check(self.max_cpu_loras >= self.max_loras,
+              f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
+        check(self.lora_dtype in ("auto", "float16", "bfloat16", "float32"),
+              f"lora_dtype must be 'auto', 'float16' or 'bfloat16', got {self.lora_dtype!r}.")
         check(self.runner in ("auto", "generate", "pooling"),
               f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}.")
         check(self.convert in ("auto", "none", "embed", "classify"),

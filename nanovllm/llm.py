@@ -1,6 +1,7 @@
 """LLM: the offline entry point, vLLM's `LLM.generate` / `LLM.chat` (a pooling model's encode, embed, classify
 and score: llm_pooling.py)."""
 import weakref
+from functools import partial
 
 from tqdm.auto import tqdm
 
@@ -8,7 +9,6 @@ from nanovllm.beam_search import BeamSearchOutput, search
 from nanovllm.chat import render_chat
 from nanovllm.config import Config
 from nanovllm.engine.arg_utils import EngineArgs
-from nanovllm.engine.input_processor import check_no_lora
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.inputs import Tokenization, one_per_prompt, parse_prompts
 from nanovllm.llm_pooling import PoolingMixin
@@ -144,7 +144,8 @@ class LLM(PoolingMixin):
                  tokenization_kwargs: dict | None = None, mm_processor_kwargs: dict | None = None
                  ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in input order. priority: one int per prompt,
-        lower first, with LLM(scheduling_policy="priority"). lora_request: vLLM's; only None.
+        lower first, with LLM(scheduling_policy="priority"). lora_request: a LoRARequest for every prompt, or a
+        list of one (or None) per prompt, with LLM(enable_lora=True).
         use_tqdm: show a progress bar; a callable is used in place of tqdm (as in vLLM).
         tokenization_kwargs: as vLLM's (inputs.Tokenization): add_special_tokens, truncation."""
         request_ids = self.enqueue(prompts, sampling_params, lora_request, priority,
@@ -164,7 +165,6 @@ class LLM(PoolingMixin):
         if self.llm_engine.config.runner_type != "generate":
             raise ValueError("LLM.generate() is only supported for generative models. Try passing `--runner "
                              "generate` to use the model as a generative model.")
-        check_no_lora(lora_request)
         if mm_processor_kwargs is not None:
             raise ValueError(f"mm_processor_kwargs is not supported: nanovllm runs text-only models, "
                              f"got {mm_processor_kwargs!r:.80}.")
@@ -177,8 +177,9 @@ class LLM(PoolingMixin):
         # Check the whole call before any request is added: a bad prompt leaves no trace.
         parsed = [engine.input_processor.check_request(i, prompt, params)
                   for i, (prompt, params) in enumerate(zip(parsed, sampling_params))]
-        return [engine.add_tokens(prompt.text, prompt.token_ids, params, rank, prompt.cache_salt)
-                for prompt, params, rank in zip(parsed, sampling_params, priority)]
+        loras = engine.lora_requests(lora_request, len(parsed))
+        return [engine.add_tokens(prompt.text, prompt.token_ids, params, rank, prompt.cache_salt, lora_request=lora)
+                for prompt, params, rank, lora in zip(parsed, sampling_params, priority, loras)]
 
     def wait_for_completion(self, output_type=None, *, use_tqdm=True) -> list[RequestOutput]:
         """Run every enqueued request to its end (vLLM's) -> their outputs, by request id.
@@ -240,10 +241,12 @@ class LLM(PoolingMixin):
                     concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's beam search (beam_search.py): one generate() call per output token, over every
         live beam of every prompt, or of concurrency_limit prompts at a time. -> one
-        BeamSearchOutput per prompt, in input order. lora_request: vLLM's; only None."""
+        BeamSearchOutput per prompt, in input order. lora_request: one LoRARequest for every prompt, or None."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
-        check_no_lora(lora_request)
+        if isinstance(lora_request, (list, tuple)):
+            raise ValueError("beam_search takes one lora_request for all its prompts (or None), got a list.")
+        self.llm_engine.lora_requests(lora_request, 1)
         if concurrency_limit is not None and (isinstance(concurrency_limit, bool)
                                               or not isinstance(concurrency_limit, int) or concurrency_limit < 1):
             raise ValueError(f"concurrency_limit must be a positive int or None, got {concurrency_limit!r}.")
@@ -257,7 +260,8 @@ class LLM(PoolingMixin):
             engine.input_processor.validate_request(i, prompt.token_ids, whole)
         limit = concurrency_limit or max(len(parsed), 1)
         return [output for start in range(0, len(parsed), limit)
-                for output in search(self.generate, parsed[start:start + limit], params, engine.eos_token_ids,
+                for output in search(partial(self.generate, lora_request=lora_request), parsed[start:start + limit],
+                                     params, engine.eos_token_ids,
                                      engine.config.max_model_len, engine.tokenizer, use_tqdm)]
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -4,7 +4,6 @@ classifier's label probabilities (layers/classifier.py); score pairs texts by ei
 import torch.nn.functional as F
 
 from nanovllm.config import load_chat_template
-from nanovllm.engine.input_processor import check_no_lora
 from nanovllm.inputs import Tokenization, one_per_prompt
 from nanovllm.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput,
                               ScoringOutput, ScoringRequestOutput)
@@ -66,7 +65,6 @@ class PoolingMixin:
         if pooling_task not in POOLING_TASKS:
             supported = self.llm_engine.get_supported_tasks()
             raise ValueError(f"Unsupported task: {pooling_task!r} Supported tasks: {supported}")
-        check_no_lora(lora_request)
         engine = self.llm_engine
         parsed = engine.input_processor.parse_prompts(prompts, tokenization_kwargs)
         if pooling_params is None:
@@ -78,8 +76,10 @@ class PoolingMixin:
             engine.input_processor.validate_pooling_request(i, prompt.token_ids)
         resolved_of = {id(params): engine.resolve_pooling_params(params, pooling_task) for params in pooling_params}
         resolved = [resolved_of[id(params)] for params in pooling_params]   # (one PoolingParams for all: resolved once)
-        request_ids = [engine.add_pooling_tokens(prompt.text, prompt.token_ids, params, cache_salt=prompt.cache_salt)
-                       for prompt, params in zip(parsed, resolved)]
+        loras = engine.lora_requests(lora_request, len(parsed))
+        request_ids = [engine.add_pooling_tokens(prompt.text, prompt.token_ids, params, cache_salt=prompt.cache_salt,
+                                                 lora_request=lora)
+                       for prompt, params, lora in zip(parsed, resolved, loras)]
         outputs = self._run_engine(use_tqdm)
         result = [outputs.pop(request_id) for request_id in request_ids]
         self._unclaimed.update(outputs)

@@ -28,7 +28,7 @@ class CompletionOutput:
     routed_experts: None = field(default=None, repr=False)   # vLLM's; MoE routing is not returned
     finish_reason: str | None = None      # "stop", "length", "repetition", or "error" (a token its grammar refused)
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it; None for EOS
-    lora_request: None = field(default=None, repr=False)     # vLLM's field; no LoRA here
+    lora_request: object = field(default=None, repr=False)   # the request's LoRARequest, or None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -37,7 +37,7 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """A request's output; vLLM's fields, the positional ones in vLLM's order. vLLM's fields for what
-    nanovllm does not do (LoRA, encoder-decoder models, multimodal inputs, KV transfer) hold their
+    nanovllm does not do (encoder-decoder models, multimodal inputs, KV transfer) hold their
     empty values, so that scripts reading them run."""
     request_id: str
     prompt: str | None
@@ -46,7 +46,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = field(default=None, repr=False)
-    lora_request: None = field(default=None, repr=False)
+    lora_request: object = field(default=None, repr=False)   # the request's LoRARequest, or None
     encoder_prompt: None = field(default=None, repr=False)
     encoder_prompt_token_ids: None = field(default=None, repr=False)
     num_cached_tokens: int | None = None            # prompt tokens found in the prefix cache

@@ -620,14 +620,15 @@ def test_output_kind_and_logits_processors_as_in_vllm(llm):
         SamplingParams(logits_processors=[lambda ids, logits: logits])
 
 
-def test_lora_request_is_refused_unless_none(llm):
+def test_lora_request_must_be_a_lora_request(llm):
+    """(tests/test_lora.py runs adapters)"""
     sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     prompt = [{"prompt_token_ids": [1, 2, 3]}]
     plain = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids
     assert llm.generate(prompt, sp, use_tqdm=False, lora_request=None)[0].outputs[0].token_ids == plain
-    with pytest.raises(ValueError, match="lora_request is not supported"):
+    with pytest.raises(ValueError, match="lora_request must be a LoRARequest or None, got <object object"):
         llm.generate(prompt, sp, use_tqdm=False, lora_request=object())
-    with pytest.raises(ValueError, match="lora_request is not supported"):
+    with pytest.raises(ValueError, match="lora_request must be a LoRARequest or None, got 'adapter'"):
         llm.chat([{"role": "user", "content": "Hi"}], sp, use_tqdm=False, lora_request="adapter")
     assert not llm.llm_engine.has_unfinished_requests()
 
@@ -1097,7 +1098,6 @@ def test_generate_collects_garbage_less_often_and_restores_the_thresholds(llm, m
     (dict(tokenizer_mode="mistral"), "tokenizer_mode must be 'auto' or 'slow', got 'mistral'."),
     (dict(scheduling_policy="lifo"), "scheduling_policy must be 'fcfs' or 'priority', got 'lifo'."),
     (dict(max_num_seqs="8"), "max_num_seqs must be int or None, got '8'."),
-    (dict(enable_lora=True), "enable_lora=True is not supported: nanovllm runs the base model only."),
     (dict(speculative_config={"method": "eagle", "num_speculative_tokens": 2}),
      "speculative_config method='eagle' (model=None) is not supported: nanovllm speculates by n-gram prompt lookup "
      "only (method='ngram')."),
@@ -1337,7 +1337,7 @@ def test_fp8_cache_keeps_auto_off_flash_attn(monkeypatch):
 def test_vllm_engine_arguments_that_mean_our_behaviour_are_accepted(qwen3_dir):
     """A vLLM script's usual LLM() arguments run unchanged where their value is what we do anyway
     (every vLLM 0.26 engine argument nanovllm has no use for at vLLM's default; those that leave the
-    outputs as they are, e.g. lm-eval's max_lora_rank=16, at any value, each logged as not used);
+    outputs as they are, e.g. fully_sharded_loras, at any value, each logged as not used);
     num_gpu_blocks_override (vLLM's name for num_kvcache_blocks) sizes the cache."""
     ignored = {name: object() for name in IGNORED_ARGUMENTS}
     with log_lines("nanovllm.config") as lines:
@@ -1349,9 +1349,8 @@ def test_vllm_engine_arguments_that_mean_our_behaviour_are_accepted(qwen3_dir):
                   block_size=16, num_gpu_blocks_override=16, **ignored,
                   **{name: idle for name, (idle, _) in IDLE_ARGUMENTS.items()})
     assert len(lines) == len(IGNORED_ARGUMENTS) and all(" is not used: " in line for line in lines)
-    assert any(line.startswith("max_lora_rank=<object object at ") and line.endswith(" is not used: no LoRA "
-                                                                                     "(enable_lora=False).")
-               for line in lines)
+    assert any(line.startswith("fully_sharded_loras=<object object at ") and line.endswith(
+        " is not used: the adapters' products are plain torch products on each rank's shard.") for line in lines)
     # vLLM's compile and CUDA-graph settings, as its examples pass them
     with log_lines("nanovllm.config") as lines:
         LLM(qwen3_dir, num_kvcache_blocks=4, compilation_config={"cudagraph_capture_sizes": [1, 2, 4]},

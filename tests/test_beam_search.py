@@ -113,7 +113,7 @@ def test_bad_beam_search_calls_leave_engine_usable(llm):
         llm.beam_search([[5, 6]], {"beam_width": 2})
     with pytest.raises(ValueError, match="concurrency_limit must be a positive int or None, got 0"):
         llm.beam_search([[5, 6]], BeamSearchParams(beam_width=2, max_tokens=2), concurrency_limit=0)
-    with pytest.raises(ValueError, match="lora_request is not supported"):
+    with pytest.raises(ValueError, match="lora_request must be a LoRARequest or None, got 'adapter'"):
         llm.beam_search([[5, 6]], BeamSearchParams(beam_width=2, max_tokens=2), lora_request="adapter")
     out = llm.beam_search([[5, 6]], BeamSearchParams(beam_width=2, max_tokens=2, ignore_eos=True))
     assert len(out) == 1 and len(out[0].sequences) == 2

@@ -11,6 +11,7 @@ import pytest
 from conftest import build_model_dir, log_lines, make_prompts
 from nanovllm import LLM, EngineArgs, LLMEngine, SamplingParams
 from nanovllm.sampling_params import RequestOutputKind
+from nanovllm.lora.request import LoRARequest
 from nanovllm.utils.argparse_utils import FlexibleArgumentParser
 
 PROMPTS = make_prompts()
@@ -166,7 +167,7 @@ def test_bad_requests_and_aborts_leave_the_engine_usable(engine):
     for request_id, prompt, kwargs, message in [
             (7, PROMPTS[1], {}, "request_id must be a str, got 7."),
             ("b", [1, 10 ** 6], {}, "prompt 0: token id 1000000 is out of vocabulary"),
-            ("b", PROMPTS[1], {"lora_request": object()}, "lora_request is not supported"),
+            ("b", PROMPTS[1], {"lora_request": object()}, "lora_request must be a LoRARequest or None"),
             ("b", PROMPTS[1], {"priority": 1}, "priority 1 needs scheduling_policy='priority'"),
             ("b", PROMPTS[1], {"tokenization_kwargs": {"padding": True}},
              "tokenization_kwargs: 'padding' not supported")]:
@@ -272,7 +273,7 @@ def test_max_model_len_auto_fits_the_kv_cache(qwen3_dir):
 
 def test_engine_methods_as_vllms(qwen3_dir):
     """vLLM's LLMEngine methods beside the step loop: the supported tasks, the stats line on demand,
-    LoRA calls (no adapters here), cache resets with vLLM's options, apply_model, a token prompt's
+    LoRA calls (LoRA off: no adapters), cache resets with vLLM's options, apply_model, a token prompt's
     prompt_text and abort_request's internal flag."""
     engine = LLMEngine.from_engine_args(EngineArgs(model=qwen3_dir, dtype="float32", block_size=16,
                                                    num_kvcache_blocks=32, disable_log_stats=False))
@@ -281,11 +282,13 @@ def test_engine_methods_as_vllms(qwen3_dir):
         engine.do_log_stats()
         engine.do_log_stats_with_interval()   # (its 10 s have not passed)
     assert len(lines) == 1 and lines[0].startswith("Avg prompt throughput: 0.0 tokens/s")
-    with pytest.raises(ValueError, match="add_lora is not supported \\(nanovllm runs the base model only\\)"):
+    with pytest.raises(ValueError, match="lora_request must be a LoRARequest or None"):
         engine.add_lora(object())
-    for method in (engine.remove_lora, engine.pin_lora):
-        with pytest.raises(ValueError, match="no LoRA adapter 1: nanovllm runs the base model only."):
-            method(1)
+    with pytest.raises(ValueError, match="lora_request 'a': LoRA is not enabled"):
+        engine.add_lora(LoRARequest("a", 1, qwen3_dir))
+    assert engine.remove_lora(1) is False
+    with pytest.raises(ValueError, match="LoRA adapter 1 is not known"):
+        engine.pin_lora(1)
     assert engine.reset_prefix_cache(reset_running_requests=True, reset_connector=True) is True
     assert engine.reset_mm_cache() is None and engine.reset_encoder_cache() is None
     assert engine.apply_model(lambda model: type(model).__name__) == ["QwenForCausalLM"]

@@ -28,9 +28,12 @@ class Block:
         self.token_ids: list[int] = []   # set only for full, hashed blocks
 
 
-def salt_hash(cache_salt: str | None) -> int | None:
-    """The first block's parent hash: None, or the salt's, so salted blocks match only their salt."""
-    return None if cache_salt is None else xxhash.xxh64(cache_salt.encode()).intdigest()
+def salt_hash(cache_salt: str | None, lora_int_id: int = 0) -> int | None:
+    """The first block's parent hash: None, or that of the salt and the LoRA adapter's id, so that salted
+    blocks match only their salt, and an adapter's blocks (its own K/V) only that adapter's."""
+    if cache_salt is None and not lora_int_id:
+        return None
+    return xxhash.xxh64(f"{lora_int_id}:{cache_salt!r}".encode()).intdigest()
 
 
 def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
@@ -72,7 +75,8 @@ class BlockManager:
         """Extend seq.block_hashes to every full block of seq's known (not pending) tokens."""
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_resolved_tokens // bs):
-            parent = seq.block_hashes[-1] if seq.block_hashes else salt_hash(seq.cache_salt)
+            lora_int_id = seq.lora_request.lora_int_id if seq.lora_request is not None else 0
+            parent = seq.block_hashes[-1] if seq.block_hashes else salt_hash(seq.cache_salt, lora_int_id)
             seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]))
 
     def get_computed_blocks(self, seq) -> list[int]:

@@ -117,10 +117,3 @@ class InputProcessor:
             if len(spaced) == len(alone) and spaced[0] != alone[0]:
                 sequences.append(spaced)
         return sequences
-
-
-def check_no_lora(lora_request):
-    """vLLM's lora_request argument: only None (no LoRA adapters here)."""
-    if lora_request is not None:
-        raise ValueError(f"lora_request is not supported (nanovllm runs the base model only), "
-                         f"got {lora_request!r:.80}.")

@@ -10,7 +10,7 @@ from nanovllm.config import GENERATION_FIELDS, Config
 from nanovllm.distributed import SINGLE
 from nanovllm.engine.arg_utils import EngineArgs
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.input_processor import InputProcessor, check_no_lora
+from nanovllm.engine.input_processor import InputProcessor
 from nanovllm.engine.model_runner import ModelRunner, runner_device
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.prompt_logprobs import PromptScores
@@ -19,6 +19,7 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.sleep import SLEEP_MODES, SLEEP_TAGS
 from nanovllm.engine.speculative import NgramProposer, accepted_tokens
+from nanovllm.lora.request import LoRARequest
 from nanovllm.engine.streaming import OutputStreamer
 from nanovllm.engine.stat_logger import StatLogger
 from nanovllm.engine.tp_workers import TPWorkers, resolve_method, run_method
@@ -50,6 +51,7 @@ class Request:
     sampling_params: SamplingParams      # (of a pooling request: the scheduler's, one step, no token)
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
+    lora_request: LoRARequest | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -107,7 +109,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_model_len, config.enable_chunked_prefill, config.scheduling_policy)
+                                   config.max_model_len, config.enable_chunked_prefill, config.scheduling_policy,
+                                   config.max_loras if config.enable_lora else 0)
         self.async_scheduling = config.async_scheduling
         spec = config.speculative_config
         self.proposer = None if spec is None else NgramProposer(spec, config.max_model_len)
@@ -189,7 +192,7 @@ class LLMEngine:
             raise ValueError(f"request_id must be a str, got {request_id!r:.80}.")
         if request_id in self.requests or any(request.request_id == request_id for request in self.finished_asleep):
             raise ValueError(f"Request id {request_id} already running.")   # (or finished, not yet reported)
-        check_no_lora(lora_request)
+        [lora_request] = self.lora_requests(lora_request, 1)
         self.check_priority(priority)
         [prompt] = self.input_processor.parse_prompts([prompt], tokenization_kwargs)
         if self.config.runner_type == "pooling":
@@ -198,11 +201,30 @@ class LLMEngine:
             self.input_processor.validate_pooling_request(0, prompt.token_ids)
             text = prompt.text if prompt.text is not None else prompt_text
             return self.add_pooling_tokens(text, prompt.token_ids, params, priority, prompt.cache_salt, request_id,
-                                           arrival_time)
+                                           arrival_time, lora_request)
         prompt = self.input_processor.check_request(0, prompt, params)
         text = prompt.text if prompt.text is not None else prompt_text
-        return self.add_tokens(text, prompt.token_ids, params, priority, prompt.cache_salt,
-                               request_id, arrival_time, streamed=params.output_kind != RequestOutputKind.FINAL_ONLY)
+        return self.add_tokens(text, prompt.token_ids, params, priority, prompt.cache_salt, request_id, arrival_time,
+                               streamed=params.output_kind != RequestOutputKind.FINAL_ONLY, lora_request=lora_request)
+
+    def lora_requests(self, lora_request, num_prompts: int) -> list:
+        """vLLM's lora_request argument (None, a LoRARequest for every prompt, or a list of one LoRARequest or
+        None per prompt) -> one per prompt, each adapter read and checked (lora/adapter.py): a ValueError
+        names what is wrong, and nothing is added."""
+        requests = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * num_prompts
+        if len(requests) != num_prompts:
+            raise ValueError(f"lora_request must be one LoRARequest, or a list of one per prompt ({num_prompts}), "
+                             f"got a list of {len(requests)}.")
+        for request in requests:
+            if request is None:
+                continue
+            if not isinstance(request, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest or None, got {request!r:.80}.")
+            if not self.config.enable_lora:
+                raise ValueError(f"lora_request {request.lora_name!r}: LoRA is not enabled; "
+                                 f"create the LLM with enable_lora=True.")
+            self.model_runner.adapters.get(request)
+        return list(requests)
 
     @staticmethod
     def check_pooling_params(params, index: int | None = None):
@@ -222,11 +244,11 @@ class LLMEngine:
 
     def add_pooling_tokens(self, prompt: str | None, prompt_token_ids: list[int], params: PoolingParams,
                            priority: int = 0, cache_salt: str | None = None, request_id: str | None = None,
-                           arrival_time: float | None = None) -> str:
+                           arrival_time: float | None = None, lora_request=None) -> str:
         """Add a pooling engine's request (resolve_pooling_params'; validate_pooling_request passed) -> its id.
         It runs its prompt once and finishes with the pooler's result (engine/llm_engine.py: _finish_pooled)."""
         request_id = self.add_tokens(prompt, prompt_token_ids, POOLING_SCHEDULES[params.task], priority, cache_salt,
-                                     request_id, arrival_time)
+                                     request_id, arrival_time, lora_request=lora_request)
         self.requests[request_id].seqs[0].pooling_params = params
         return request_id
 
@@ -241,10 +263,11 @@ class LLMEngine:
 
     def add_tokens(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                    priority: int = 0, cache_salt: str | None = None, request_id: str | None = None,
-                   arrival_time: float | None = None, streamed: bool = False) -> str:
+                   arrival_time: float | None = None, streamed: bool = False, lora_request=None) -> str:
         """Add a request that InputProcessor.check_request passed -> its id (the next number when
         none is given).
         cache_salt: the request's blocks hit in the prefix cache only for requests with the same salt.
+        lora_request: its LoRA adapter (one that lora_requests() passed), or None.
         streamed: step() reports its text before it finishes; if not (LLM.generate's requests), a completion
         without stop strings is detokenized once, when it ends.
         RuntimeError while the engine sleeps."""
@@ -254,7 +277,7 @@ class LLMEngine:
             while request_id in self.requests:   # taken by a caller of add_request
                 request_id = str(next(self._request_ids))
         params = params.with_vocab_size(self.config.hf_config.vocab_size)
-        request = Request(request_id, prompt, list(prompt_token_ids), params)
+        request = Request(request_id, prompt, list(prompt_token_ids), params, lora_request=lora_request)
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time
         bad_words_token_ids = self.input_processor.bad_words_token_ids(params.bad_words or [])
@@ -262,7 +285,7 @@ class LLMEngine:
             child_params = params
             if params.n > 1 and params.seed is not None:   # distinct, reproducible completions
                 child_params = replace(params, seed=params.seed + index)
-            seq = Sequence(request_id, index, prompt_token_ids, child_params, priority, cache_salt)
+            seq = Sequence(request_id, index, prompt_token_ids, child_params, priority, cache_salt, lora_request)
             seq.bad_words_token_ids = bad_words_token_ids
             seq.streamed = streamed
             if params.thinking_token_budget is not None:
@@ -631,17 +654,34 @@ class LLMEngine:
         if self.stat_logger is not None:
             self.stat_logger.record(0, 0, self.scheduler, self.block_manager)
 
-    # vLLM's LoRA adapters: nanovllm runs the base model only
+    # vLLM's LoRA adapter management: the adapters read on the host (up to max_cpu_loras, the least
+    # recently used dropped first unless pinned)
     def add_lora(self, lora_request) -> bool:
-        raise ValueError(f"add_lora is not supported (nanovllm runs the base model only), got {lora_request!r:.80}.")
+        """Read and check an adapter ahead of its requests -> True."""
+        self.lora_requests(lora_request, 1)
+        return True
 
     def remove_lora(self, lora_id: int) -> bool:
-        raise ValueError(f"no LoRA adapter {lora_id!r}: nanovllm runs the base model only.")
+        """Forget adapter lora_id (its running requests keep it until they end, and read it again if
+        preempted) -> whether it was known."""
+        runner = self.model_runner
+        if runner.adapters is None:
+            return False
+        if all(seq.lora_request is None or seq.lora_request.lora_int_id != lora_id for seq in self.scheduler.running):
+            runner.lora_slot_table.forget(lora_id)
+        return runner.adapters.remove(lora_id)
 
-    pin_lora = remove_lora
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep adapter lora_id read whatever max_cpu_loras -> True; a ValueError if it is not known."""
+        adapters = self.model_runner.adapters
+        if adapters is None or lora_id not in adapters.adapters:
+            raise ValueError(f"LoRA adapter {lora_id!r} is not known: add_lora() it first.")
+        adapters.pinned.add(lora_id)
+        return True
 
     def list_loras(self) -> set[int]:
-        return set()
+        adapters = self.model_runner.adapters
+        return set() if adapters is None else set(adapters.adapters)
 
     def start_profile(self, profile_prefix: str | None = None):
         self.collective_rpc("start_profile", args=(profile_prefix,))
@@ -676,12 +716,14 @@ class LLMEngine:
             index=seq.index, text=seq.output_text,
             token_ids=seq.token_ids[seq.num_prompt_tokens:seq.num_resolved_tokens],
             cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason) for seq in seqs or request.seqs]
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, lora_request=request.lora_request)
+            for seq in seqs or request.seqs]
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids, prompt_logprobs=request.seqs[0].prompt_logprobs,
             outputs=outputs, finished=request.is_finished, num_cached_tokens=self._num_cached_tokens(request),
-            num_cache_creation_tokens=self._num_cache_creation_tokens(request), metrics=request.metrics)
+            num_cache_creation_tokens=self._num_cache_creation_tokens(request), metrics=request.metrics,
+            lora_request=request.lora_request)
 
     @staticmethod
     def _num_cached_tokens(request: Request) -> int:

@@ -34,6 +34,8 @@ from nanovllm.layers.sampler import Sampler
 from nanovllm.layers.sampling_metadata import SamplerOutput, SamplingMetadata
 from nanovllm.engine.profiler import ProfilerConfig, RankProfiler
 from nanovllm.logger import init_logger
+from nanovllm.lora.adapter import AdapterCache
+from nanovllm.lora.layers import LoRAModel, SlotTable
 from nanovllm.model.loader import init_dummy_weights, load_model
 from nanovllm.model.qwen3 import QwenForCausalLM
 from nanovllm.utils.cuda_vmm import Arena, place_in_arena
@@ -128,6 +130,13 @@ class ModelRunner:
         self.decode_query_len = 1 if spec is None else 1 + spec.num_speculative_tokens
         self.max_decode_rows = max(config.max_num_seqs,
                                    min(config.max_num_seqs * self.decode_query_len, MAX_GRAPH_BATCH_SIZE))
+        self.lora = self.adapters = self.lora_slot_table = None
+        if config.enable_lora:   # (lora/layers.py) the projections' slots, written from each step's inputs
+            self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank,
+                                  max(config.max_num_batched_tokens, self.max_decode_rows))
+            self.adapters = AdapterCache(hf, config.max_lora_rank, config.max_cpu_loras, config.download_dir,
+                                         config.hf_token)
+            self.lora_slot_table = SlotTable(config.max_loras) if tp.rank == 0 else None
         samples = tp.rank == 0 and not self.pooling
         self.sampler = (Sampler(torch.Generator(device=self.device).manual_seed(config.seed), config.logprobs_mode)
                         if samples else None)
@@ -422,6 +431,9 @@ class ModelRunner:
         step = build_step(out, sampling_seqs, pending, self.block_size)
         spans = prompt_spans(out, step.batch)
         step.prompt_rows = [row for _, _, rows in spans for row in rows]
+        if self.lora is not None:
+            slots, step.lora_loads = self.lora_slot_table.assign([seq.lora_request for seq in out.seqs])
+            step.lora_slots = np.repeat(slots, out.num_scheduled_tokens)
         if self.workers is not None:   # block tables travel as changes
             self.workers.send(("step", replace(step, batch=replace(step.batch, block_tables=None),
                                                table_updates=self.table_sender.updates(out.seqs))))
@@ -464,6 +476,10 @@ class ModelRunner:
         returns the hidden states of every row instead of logits, and no prompt logits."""
         batch = step.batch
         num_tokens, num_seqs = len(batch.input_ids), len(batch.seq_lens)
+        if self.lora is not None:
+            for slot, request in step.lora_loads:
+                self.lora.load(slot, self.adapters.get(request))
+            self.lora.slots.set_tokens(step.lora_slots)
         if (num_seqs < num_tokens <= self.max_decode_rows
                 and max(np.diff(batch.query_start_loc)) <= self.decode_query_len):
             batch = token_rows(batch)   # a speculative step, as a decode step

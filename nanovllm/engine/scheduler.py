@@ -44,8 +44,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, chunked_prefill: bool = True, policy: str = "fcfs"):
+                 max_model_len: int, chunked_prefill: bool = True, policy: str = "fcfs", max_loras: int = 0):
+        """max_loras: with LoRA, the most adapters the running sequences may use at once."""
         self.block_manager = block_manager
+        self.max_loras = max_loras
         self.policy = policy
         self.chunked_prefill = chunked_prefill
         self.max_model_len = max_model_len
@@ -102,10 +104,17 @@ class Scheduler:
                 continue
             break
 
-        # Admit nothing new in a step that had to preempt: memory is tight.
-        while (not preempted and self.waiting and budget > 0
+        # Admit nothing new in a step that had to preempt: memory is tight. A sequence whose LoRA adapter
+        # would be one too many waits, and those after it may go first (vLLM's).
+        loras = {seq.lora_request.lora_int_id for seq in self.running if seq.lora_request is not None}
+        skipped = 0
+        while (not preempted and skipped < len(self.waiting) and budget > 0
                and len(self.running) < self.max_num_seqs):
-            seq = self.waiting[0]
+            seq = self.waiting[skipped]
+            lora_id = seq.lora_request.lora_int_id if seq.lora_request is not None else 0
+            if lora_id and lora_id not in loras and len(loras) >= self.max_loras:
+                skipped += 1
+                continue
             # skip_reading_prefix_cache (vLLM's; on by default for prompt logprobs): the whole prompt
             # is computed, no prefix-cache hits.
             computed_blocks = ([] if seq.sampling_params.skip_reading_prefix_cache
@@ -116,7 +125,9 @@ class Scheduler:
                 break
             if not self.block_manager.allocate_slots(seq, num_new, computed_blocks):
                 break
-            self.waiting.popleft()
+            del self.waiting[skipped]
+            if lora_id:
+                loras.add(lora_id)
             self.num_prefix_cache_queries += seq.num_tokens
             self.num_prefix_cache_hits += num_cached
             seq.num_computed_tokens = num_cached

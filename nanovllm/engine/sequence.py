@@ -36,7 +36,8 @@ class Sequence:
     _ids = count()
 
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int],
-                 sampling_params: SamplingParams, priority: int = 0, cache_salt: str | None = None):
+                 sampling_params: SamplingParams, priority: int = 0, cache_salt: str | None = None,
+                 lora_request=None):
         self.seq_id = next(Sequence._ids)        # also the arrival order
         self.request_id = request_id
         self.priority = priority                 # with the "priority" policy: lower runs first
@@ -52,6 +53,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []        # chained hashes of the full blocks of token_ids
         self.cache_salt = cache_salt             # mixed into the first block's hash (inputs.py)
+        self.lora_request = lora_request         # its LoRA adapter (lora/), or None; in the first block's hash too
         self.num_pending_tokens = 0              # PENDING_TOKEN placeholders at the end of token_ids
         self.spec_token_ids: list[int] = []      # drafts the next step checks (engine/speculative.py)
         # Output state, owned by the engine (detokenizer and stop checks).

@@ -39,6 +39,8 @@ class StepInputs:
     num_sampling: int               # number of logits rows (0: nothing is sampled)
     table_updates: TableUpdates | None = None   # to the workers, in place of batch.block_tables
     prompt_rows: list[int] = field(default_factory=list)   # rows whose logits score the next prompt token
+    lora_slots: np.ndarray | None = None   # with LoRA: [num_tokens] each token's adapter slot, -1 for none
+    lora_loads: list = field(default_factory=list)   # (slot, LoRARequest): adapters to put in slots first
 
 
 def host_batch(out: SchedulerOutput, block_size: int) -> HostBatch:

@@ -106,6 +106,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.lora = None   # with LoRA adapters: lora/layers.py's LoRALinear, whose delta adds to the output
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
         if self.shard_dim is not None and param.dim() > self.shard_dim:
@@ -113,7 +114,8 @@ class LinearBase(nn.Module):
         copy_checked(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
+        return y if self.lora is None else y + self.lora(x)
 
 
 class ReplicatedLinear(LinearBase):
@@ -139,6 +141,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
         """silu_mul: the two parts are a gated MLP's gate and up; return silu(gate) * up (see linear)."""
         assert not silu_mul or len(self.output_sizes) == 2
+        if self.lora is not None:   # (the adapters' products join before the activation)
+            y = linear(x, self.weight, self.bias) + self.lora(x)
+            return silu_and_mul(y) if silu_mul else y
         return linear(x, self.weight, self.bias, silu_mul=silu_mul)
 
     def shard_range(self, shard_id: int) -> tuple[int, int]:
@@ -177,7 +182,7 @@ class RowParallelLinear(LinearBase):
         self.to_norm = to_norm and tp.size == 1 and not bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | Partials:
-        if self.to_norm and is_16bit_cuda_matrix(x):
+        if self.to_norm and self.lora is None and is_16bit_cuda_matrix(x):
             splits = split_k_before_norm(x.shape[0], *self.weight.shape[::-1])
             if splits > 1:
                 return split_k_partials(x, self.weight, splits)
@@ -185,4 +190,6 @@ class RowParallelLinear(LinearBase):
         # all-reduce's input buffer when it has one (no copy into it).
         out = self.tp.all_reduce_input((x.shape[0], self.weight.shape[0]), x.dtype) if x.dim() == 2 else None
         y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, out=out)
+        if self.lora is not None:   # (each rank's part of the adapters' products, summed with the rest)
+            y += self.lora(x)
         return self.tp.all_reduce(y)

@@ -1,0 +1,152 @@
+"""A LoRA adapter's PEFT files, read and checked against the base model.
+
+PEFT saves adapter_config.json (r, lora_alpha, ...) and adapter_model.safetensors with two tensors per
+adapted projection, e.g. `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` [r, in] and
+`...lora_B.weight` [out, r]; the projection computes x @ W.T + scaling * (x @ A.T) @ B.T, with scaling
+lora_alpha / r (lora_alpha / sqrt(r) with use_rslora).
+"""
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load_file
+from transformers import PretrainedConfig
+
+from nanovllm.layers.moe import is_moe_layer
+from nanovllm.lora.request import LoRARequest
+
+# A projection's LoRA tensor, as PEFT names it (".default" where an adapter was saved under its name).
+TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
+                         r"\.lora_([AB])(?:\.default)?\.weight$")
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoRAAdapter:
+    request: LoRARequest
+    rank: int
+    scaling: float
+    # (layer index, target such as "q_proj") -> (A [rank, in_features], B [out_features, rank]), full size
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def projection_shapes(hf: PretrainedConfig) -> dict[str, tuple[int, int]]:
+    """target -> (in_features, out_features) of the base model's projection, before sharding."""
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    q, kv, hidden = hf.num_attention_heads * head_dim, hf.num_key_value_heads * head_dim, hf.hidden_size
+    inter = hf.intermediate_size
+    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+
+
+def read_adapter(request: LoRARequest, hf: PretrainedConfig, max_lora_rank: int, path: str) -> LoRAAdapter:
+    """request's adapter from the directory `path` (request.lora_path resolved) -> LoRAAdapter, or a
+    ValueError that names the request and what is wrong."""
+    where = f"LoRA adapter {request.lora_name!r} ({request.lora_path})"
+    config_file = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(config_file):
+        raise ValueError(f"{where}: no adapter_config.json in {path!r}.")
+    with open(config_file) as f:
+        config = json.load(f)
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{where}: peft_type {config.get('peft_type')!r} is not a LoRA adapter.")
+    rank = config.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"{where}: adapter_config.json r must be a positive integer, got {rank!r:.80}.")
+    if rank > max_lora_rank:
+        raise ValueError(f"{where}: LoRA rank {rank} is greater than max_lora_rank {max_lora_rank}.")
+    for key, idle in (("use_dora", False), ("fan_in_fan_out", False), ("bias", "none"), ("modules_to_save", None),
+                      ("rank_pattern", {}), ("alpha_pattern", {})):
+        if config.get(key) not in (None, idle):
+            raise ValueError(f"{where}: adapter_config.json {key}={config[key]!r:.80} is not supported "
+                             f"(only {idle!r}).")
+    alpha = config.get("lora_alpha", rank)
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora", False) else alpha / rank
+
+    tensors = _load_tensors(path, where)
+    shapes = projection_shapes(hf)
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        match = TENSOR_NAME.match(name)
+        if match is None:
+            raise ValueError(f"{where}: tensor {name!r} is not a LoRA A or B matrix of a decoder layer's "
+                             f"projection ({', '.join(ATTENTION_TARGETS + MLP_TARGETS)}); nanovllm adapts those only.")
+        layer, block, target, ab = int(match[1]), match[2], match[3], match[4]
+        allowed = ATTENTION_TARGETS if block == "self_attn" else MLP_TARGETS
+        if target not in allowed or layer >= hf.num_hidden_layers:
+            raise ValueError(f"{where}: tensor {name!r} names no projection of the base model.")
+        if block == "mlp" and is_moe_layer(hf, layer):
+            raise ValueError(f"{where}: tensor {name!r}: layer {layer}'s MLP is a mixture of experts; LoRA on "
+                             f"experts is not supported.")
+        in_features, out_features = shapes[target]
+        expected = (rank, in_features) if ab == "A" else (out_features, rank)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}.")
+        parts.setdefault((layer, target), {})[ab] = tensor
+    weights = {}
+    for (layer, target), ab in parts.items():
+        if set(ab) != {"A", "B"}:
+            missing = ({"A", "B"} - set(ab)).pop()
+            raise ValueError(f"{where}: layer {layer} {target} has no lora_{missing} tensor.")
+        weights[layer, target] = (ab["A"], ab["B"])
+    if not weights:
+        raise ValueError(f"{where}: the adapter holds no LoRA tensors.")
+    return LoRAAdapter(request, rank, scaling, weights)
+
+
+def _load_tensors(path: str, where: str) -> dict[str, torch.Tensor]:
+    safetensors_file = os.path.join(path, "adapter_model.safetensors")
+    if os.path.isfile(safetensors_file):
+        return load_file(safetensors_file)
+    bin_file = os.path.join(path, "adapter_model.bin")
+    if os.path.isfile(bin_file):
+        return torch.load(bin_file, map_location="cpu", weights_only=True)
+    raise ValueError(f"{where}: no adapter_model.safetensors or adapter_model.bin in {path!r}.")
+
+
+class AdapterCache:
+    """Adapters read so far, by lora_int_id: up to `capacity` (max_cpu_loras), the least recently used
+    dropped first; pinned ones stay. Each rank keeps its own."""
+
+    def __init__(self, hf: PretrainedConfig, max_lora_rank: int, capacity: int, download_dir: str | None = None,
+                 token: str | bool | None = None):
+        self.hf, self.max_lora_rank, self.capacity = hf, max_lora_rank, capacity
+        self.download_dir, self.token = download_dir, token
+        self.adapters: dict[int, LoRAAdapter] = {}   # in order of use, the latest last
+        self.pinned: set[int] = set()
+
+    def get(self, request: LoRARequest) -> LoRAAdapter:
+        """request's adapter, read now unless it is here (by id; a different name or path under a known id
+        is a ValueError)."""
+        adapter = self.adapters.pop(request.lora_int_id, None)
+        if adapter is not None and (adapter.request.lora_name, adapter.request.lora_path) != (
+                request.lora_name, request.lora_path):
+            self.adapters[request.lora_int_id] = adapter
+            raise ValueError(f"lora_int_id {request.lora_int_id} is adapter {adapter.request.lora_name!r} "
+                             f"({adapter.request.lora_path}); LoRARequest {request.lora_name!r} "
+                             f"({request.lora_path}) needs an id of its own.")
+        if adapter is None:
+            adapter = read_adapter(request, self.hf, self.max_lora_rank, self._local_path(request))
+            unpinned = [i for i in self.adapters if i not in self.pinned]
+            while len(self.adapters) >= self.capacity and unpinned:
+                del self.adapters[unpinned.pop(0)]
+        self.adapters[request.lora_int_id] = adapter
+        return adapter
+
+    def _local_path(self, request: LoRARequest) -> str:
+        if os.path.isdir(request.lora_path):
+            return request.lora_path
+        from nanovllm.utils.hub import check_directory_or_hub_id, resolve_model_path
+        try:
+            check_directory_or_hub_id(request.lora_path, "lora_path")
+            return resolve_model_path(request.lora_path, cache_dir=self.download_dir, token=self.token)
+        except ValueError as e:
+            raise ValueError(f"LoRA adapter {request.lora_name!r}: {e}") from None
+
+    def remove(self, lora_int_id: int) -> bool:
+        self.pinned.discard(lora_int_id)
+        return self.adapters.pop(lora_int_id, None) is not None

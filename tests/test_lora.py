@@ -1,0 +1,192 @@
+"""LoRA adapters (enable_lora=True, lora_request=LoRARequest(...)): the tokens of HF transformers running
+the base model with the adapter merged into its weights (W + scaling * B @ A), float32 on the CPU."""
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
+
+from conftest import as_prompts, hf_greedy, make_prompts
+from nanovllm import LLM, SamplingParams
+from nanovllm.lora.adapter import ATTENTION_TARGETS, MLP_TARGETS, projection_shapes
+from nanovllm.lora.request import LoRARequest
+
+ALL_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+SMALL = dict(dtype="float32", block_size=16, num_kvcache_blocks=128, max_num_batched_tokens=64)
+PROMPTS = make_prompts(num=12)[4:12]   # 17-150 tokens; the last four share a 70-token prefix in pairs and triples
+
+
+def write_adapter(path, model_dir: str, targets=ALL_TARGETS, rank: int = 8, alpha: int = 16, seed: int = 1,
+                  use_rslora: bool = False, **config) -> tuple[str, str]:
+    """A random PEFT adapter in path/adapter, and path/merged: the base checkpoint with it merged in."""
+    hf = AutoConfig.from_pretrained(model_dir)
+    shapes = projection_shapes(hf)
+    scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+    g = torch.Generator().manual_seed(seed)
+    weights = load_file(f"{model_dir}/model.safetensors")
+    tensors = {}
+    for layer in range(hf.num_hidden_layers):
+        for target in targets:
+            block = "self_attn" if target in ATTENTION_TARGETS else "mlp"
+            in_features, out_features = shapes[target]
+            a = torch.randn(rank, in_features, generator=g) * 0.1
+            b = torch.randn(out_features, rank, generator=g) * 0.1
+            name = f"model.layers.{layer}.{block}.{target}"
+            tensors[f"base_model.model.{name}.lora_A.weight"] = a
+            tensors[f"base_model.model.{name}.lora_B.weight"] = b
+            weights[f"{name}.weight"] = weights[f"{name}.weight"] + scaling * b @ a
+    adapter, merged = path / "adapter", path / "merged"
+    adapter.mkdir()
+    save_file(tensors, f"{adapter}/adapter_model.safetensors")
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "use_rslora": use_rslora, "bias": "none",
+         "target_modules": list(targets), "modules_to_save": None, "use_dora": False} | config))
+    shutil.copytree(model_dir, merged)
+    save_file(weights, f"{merged}/model.safetensors", metadata={"format": "pt"})
+    return str(adapter), str(merged)
+
+
+@pytest.fixture(scope="module")
+def adapters(qwen3_dir, tmp_path_factory):
+    """Two adapters of the tiny Qwen3: every projection at rank 8, and q/v only at rank 4 with rsLoRA."""
+    first = write_adapter(tmp_path_factory.mktemp("lora_a"), qwen3_dir)
+    second = write_adapter(tmp_path_factory.mktemp("lora_b"), qwen3_dir, targets=("q_proj", "v_proj"), rank=4,
+                           seed=2, use_rslora=True)
+    return first, second
+
+
+@pytest.fixture(scope="module")
+def references(qwen3_dir, adapters):
+    """Greedy tokens of PROMPTS: base model, first adapter merged, second merged."""
+    return [hf_greedy(path, PROMPTS, GREEDY.max_tokens) for path in (qwen3_dir, adapters[0][1], adapters[1][1])]
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("max_loras", [1, 2])
+def test_adapters_mixed_in_a_batch_match_merged_weights(qwen3_dir, adapters, references, max_loras):
+    """Each prompt with its own adapter or none, in one generate(): every completion is that of HF with its
+    adapter merged. With max_loras=1 the scheduler runs one adapter's requests at a time."""
+    base, first, second = references
+    assert first != base and second != base and first != second     # (the adapters change the tokens)
+    a, b = LoRARequest("a", 1, adapters[0][0]), LoRARequest("b", 2, adapters[1][0])
+    plan = [a, None, b, a, b, None, a, b]
+    with LLM(qwen3_dir, enable_lora=True, max_loras=max_loras, max_lora_rank=8, **SMALL) as llm:
+        outputs = llm.generate(as_prompts(PROMPTS), GREEDY, use_tqdm=False, lora_request=plan)
+        expected = [{None: base, a: first, b: second}[lora][i] for i, lora in enumerate(plan)]
+        assert tokens(outputs) == expected
+        assert [o.lora_request for o in outputs] == plan
+        assert [o.outputs[0].lora_request for o in outputs] == plan
+        # one adapter for every prompt; then none: the base model again
+        assert tokens(llm.generate(as_prompts(PROMPTS), GREEDY, use_tqdm=False, lora_request=b)) == second
+        assert tokens(llm.generate(as_prompts(PROMPTS), GREEDY, use_tqdm=False)) == base
+        assert llm.llm_engine.list_loras() == ({1, 2} if max_loras == 2 else {2})   # (max_cpu_loras: max_loras)
+
+
+def test_prefix_cache_keeps_each_adapter_to_its_own_blocks(qwen3_dir, adapters, references):
+    """The same prompt without an adapter, then with one: no cache hit across them (the K/V differ), hits
+    within one adapter."""
+    base, first, _ = references
+    a = LoRARequest("a", 1, adapters[0][0])
+    with LLM(qwen3_dir, enable_lora=True, max_lora_rank=8, **SMALL) as llm:
+        prompt = as_prompts(PROMPTS[3:4])    # 150 tokens: 9 full blocks
+        plain = llm.generate(prompt, GREEDY, use_tqdm=False)
+        adapted = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=a)
+        again = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=a)
+    assert tokens(plain) == base[3:4] and tokens(adapted) == tokens(again) == first[3:4]
+    assert (plain[0].num_cached_tokens, adapted[0].num_cached_tokens, again[0].num_cached_tokens) == (0, 0, 144)
+
+
+def test_tp2_with_adapters_matches_merged_weights(qwen3_dir, adapters, references):
+    """Tensor parallelism (two gloo ranks): each rank adds its shard's part of the adapters' products."""
+    base, first, second = references
+    a, b = LoRARequest("a", 1, adapters[0][0]), LoRARequest("b", 2, adapters[1][0])
+    plan = [b, a, None, a, b, a, None, b]
+    with LLM(qwen3_dir, enable_lora=True, max_loras=2, max_lora_rank=8, tensor_parallel_size=2, **SMALL) as llm:
+        outputs = llm.generate(as_prompts(PROMPTS), GREEDY, use_tqdm=False, lora_request=plan)
+    assert tokens(outputs) == [{None: base, a: first, b: second}[lora][i] for i, lora in enumerate(plan)]
+
+
+def test_llama_adapter_with_attention_biases(llama_dir, tmp_path):
+    """Llama's q/k/v/o carry biases; the adapter's products add to them."""
+    adapter, merged = write_adapter(tmp_path, llama_dir, rank=8)
+    with LLM(llama_dir, enable_lora=True, max_lora_rank=8, **SMALL) as llm:
+        outputs = llm.generate(as_prompts(PROMPTS[:4]), GREEDY, use_tqdm=False,
+                               lora_request=LoRARequest("a", 3, adapter))
+    assert tokens(outputs) == hf_greedy(merged, PROMPTS[:4], GREEDY.max_tokens)
+
+
+def test_adapter_management(qwen3_dir, adapters, references):
+    """vLLM's add_lora / list_loras / pin_lora / remove_lora; max_cpu_loras keeps that many read."""
+    a, b = LoRARequest("a", 1, adapters[0][0]), LoRARequest("b", 2, adapters[1][0])
+    with LLM(qwen3_dir, enable_lora=True, max_lora_rank=8, **SMALL) as llm:
+        engine = llm.llm_engine
+        assert engine.add_lora(a) and engine.list_loras() == {1}
+        assert engine.pin_lora(1)
+        assert engine.add_lora(b) and engine.list_loras() == {1, 2}   # (a pinned: kept beyond max_cpu_loras 1)
+        assert engine.remove_lora(1) and not engine.remove_lora(1) and engine.list_loras() == {2}
+        with pytest.raises(ValueError, match="LoRA adapter 7 is not known"):
+            engine.pin_lora(7)
+        # an id is one adapter
+        with pytest.raises(ValueError, match="lora_int_id 2 is adapter 'b'"):
+            llm.generate(as_prompts(PROMPTS[:1]), GREEDY, use_tqdm=False, lora_request=LoRARequest("c", 2, adapters[0][0]))
+        outputs = llm.generate(as_prompts(PROMPTS), GREEDY, use_tqdm=False, lora_request=a)
+        assert tokens(outputs) == references[1]
+
+
+def test_bad_adapters_are_value_errors_and_the_engine_goes_on(qwen3_dir, adapters, references, tmp_path):
+    """Each names the adapter and what is wrong; nothing is added, and the next call runs."""
+    path = adapters[0][0]
+    config = json.loads(open(f"{path}/adapter_config.json").read())
+
+    def variant(name, config_changes=None, drop=None, extra=None):
+        target = tmp_path / name
+        shutil.copytree(path, target)
+        (target / "adapter_config.json").write_text(json.dumps(config | (config_changes or {})))
+        tensors = load_file(f"{path}/adapter_model.safetensors")
+        for key in [k for k in tensors if drop and drop in k]:
+            del tensors[key]
+        save_file(tensors | (extra or {}), f"{target}/adapter_model.safetensors")
+        return str(target)
+
+    cases = [
+        (LoRARequest("big", 5, path), "LoRA rank 8 is greater than max_lora_rank 1"),
+        (LoRARequest("none", 5, str(tmp_path / "missing")), "lora_path must be a local directory or a Hugging Face"),
+        (LoRARequest("dora", 5, variant("dora", {"use_dora": True})), "use_dora=True is not supported"),
+        (LoRARequest("save", 5, variant("save", {"modules_to_save": ["lm_head"]})), "modules_to_save"),
+        (LoRARequest("half", 5, variant("half", drop="layers.1.mlp.down_proj.lora_B")),
+         "layer 1 down_proj has no lora_B tensor"),
+        (LoRARequest("head", 5, variant("head", extra={"base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64)})),
+         "tensor 'base_model.model.lm_head.lora_A.weight' is not a LoRA A or B matrix"),
+        (LoRARequest("shape", 5, variant("shape", extra={
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 65)})),
+         r"has shape \(8, 65\), expected \(8, 64\)"),
+    ]
+    with LLM(qwen3_dir, enable_lora=True, max_lora_rank=1, **SMALL) as llm:
+        for request, message in cases[:1]:
+            with pytest.raises(ValueError, match=message):
+                llm.generate(as_prompts(PROMPTS[:2]), GREEDY, use_tqdm=False, lora_request=request)
+    with LLM(qwen3_dir, enable_lora=True, max_lora_rank=8, **SMALL) as llm:
+        for request, message in cases[1:]:
+            with pytest.raises(ValueError, match=message):
+                llm.generate(as_prompts(PROMPTS[:2]), GREEDY, use_tqdm=False, lora_request=request)
+        with pytest.raises(ValueError, match=r"one per prompt \(2\), got a list of 1"):
+            llm.generate(as_prompts(PROMPTS[:2]), GREEDY, use_tqdm=False, lora_request=[None])
+        assert not llm.llm_engine.has_unfinished_requests()
+        assert tokens(llm.generate(as_prompts(PROMPTS), GREEDY, use_tqdm=False)) == references[0]
+    with LLM(qwen3_dir, **SMALL) as llm:
+        with pytest.raises(ValueError, match="lora_request 'a': LoRA is not enabled"):
+            llm.generate(as_prompts(PROMPTS[:1]), GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, path))
+    with pytest.raises(ValueError, match="lora_int_id must be > 0, got 0"):
+        LoRARequest("a", 0, path)
+    for kwargs, message in [(dict(max_lora_rank=12), "max_lora_rank must be one of"),
+                            (dict(max_loras=2, max_cpu_loras=1), r"max_cpu_loras \(1\) must be >= max_loras \(2\)"),
+                            (dict(max_loras=0), "max_loras must be a positive integer")]:
+        with pytest.raises(ValueError, match=message):
+            LLM(qwen3_dir, enable_lora=True, **SMALL, **kwargs)
