@@ -16,6 +16,7 @@
     python bench.py --tokenizer synthetic      # outputs detokenized as a real model's are (no download)
     python bench.py --workload default,latency # several workloads, one engine start-up
     python bench.py --repeat 3                 # three timed runs of each workload, one start-up
+    python bench.py --num-loras 4              # request i with random LoRA adapter i % 4 (rank 16), either engine
 
 Without CUDA it runs a small workload on the CPU path and says so.
 """
@@ -118,6 +119,41 @@ def make_workload(args, on_cpu: bool):
     return prompts, [(random.randint(lo_out, hi_out), 0.6) for _ in range(n)]
 
 
+def lora_adapters(model: str, num: int, rank: int) -> list[str]:
+    """num random PEFT adapters of rank `rank` on every attention and MLP projection of model (a directory
+    with its config.json), written once into the temp directory -> their directories."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+    from nanovllm.lora.adapter import ATTENTION_TARGETS, MLP_TARGETS, projection_shapes
+    hf = AutoConfig.from_pretrained(model)
+    shapes = projection_shapes(hf)
+    paths = []
+    for i in range(num):
+        path = os.path.join(tempfile.gettempdir(), f"nanovllm-bench-lora-{os.path.basename(model.rstrip('/'))}"
+                                                   f"-r{rank}-{i}")
+        paths.append(path)
+        if os.path.exists(os.path.join(path, "adapter_model.safetensors")):
+            continue
+        os.makedirs(path, exist_ok=True)
+        g = torch.Generator().manual_seed(i)
+        tensors = {}
+        for layer in range(hf.num_hidden_layers):
+            for target in ATTENTION_TARGETS + MLP_TARGETS:
+                block = "self_attn" if target in ATTENTION_TARGETS else "mlp"
+                in_features, out_features = shapes[target]
+                name = f"base_model.model.model.layers.{layer}.{block}.{target}"
+                tensors[f"{name}.lora_A.weight"] = (torch.randn(rank, in_features, generator=g) * 0.01).bfloat16()
+                tensors[f"{name}.lora_B.weight"] = (torch.randn(out_features, rank, generator=g) * 0.01).bfloat16()
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+                       "target_modules": list(ATTENTION_TARGETS + MLP_TARGETS), "bias": "none",
+                       "modules_to_save": None, "use_rslora": False, "use_dora": False, "lora_dropout": 0.0,
+                       "base_model_name_or_path": model}, f)
+    return paths
+
+
 def token_ids(text: str) -> list[int]:
     """--logprob-token-ids' value: comma-separated integers (a bad one is argparse's error naming the flag)."""
     return [int(i) for i in text.split(",")]
@@ -193,6 +229,9 @@ def main():
                    help='LLM(speculative_config=...), JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 3}\' (n-gram drafts)')
     add_request_arguments(p)
+    p.add_argument("--num-loras", type=int, default=0,
+                   help="LoRA: requests take turns among this many random adapters (max_loras; 0: none)")
+    p.add_argument("--lora-rank", type=int, default=16, help="the adapters' rank (max_lora_rank), with --num-loras")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="also print one JSON line with the results")
     args = p.parse_args()
@@ -207,6 +246,8 @@ def main():
         p.error(f"--repeat: must be at least 1, got {args.repeat}")
     if args.n < 1:
         p.error(f"--n: must be at least 1, got {args.n}")
+    if args.num_loras < 0 or (args.num_loras and pooling):
+        p.error(f"--num-loras: a non-negative count for the generative workloads, got {args.num_loras}")
 
     if args.engine == "vllm" and args.attention_backend != "auto":
         p.error("--attention-backend: nanovllm's setting; leave it at auto with --engine vllm")
@@ -238,6 +279,8 @@ def main():
         kwargs["load_format"] = "dummy"
     if pooling:
         kwargs["runner"] = "pooling"
+    if args.num_loras:
+        kwargs |= dict(enable_lora=True, max_loras=args.num_loras, max_lora_rank=args.lora_rank)
     if workloads == ["classify"] and args.model in PRESETS:   # the preset as a one-label classifier (dummy head)
         architecture = "Qwen3MoeForSequenceClassification" if "num_experts" in PRESETS[args.model] \
             else "Qwen3ForSequenceClassification"
@@ -248,8 +291,12 @@ def main():
         # CUDA is already initialised here (the device check above): vLLM's engine process must be spawned.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         from vllm import LLM, SamplingParams
+        from vllm.lora.request import LoRARequest
     else:
         from nanovllm import LLM, SamplingParams
+        from nanovllm.lora.request import LoRARequest
+    args.loras = [LoRARequest(f"bench-lora-{i}", i + 1, path)
+                  for i, path in enumerate(lora_adapters(model, args.num_loras, args.lora_rank))]
 
     start = time.perf_counter()
     llm = LLM(model, **kwargs)
@@ -271,7 +318,14 @@ def warm_up(llm, SamplingParams, args):
         return
     params = SamplingParams(max_tokens=4, **sampling_filters(args), **request_options(args))
     for num_prompts in (1, 32):
-        llm.generate([{"prompt_token_ids": [1, 2, 3]}] * num_prompts, params, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}] * num_prompts, params, use_tqdm=False,
+                     lora_request=lora_plan(args, num_prompts))
+
+
+def lora_plan(args, num_prompts: int) -> list | None:
+    """With --num-loras: request i's adapter, i % num_loras."""
+    loras = getattr(args, "loras", None)   # (tests/profile_run.py's arguments have none)
+    return [loras[i % len(loras)] for i in range(num_prompts)] if loras else None
 
 
 def sampling_filters(args) -> dict:
@@ -334,7 +388,7 @@ def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float, run: i
 
     drafts_before = draft_counts(llm) if args.speculative_config else None
     start = time.perf_counter()
-    outputs = llm.generate(inputs, params, use_tqdm=False)
+    outputs = llm.generate(inputs, params, use_tqdm=False, lora_request=lora_plan(args, len(inputs)))
     elapsed = time.perf_counter() - start
     completions = [c for o in outputs for c in o.outputs]   # (n of each request)
     num_out = sum(len(c.token_ids) for c in completions)
@@ -343,6 +397,7 @@ def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float, run: i
     num_chars = sum(len(c.text or "") for c in completions)
     options = filters | request_options(args)
     options |= {} if args.logprobs_mode is None else dict(logprobs_mode=args.logprobs_mode)
+    options |= dict(num_loras=args.num_loras, lora_rank=args.lora_rank) if args.num_loras else {}
     workload = args.workload + "".join(f" {k}={v}" for k, v in options.items())
     result = dict(engine=args.engine, model=args.model, workload=workload, tp=args.tp,
                   custom_all_reduce=args.custom_all_reduce, kv_cache_dtype=args.kv_cache_dtype, num_requests=len(prompts),

@@ -126,6 +126,18 @@ def test_bench_speculates_and_reports_the_drafts():
                       f"({result['accepted_draft_tokens'] / max(result['draft_tokens'], 1):.1%})"]
 
 
+def test_bench_runs_requests_with_lora_adapters():
+    """--num-loras: the requests take turns among random adapters of --lora-rank (written once)."""
+    proc = subprocess.run([sys.executable, "bench.py", "--num-loras", "2", "--lora-rank", "8", "--json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert (result["workload"], result["output_tokens"]) == ("default num_loras=2 lora_rank=8", 48)
+    bad = subprocess.run([sys.executable, "bench.py", "--num-loras", "-1"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "--num-loras: a non-negative count" in bad.stderr
+
+
 def test_profile_run_takes_bench_flags():
     """tests/profile_run.py builds its requests with bench.py's helpers from bench.py's own flags, so a
     flag bench.py gains cannot leave the tool behind (it did twice: --min-p, --logprob-token-ids)."""

@@ -120,6 +120,39 @@ def test_logprobs_close_to_hf(gpu_model_dir, variant):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+@pytest.fixture(scope="module")
+def gpu_adapters(gpu_model_dir, tmp_path_factory):
+    """Two LoRA adapters (test_lora.py): every projection at rank 16; q, v and down at rank 8 with rsLoRA."""
+    from test_lora import write_adapter
+    return [write_adapter(tmp_path_factory.mktemp("gpu_lora_a"), gpu_model_dir, rank=16, alpha=16),
+            write_adapter(tmp_path_factory.mktemp("gpu_lora_b"), gpu_model_dir, targets=("q_proj", "v_proj", "down_proj"),
+                          rank=8, seed=2, use_rslora=True)]
+
+
+LORA_VARIANTS = {"graphs": dict(max_loras=2), "eager": dict(max_loras=2, enforce_eager=True),
+                 "one_slot": dict(max_loras=1), "chunked_prefill": dict(max_loras=2, max_num_batched_tokens=48)}
+
+
+@pytest.mark.parametrize("variant", list(LORA_VARIANTS))
+def test_lora_logprobs_close_to_hf_merged(gpu_model_dir, gpu_adapters, variant):
+    """Prompts with either adapter or none in one call, in bf16 with the decode graphs and pieces (or eager;
+    one slot taking turns; chunked prompts): close to HF running each adapter merged into the weights."""
+    from nanovllm.lora.request import LoRARequest
+    a, b = (LoRARequest(name, i, adapter) for i, (name, (adapter, _)) in enumerate(zip("ab", gpu_adapters), 1))
+    plan = [(a, None, b)[i % 3] for i in range(len(PROMPTS))]
+    refs = {None: hf_reference(gpu_model_dir), a: hf_reference(gpu_adapters[0][1]), b: hf_reference(gpu_adapters[1][1])}
+    assert refs[a] != refs[None] and refs[b] != refs[None]
+    llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, enable_lora=True, max_lora_rank=16,
+              **LORA_VARIANTS[variant])
+    for _ in range(2):   # (the second with prefix-cache hits)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False, lora_request=plan)
+        full = check_logprobs_close(tokens_and_tops(outs), [refs[lora][i] for i, lora in enumerate(plan)])
+        assert full >= len(PROMPTS) // 2, f"only {full} of {len(PROMPTS)} sequences matched HF fully"
+    runner = llm.llm_engine.model_runner
+    assert (runner.graphs is None) == (variant == "eager")
+    llm.close()
+
+
 @pytest.mark.parametrize("variant", ["graphs", "eager"])
 def test_shared_prefix_decodes_close_to_hf(gpu_model_dir, variant, monkeypatch):
     """PROMPTS 8-15 share 70- and 48-token prefixes in runs of four: with 16-token pages (and plans
