@@ -190,3 +190,28 @@ def test_bad_adapters_are_value_errors_and_the_engine_goes_on(qwen3_dir, adapter
                             (dict(max_loras=0), "max_loras must be a positive integer")]:
         with pytest.raises(ValueError, match=message):
             LLM(qwen3_dir, enable_lora=True, **SMALL, **kwargs)
+
+
+def test_beam_search_and_embeddings_with_an_adapter_match_the_merged_model(qwen3_dir, adapters):
+    """beam_search and a pooling model's embed take lora_request too: the results of an engine that loads the
+    checkpoint with the adapter merged in."""
+    from nanovllm import BeamSearchParams
+    adapter, merged = adapters[0]
+    a = LoRARequest("a", 1, adapter)
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    with LLM(qwen3_dir, enable_lora=True, max_lora_rank=8, **SMALL) as llm:
+        beams = llm.beam_search(as_prompts(PROMPTS[:2]), params, lora_request=a)
+        with pytest.raises(ValueError, match="beam_search takes one lora_request for all its prompts"):
+            llm.beam_search(as_prompts(PROMPTS[:2]), params, lora_request=[a, a])
+    with LLM(merged, **SMALL) as llm:
+        expected = llm.beam_search(as_prompts(PROMPTS[:2]), params)
+    assert [[s.tokens for s in b.sequences] for b in beams] == [[s.tokens for s in b.sequences] for b in expected]
+    with LLM(qwen3_dir, runner="pooling", enable_lora=True, max_lora_rank=8, **SMALL) as llm:
+        got = llm.embed(as_prompts(PROMPTS), use_tqdm=False, lora_request=[a, None] * 4)
+    with LLM(merged, runner="pooling", **SMALL) as llm:
+        adapted = llm.embed(as_prompts(PROMPTS), use_tqdm=False)
+    with LLM(qwen3_dir, runner="pooling", **SMALL) as llm:
+        plain = llm.embed(as_prompts(PROMPTS), use_tqdm=False)
+    for i, out in enumerate(got):
+        expected = (adapted if i % 2 == 0 else plain)[i].outputs.embedding
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), torch.tensor(expected), atol=2e-6, rtol=0)
