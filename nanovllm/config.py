@@ -374,7 +374,7 @@ class Config:
             self.max_cpu_loras = self.max_loras
         check(self.max_cpu_loras >= self.max_loras,
               f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
-        check(self.lora_dtype in ("auto", "float16", "bfloat16", "float32"),
+        check(self.lora_dtype in ("auto", "float16", "bfloat16"),
               f"lora_dtype must be 'auto', 'float16' or 'bfloat16', got {self.lora_dtype!r}.")
         check(self.runner in ("auto", "generate", "pooling"),
               f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}.")

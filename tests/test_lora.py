@@ -187,7 +187,9 @@ def test_bad_adapters_are_value_errors_and_the_engine_goes_on(qwen3_dir, adapter
         LoRARequest("a", 0, path)
     for kwargs, message in [(dict(max_lora_rank=12), "max_lora_rank must be one of"),
                             (dict(max_loras=2, max_cpu_loras=1), r"max_cpu_loras \(1\) must be >= max_loras \(2\)"),
-                            (dict(max_loras=0), "max_loras must be a positive integer")]:
+                            (dict(max_loras=0), "max_loras must be a positive integer"),
+                            (dict(lora_dtype="int8"), "lora_dtype must be 'auto', 'float16' or 'bfloat16'"),
+                            (dict(lora_dtype="float16"), "lora_dtype 'float16' must be 'auto' or the model's dtype")]:
         with pytest.raises(ValueError, match=message):
             LLM(qwen3_dir, enable_lora=True, **SMALL, **kwargs)
 
