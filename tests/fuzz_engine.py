@@ -8,7 +8,9 @@ random run of requests (random sampling options, among them penalties, stops, ba
 ids, logprobs, truncation, thinking budgets and, with xgrammar, a choice, regex or JSON grammar;
 output kinds, priorities and cache salts), requests it must refuse, aborts and sleeps (levels 0-2,
 modes "keep" and "abort") between step() calls. Every fourth seed samples its rows with a top_k
-above 16 on the sampler's sorted path (SORTED_PATH_TOP_K_MAX). Checked:
+above 16 on the sampler's sorted path (SORTED_PATH_TOP_K_MAX). Two seeds in five enable LoRA
+(random_lora_config, drawn apart so that the other draws stay as they were): 1 or 2 slots, three
+adapters and the base model drawn per request. Checked:
 - a bad request (out-of-vocabulary id, a prompt too long, an unfinished request's id, ...) is a
   ValueError and changes nothing else;
 - every request that is not aborted is reported finished exactly once, and the engine counts as
@@ -53,6 +55,7 @@ import torch
 from nanovllm import LLM, EngineArgs, LLMEngine, PoolingParams, SamplingParams
 from nanovllm.engine.output_processor import DETOKENIZE_CONTEXT
 from nanovllm.layers import sampling_filters
+from nanovllm.lora.request import LoRARequest
 from nanovllm.sampling_params import BeamSearchParams, RequestOutputKind, StructuredOutputsParams
 
 HAS_XGRAMMAR = importlib.util.find_spec("xgrammar") is not None   # (structured outputs' optional dependency)
@@ -148,6 +151,20 @@ def random_config(rng: random.Random, **engine_kwargs) -> dict:
     return config
 
 
+ADAPTERS: list[str] = []   # the tiny model's LoRA adapters (main() writes three)
+
+
+def random_lora_config(seed: int) -> tuple[dict, random.Random, list[LoRARequest]]:
+    """A seed's LoRA settings, from an RNG of their own -> (engine arguments, that RNG for the requests'
+    adapters, the adapters); no LoRA in three seeds of five, or without adapters written."""
+    rng = random.Random(f"lora {seed}")
+    if not ADAPTERS or rng.random() < 0.6:
+        return {}, rng, []
+    config = dict(enable_lora=True, max_loras=rng.choice([1, 2]), max_lora_rank=8, max_cpu_loras=rng.choice([None, 3]))
+    config["max_cpu_loras"] = config["max_cpu_loras"] or config["max_loras"]
+    return config, rng, [LoRARequest(f"lora{i}", i + 1, path) for i, path in enumerate(ADAPTERS)]
+
+
 @dataclass
 class Run:
     """What a seed's run has sent and been told, request by request."""
@@ -159,6 +176,7 @@ class Run:
     aborted: set = field(default_factory=set)
     config: dict = field(default_factory=dict)   # the engine's (random_config)
     eos_token_ids: set = field(default_factory=set)   # the engine's
+    loras: dict = field(default_factory=dict)   # request id -> its LoRARequest (with LoRA on)
 
     def unfinished(self) -> list[str]:
         return sorted(set(self.requests) - self.aborted - set(self.finished))
@@ -205,7 +223,8 @@ def run_seed(model: str, seed: int, **engine_kwargs) -> int:
     """One seed's run (see the module's docstring); raises AssertionError on a broken invariant
     -> the number of greedy or seeded completions that differ from their run alone."""
     rng = random.Random(seed)
-    config = random_config(rng, **engine_kwargs)
+    lora_config, lora_rng, loras = random_lora_config(seed)
+    config = random_config(rng, **engine_kwargs) | lora_config
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, **config))
     think = thinking_ids(engine.tokenizer, config)
     run = Run(config=config, eos_token_ids=engine.eos_token_ids)
@@ -217,8 +236,11 @@ def run_seed(model: str, seed: int, **engine_kwargs) -> int:
             request_id, params = f"r{i}", random_params(rng, bool(think))
             salt = rng.choice([None, None, "a", "b"])
             priority = rng.randint(-2, 2) if config["scheduling_policy"] == "priority" else 0
-            engine.add_request(request_id, {"prompt_token_ids": prompt, "cache_salt": salt}, params, priority=priority)
+            lora = lora_rng.choice([*loras, None]) if loras else None
+            engine.add_request(request_id, {"prompt_token_ids": prompt, "cache_salt": salt}, params, priority=priority,
+                               lora_request=lora)
             run.requests[request_id] = prompt, params
+            run.loras[request_id] = lora
         elif action < 0.33:   # a request the engine must refuse, with nothing else changed
             prompt, params, request_id = random_bad_request(rng, run.unfinished())
             expect_refused(engine, request_id, prompt, params, request_id)
@@ -464,7 +486,8 @@ def count_differences_alone(model: str, config: dict, run: Run) -> int:
             engines[mode] = LLMEngine.from_engine_args(engine_args)
         engine = engines[mode]
         engine.add_request(request_id, {"prompt_token_ids": prompt}, replace(
-            params, output_kind=RequestOutputKind.FINAL_ONLY, logprobs=-1, logprob_token_ids=None))
+            params, output_kind=RequestOutputKind.FINAL_ONLY, logprobs=-1, logprob_token_ids=None),
+            lora_request=run.loras.get(request_id))
         while engine.has_unfinished_requests():
             for output in engine.step():
                 outputs = output.outputs
@@ -698,6 +721,18 @@ def run_llm_seed(model: str, seed: int, **engine_kwargs) -> int:
     return differences
 
 
+def write_lora_adapters(model: str):
+    """ADAPTERS: three random adapters of the tiny model (tests/test_lora.py's): every projection at rank 8,
+    q/v at rank 4 with rsLoRA, o/down at rank 2."""
+    import pathlib
+    import tempfile
+    from test_lora import ALL_TARGETS, write_adapter
+    shapes = [(ALL_TARGETS, 8, False), (("q_proj", "v_proj"), 4, True), (("o_proj", "down_proj"), 2, False)]
+    for i, (targets, rank, rslora) in enumerate(shapes):
+        path = pathlib.Path(tempfile.mkdtemp())
+        ADAPTERS.append(write_adapter(path, model, targets, rank=rank, seed=i + 1, use_rslora=rslora)[0])
+
+
 def main():
     import tempfile
 
@@ -719,6 +754,8 @@ def main():
     if args.device == "cuda" or args.device == "auto" and torch.cuda.is_available():
         from test_gpu import SIZES as sizes   # (the GPU kernels' head size; that module needs CUDA)
     model = build_model_dir(tempfile.mkdtemp(), args.arch, build_tokenizer(), **sizes)
+    if not args.llm and not args.pooling and args.arch in ("qwen3", "qwen2", "llama", "mistral"):   # (dense MLPs)
+        write_lora_adapters(model)
     differing = 0
     for seed in range(first, last):
         run = run_llm_seed if args.llm else run_pooling_seed if args.pooling else run_seed
