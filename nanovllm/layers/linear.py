@@ -106,7 +106,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.lora = None   # with LoRA adapters: lora/layers.py's LoRALinear, whose delta adds to the output
+        self.lora = None   # with LoRA adapters: lora/layers.py's LoRALinear, which adds its products to the output
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
         if self.shard_dim is not None and param.dim() > self.shard_dim:
@@ -115,7 +115,7 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.bias)
-        return y if self.lora is None else y + self.lora(x)
+        return y if self.lora is None else self.lora.add_to(y, x)
 
 
 class ReplicatedLinear(LinearBase):
@@ -142,7 +142,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """silu_mul: the two parts are a gated MLP's gate and up; return silu(gate) * up (see linear)."""
         assert not silu_mul or len(self.output_sizes) == 2
         if self.lora is not None:   # (the adapters' products join before the activation)
-            y = linear(x, self.weight, self.bias) + self.lora(x)
+            y = self.lora.add_to(linear(x, self.weight, self.bias), x)
             return silu_and_mul(y) if silu_mul else y
         return linear(x, self.weight, self.bias, silu_mul=silu_mul)
 
@@ -191,5 +191,5 @@ class RowParallelLinear(LinearBase):
         out = self.tp.all_reduce_input((x.shape[0], self.weight.shape[0]), x.dtype) if x.dim() == 2 else None
         y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, out=out)
         if self.lora is not None:   # (each rank's part of the adapters' products, summed with the rest)
-            y += self.lora(x)
+            self.lora.add_to(y, x)
         return self.tp.all_reduce(y)

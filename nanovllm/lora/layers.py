@@ -43,7 +43,7 @@ class LoRASlots:
 
 
 class LoRALinear(nn.Module):
-    """The slots' A and B of one projection (this rank's shard) -> delta(x), added to its output."""
+    """The slots' A and B of one projection (this rank's shard), whose delta(x) add_to() adds to its output."""
 
     def __init__(self, slots: LoRASlots, linear: LinearBase, name: str, max_rank: int):
         super().__init__()
@@ -62,11 +62,12 @@ class LoRALinear(nn.Module):
         self.register_buffer("a", torch.zeros(*shape, in_features, dtype=dtype, device=device), persistent=False)
         self.register_buffer("b", torch.zeros(*shape, out_features, dtype=dtype, device=device), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y += delta(x), in place (three kernels: the shrink product, the mask, the expand product with the add)."""
         n, rows = x.shape[0], self.a.shape[0] * self.a.shape[1] * self.a.shape[2]
         shrunk = x @ self.a.view(rows, -1).t()                                   # [n, slots * parts * rank]
         shrunk = shrunk.view(n, self.slots.max_loras, -1) * self.slots.mask[:n, :, None]
-        return shrunk.view(n, rows) @ self.b.view(rows, -1)
+        return y.addmm_(shrunk.view(n, rows), self.b.view(rows, -1))
 
     def load(self, slot: int, layer: int, adapter: LoRAAdapter):
         """Write adapter's weights for this projection of `layer` into slot (zero where it has none)."""
