@@ -125,8 +125,8 @@ def gpu_adapters(gpu_model_dir, tmp_path_factory):
     """Two LoRA adapters (test_lora.py): every projection at rank 16; q, v and down at rank 8 with rsLoRA."""
     from test_lora import write_adapter
     return [write_adapter(tmp_path_factory.mktemp("gpu_lora_a"), gpu_model_dir, rank=16, alpha=16),
-            write_adapter(tmp_path_factory.mktemp("gpu_lora_b"), gpu_model_dir, targets=("q_proj", "v_proj", "down_proj"),
-                          rank=8, seed=2, use_rslora=True)]
+            write_adapter(tmp_path_factory.mktemp("gpu_lora_b"), gpu_model_dir,
+                          targets=("q_proj", "v_proj", "down_proj"), rank=8, seed=2, use_rslora=True)]
 
 
 LORA_VARIANTS = {"graphs": dict(max_loras=2), "eager": dict(max_loras=2, enforce_eager=True),

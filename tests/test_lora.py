@@ -135,7 +135,8 @@ def test_adapter_management(qwen3_dir, adapters, references):
             engine.pin_lora(7)
         # an id is one adapter
         with pytest.raises(ValueError, match="lora_int_id 2 is adapter 'b'"):
-            llm.generate(as_prompts(PROMPTS[:1]), GREEDY, use_tqdm=False, lora_request=LoRARequest("c", 2, adapters[0][0]))
+            llm.generate(as_prompts(PROMPTS[:1]), GREEDY, use_tqdm=False,
+                         lora_request=LoRARequest("c", 2, adapters[0][0]))
         outputs = llm.generate(as_prompts(PROMPTS), GREEDY, use_tqdm=False, lora_request=a)
         assert tokens(outputs) == references[1]
 
