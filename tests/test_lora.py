@@ -139,6 +139,14 @@ def test_adapter_management(qwen3_dir, adapters, references):
                          lora_request=LoRARequest("c", 2, adapters[0][0]))
         outputs = llm.generate(as_prompts(PROMPTS), GREEDY, use_tqdm=False, lora_request=a)
         assert tokens(outputs) == references[1]
+        # removed while its requests run: they read it again and go on with it
+        for i, prompt in enumerate(PROMPTS[:3]):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY, lora_request=a)
+        finished = {o.request_id: o for o in engine.step() if o.finished}
+        assert engine.remove_lora(1) and engine.list_loras() == set()   # (b gave way to a: max_cpu_loras 1)
+        while engine.has_unfinished_requests():
+            finished |= {o.request_id: o for o in engine.step() if o.finished}
+        assert [finished[str(i)].outputs[0].token_ids for i in range(3)] == references[1][:3]
 
 
 def test_bad_adapters_are_value_errors_and_the_engine_goes_on(qwen3_dir, adapters, references, tmp_path):

@@ -662,13 +662,12 @@ class LLMEngine:
         return True
 
     def remove_lora(self, lora_id: int) -> bool:
-        """Forget adapter lora_id (its running requests keep it until they end, and read it again if
-        preempted) -> whether it was known."""
+        """Forget adapter lora_id, and free its slot -> whether it was known. (Its unfinished requests keep
+        their LoRARequest: their next step reads the adapter again.)"""
         runner = self.model_runner
         if runner.adapters is None:
             return False
-        if all(seq.lora_request is None or seq.lora_request.lora_int_id != lora_id for seq in self.scheduler.running):
-            runner.lora_slot_table.forget(lora_id)
+        runner.lora_slot_table.forget(lora_id)
         return runner.adapters.remove(lora_id)
 
     def pin_lora(self, lora_id: int) -> bool:
