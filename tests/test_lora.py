@@ -103,6 +103,26 @@ def test_prefix_cache_keeps_each_adapter_to_its_own_blocks(qwen3_dir, adapters, 
     assert (plain[0].num_cached_tokens, adapted[0].num_cached_tokens, again[0].num_cached_tokens) == (0, 0, 144)
 
 
+@pytest.mark.parametrize("variant", ["preemption", "ngram"])
+def test_adapters_under_preemption_and_ngram_drafts(qwen3_dir, adapters, references, variant):
+    """A KV cache too small for the batch (sequences preempted and recomputed with their adapters), and n-gram
+    drafts (each draft row computed with its sequence's adapter): still the merged models' tokens."""
+    base, first, second = references
+    a, b = LoRARequest("a", 1, adapters[0][0]), LoRARequest("b", 2, adapters[1][0])
+    plan = [a, b, None, b, a, None, b, a]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    settings = (dict(num_kvcache_blocks=14) if variant == "preemption"
+                else dict(disable_log_stats=False, speculative_config=ngram))
+    with LLM(qwen3_dir, enable_lora=True, max_loras=2, max_lora_rank=8, **(SMALL | settings)) as llm:
+        outputs = llm.generate(as_prompts(PROMPTS), GREEDY, use_tqdm=False, lora_request=plan)
+        if variant == "preemption":
+            assert llm.llm_engine.scheduler.num_preemptions > 0
+        else:
+            drafts = next(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_draft_tokens")
+            assert drafts > 0
+    assert tokens(outputs) == [{None: base, a: first, b: second}[lora][i] for i, lora in enumerate(plan)]
+
+
 def test_tp2_with_adapters_matches_merged_weights(qwen3_dir, adapters, references):
     """Tensor parallelism (two gloo ranks): each rank adds its shard's part of the adapters' products."""
     base, first, second = references
