@@ -142,6 +142,24 @@ def test_llama_adapter_with_attention_biases(llama_dir, tmp_path):
     assert tokens(outputs) == hf_greedy(merged, PROMPTS[:4], GREEDY.max_tokens)
 
 
+def test_moe_model_adapts_attention_and_refuses_experts(qwen3_moe_dir, tmp_path):
+    """A mixture-of-experts model: an adapter on the attention projections runs; one on an MoE layer's MLP
+    (layer 0 here; layer 1 is dense) is a ValueError naming the tensor."""
+    adapter, merged = write_adapter(tmp_path, qwen3_moe_dir, targets=ATTENTION_TARGETS)
+    experts = tmp_path / "experts"
+    shutil.copytree(adapter, experts)
+    name = "base_model.model.model.layers.0.mlp.gate_proj"
+    save_file(load_file(f"{adapter}/adapter_model.safetensors") | {f"{name}.lora_A.weight": torch.zeros(8, 64),
+                                                                 f"{name}.lora_B.weight": torch.zeros(128, 8)},
+              f"{experts}/adapter_model.safetensors")
+    with LLM(qwen3_moe_dir, enable_lora=True, max_lora_rank=8, **SMALL) as llm:
+        outputs = llm.generate(as_prompts(PROMPTS[:4]), GREEDY, use_tqdm=False,
+                               lora_request=LoRARequest("attention", 1, adapter))
+        with pytest.raises(ValueError, match="layer 0's MLP is a mixture of experts"):
+            llm.generate(as_prompts(PROMPTS[:1]), GREEDY, use_tqdm=False, lora_request=LoRARequest("mlp", 2, str(experts)))
+    assert tokens(outputs) == hf_greedy(merged, PROMPTS[:4], GREEDY.max_tokens)
+
+
 def test_adapter_management(qwen3_dir, adapters, references):
     """vLLM's add_lora / list_loras / pin_lora / remove_lora; max_cpu_loras keeps that many read."""
     a, b = LoRARequest("a", 1, adapters[0][0]), LoRARequest("b", 2, adapters[1][0])
