@@ -156,7 +156,8 @@ def test_moe_model_adapts_attention_and_refuses_experts(qwen3_moe_dir, tmp_path)
         outputs = llm.generate(as_prompts(PROMPTS[:4]), GREEDY, use_tqdm=False,
                                lora_request=LoRARequest("attention", 1, adapter))
         with pytest.raises(ValueError, match="layer 0's MLP is a mixture of experts"):
-            llm.generate(as_prompts(PROMPTS[:1]), GREEDY, use_tqdm=False, lora_request=LoRARequest("mlp", 2, str(experts)))
+            llm.generate(as_prompts(PROMPTS[:1]), GREEDY, use_tqdm=False,
+                         lora_request=LoRARequest("mlp", 2, str(experts)))
     assert tokens(outputs) == hf_greedy(merged, PROMPTS[:4], GREEDY.max_tokens)
 
 
