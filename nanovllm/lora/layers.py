@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from nanovllm.engine.upload import upload
 from nanovllm.layers.linear import LinearBase, MergedColumnParallelLinear, RowParallelLinear
 from nanovllm.layers.mlp import GatedMLP
 from nanovllm.lora.adapter import LoRAAdapter
@@ -39,7 +40,8 @@ class LoRASlots:
         onehot = np.zeros((len(slots), self.max_loras), np.float32)
         used = slots >= 0
         onehot[np.flatnonzero(used), slots[used]] = 1.0
-        self.mask[:len(slots)].copy_(torch.from_numpy(onehot), non_blocking=True)
+        [onehot] = upload([onehot], self.mask.device)   # (from pinned memory: the host does not wait for the GPU)
+        self.mask[:len(slots)].copy_(onehot)
 
 
 class LoRALinear(nn.Module):
