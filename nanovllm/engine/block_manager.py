@@ -75,8 +75,7 @@ class BlockManager:
         """Extend seq.block_hashes to every full block of seq's known (not pending) tokens."""
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_resolved_tokens // bs):
-            lora_int_id = seq.lora_request.lora_int_id if seq.lora_request is not None else 0
-            parent = seq.block_hashes[-1] if seq.block_hashes else salt_hash(seq.cache_salt, lora_int_id)
+            parent = seq.block_hashes[-1] if seq.block_hashes else salt_hash(seq.cache_salt, seq.lora_int_id)
             seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]))
 
     def get_computed_blocks(self, seq) -> list[int]:

@@ -106,12 +106,12 @@ class Scheduler:
 
         # Admit nothing new in a step that had to preempt: memory is tight. A sequence whose LoRA adapter
         # would be one too many waits, and those after it may go first (vLLM's).
-        loras = {seq.lora_request.lora_int_id for seq in self.running if seq.lora_request is not None}
+        loras = {seq.lora_int_id for seq in self.running} - {0} if self.max_loras else set()   # (LoRA off: none)
         skipped = 0
         while (not preempted and skipped < len(self.waiting) and budget > 0
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[skipped]
-            lora_id = seq.lora_request.lora_int_id if seq.lora_request is not None else 0
+            lora_id = seq.lora_int_id
             if lora_id and lora_id not in loras and len(loras) >= self.max_loras:
                 skipped += 1
                 continue

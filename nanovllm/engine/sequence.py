@@ -80,6 +80,11 @@ class Sequence:
         self.grammar = None           # engine/structured_output.py's GrammarState, for structured outputs
 
     @property
+    def lora_int_id(self) -> int:
+        """Its LoRA adapter's id; 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

@@ -17,6 +17,7 @@ from transformers import PretrainedConfig
 
 from nanovllm.layers.moe import is_moe_layer
 from nanovllm.lora.request import LoRARequest
+from nanovllm.model.qwen3 import head_dim_of
 
 # A projection's LoRA tensor, as PEFT names it (".default" where an adapter was saved under its name).
 TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
@@ -36,7 +37,7 @@ class LoRAAdapter:
 
 def projection_shapes(hf: PretrainedConfig) -> dict[str, tuple[int, int]]:
     """target -> (in_features, out_features) of the base model's projection, before sharding."""
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    head_dim = head_dim_of(hf)
     q, kv, hidden = hf.num_attention_heads * head_dim, hf.num_key_value_heads * head_dim, hf.hidden_size
     inter = hf.intermediate_size
     return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
