@@ -19,10 +19,10 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.sleep import SLEEP_MODES, SLEEP_TAGS
 from nanovllm.engine.speculative import NgramProposer, accepted_tokens
-from nanovllm.lora.request import LoRARequest
 from nanovllm.engine.streaming import OutputStreamer
 from nanovllm.engine.stat_logger import StatLogger
 from nanovllm.engine.tp_workers import TPWorkers, resolve_method, run_method
+from nanovllm.lora.request import LoRARequest
 from nanovllm.inputs import PromptType
 from nanovllm.layers.pooler import PooledStep
 from nanovllm.layers.sampling_metadata import SamplerOutput
