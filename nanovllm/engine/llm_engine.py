@@ -22,11 +22,11 @@ from nanovllm.engine.speculative import NgramProposer, accepted_tokens
 from nanovllm.engine.streaming import OutputStreamer
 from nanovllm.engine.stat_logger import StatLogger
 from nanovllm.engine.tp_workers import TPWorkers, resolve_method, run_method
-from nanovllm.lora.request import LoRARequest
 from nanovllm.inputs import PromptType
 from nanovllm.layers.pooler import PooledStep
 from nanovllm.layers.sampling_metadata import SamplerOutput
 from nanovllm.logger import init_logger
+from nanovllm.lora.request import LoRARequest
 from nanovllm.metrics import EngineMetrics, Metric
 from nanovllm.model_config import ModelConfig
 from nanovllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
