@@ -1078,3 +1078,35 @@ def test_routing_kernels_route_as_route(num_tokens, num_experts, top_k, renormal
         assert sorted_ids[runs == expert].sort().values.tolist() == ref_sorted[runs == expert].tolist()
     if single_program:
         assert torch.equal(sorted_ids, ref_sorted)
+
+
+@pytest.mark.parametrize("num_tokens, num_slots, rows, in_features, out_features, used", [
+    (1, 1, 16, 64, 96, "all"),         # one token, one slot (batch 1)
+    (37, 4, 48, 200, 300, "mixed"),    # q/k/v parts at rank 16; odd sizes, a partial tile of tokens
+    (40, 2, 96, 130, 70, "one"),       # rows over one tile (rank 32, three parts); one slot unused
+    (33, 3, 24, 64, 64, "none"),       # base-model tokens only: y untouched
+])
+def test_lora_kernels_equal_the_per_token_products(num_tokens, num_slots, rows, in_features, out_features, used):
+    """shrink then expand add each token's x @ a[slot].T @ b[slot] to y (nothing for slot -1), as the
+    per-token loop does; the shrunk rows of slot -1 are zero."""
+    from nanovllm.kernels.triton_lora import lora_expand, lora_shrink
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, in_features, generator=gen).to(DTYPE)
+    a = (torch.randn(num_slots, rows, in_features, generator=gen) / in_features ** 0.5).to(DTYPE)
+    b = torch.randn(num_slots, rows, out_features, generator=gen).to(DTYPE)
+    y = torch.randn(num_tokens, out_features, generator=gen).to(DTYPE)
+    choices = {"all": [0], "mixed": [-1, *range(num_slots)], "one": [-1, 1], "none": [-1]}[used]
+    slots = torch.tensor(choices * num_tokens)[torch.randperm(num_tokens * len(choices), generator=gen)[:num_tokens]]
+    ref_shrunk = torch.zeros(num_tokens, rows)
+    ref = y.float().clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            ref_shrunk[t] = x[t].float() @ a[s].float().T
+            ref[t] += ref_shrunk[t].to(DTYPE).float() @ b[s].float()
+    ids = slots.to(torch.int32).to(DEVICE)
+    shrunk = lora_shrink(x.to(DEVICE), a.to(DEVICE), ids)
+    assert rel_err(shrunk, ref_shrunk) < TOL if used != "none" else not shrunk.any()
+    out = lora_expand(y.to(DEVICE), shrunk, b.to(DEVICE), ids).cpu()
+    base = slots < 0
+    assert torch.equal(out[base], y[base])
+    assert rel_err(out, ref) < TOL

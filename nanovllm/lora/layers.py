@@ -1,4 +1,4 @@
-"""The adapters' products beside the base model's (vLLM's multi-LoRA batching, in plain torch ops).
+"""The adapters' products beside the base model's (vLLM's multi-LoRA batching).
 
 The engine holds up to max_loras adapters in slots. Each adapted projection keeps every slot's A and B
 stacked, zero where a slot's adapter has a smaller rank or no weights for the projection:
@@ -12,7 +12,10 @@ one-hot mask [tokens, slots] that the runner writes before the forward pass (LoR
     delta = ((x @ a.T) * mask, per slot) @ b
 
 is two products whatever the mix of adapters in the step: the mask zeroes each token's other slots.
-The mask is a buffer at a fixed address, so CUDA graphs replay with each step's mask.
+That is the plain-torch path (the CPU's, and the reference). On CUDA two Triton kernels
+(kernels/triton_lora.py) compute each token's own slot's products from its slot id, skipping the slots
+that none of a tile's tokens use. Mask and ids are buffers at fixed addresses, so CUDA graphs replay
+with each step's.
 """
 import numpy as np
 import torch
@@ -29,18 +32,28 @@ PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
 
 
 class LoRASlots:
-    """The step's one-hot mask of each token's slot (all zero: the base model), shared by the projections."""
+    """The step's slot of each token (-1: the base model), shared by the projections: as ids for the
+    Triton kernels (on CUDA) and as a one-hot mask [tokens, slots] for the torch formula."""
 
     def __init__(self, max_loras: int, max_tokens: int, dtype: torch.dtype, device: torch.device):
         self.max_loras = max_loras
+        self.fused = False
+        if device.type == "cuda":
+            from nanovllm.kernels import triton_lora
+            self.fused = triton_lora.enabled()
+        self.ids = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.mask = torch.zeros(max_tokens, max_loras, dtype=dtype, device=device)
 
     def set_tokens(self, slots: np.ndarray):
         """slots: [tokens] int, each token's slot or -1."""
+        if self.fused:
+            [ids] = upload([slots.astype(np.int32)], self.ids.device)   # (pinned: the host does not wait)
+            self.ids[:len(slots)].copy_(ids)
+            return
         onehot = np.zeros((len(slots), self.max_loras), np.float32)
         used = slots >= 0
         onehot[np.flatnonzero(used), slots[used]] = 1.0
-        [onehot] = upload([onehot], self.mask.device)   # (from pinned memory: the host does not wait for the GPU)
+        [onehot] = upload([onehot], self.mask.device)
         self.mask[:len(slots)].copy_(onehot)
 
 
@@ -65,8 +78,15 @@ class LoRALinear(nn.Module):
         self.register_buffer("b", torch.zeros(*shape, out_features, dtype=dtype, device=device), persistent=False)
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """y += delta(x), in place (three kernels: the shrink product, the mask, the expand product with the add)."""
-        n, rows = x.shape[0], self.a.shape[0] * self.a.shape[1] * self.a.shape[2]
+        """y += delta(x), in place: the two Triton kernels of each token's own slot on CUDA, else three torch
+        operations over all slots (the shrink product, the mask, the expand product with the add)."""
+        n = x.shape[0]
+        if self.slots.fused:
+            from nanovllm.kernels.triton_lora import lora_expand, lora_shrink
+            a, b = (w.view(self.slots.max_loras, -1, w.shape[-1]) for w in (self.a, self.b))
+            ids = self.slots.ids[:n]
+            return lora_expand(y, lora_shrink(x, a, ids), b, ids)
+        rows = self.a.shape[0] * self.a.shape[1] * self.a.shape[2]
         shrunk = x @ self.a.view(rows, -1).t()                                   # [n, slots * parts * rank]
         shrunk = shrunk.view(n, self.slots.max_loras, -1) * self.slots.mask[:n, :, None]
         return y.addmm_(shrunk.view(n, rows), self.b.view(rows, -1))

@@ -1,0 +1,103 @@
+"""The LoRA products of a step's tokens, each with its own adapter slot, in two Triton kernels (vLLM's
+punica shrink and expand). Their reference is lora/layers.py's plain-torch formula over all slots.
+
+    shrink:  shrunk[t] = x[t] @ a[slot[t]].T          a: [slots, rows, in_features]    (rows = parts * rank)
+    expand:  y[t]     += shrunk[t] @ b[slot[t]]        b: [slots, rows, out_features]
+
+A token of slot -1 (the base model) gets nothing. A program owns BLOCK_M tokens and loops over the
+slots, computing a slot's product only when one of its tokens uses it, so a step of one adapter costs
+one slot's product, and the products of every slot are never formed or masked as in the torch formula.
+"""
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.compile_ahead import launch
+
+BLOCK_M, BLOCK_K, BLOCK_N, MAX_BLOCK_R = 16, 128, 128, 64
+
+
+@functools.cache
+def enabled() -> bool:
+    """On unless NANOVLLM_LORA_TRITON=0 (for A/B runs against the torch formula)."""
+    return os.environ.get("NANOVLLM_LORA_TRITON") != "0"
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptr, slot_ptr, out_ptr, M, K, ROWS, stride_x, stride_o, NUM_SLOTS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok, r_ok = offs_m < M, offs_r < ROWS
+    slots = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1)
+    out = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
+    for s in range(NUM_SLOTS):
+        if tl.max((slots == s).to(tl.int32)) > 0:
+            acc = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
+            for k in range(0, K, BLOCK_K):
+                k_ok = offs_k < K - k
+                x = tl.load(x_ptr + offs_m[:, None] * stride_x + (k + offs_k)[None, :],
+                            mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                a = tl.load(a_ptr + (s * ROWS + offs_r)[None, :] * K + (k + offs_k)[:, None],
+                            mask=r_ok[None, :] & k_ok[:, None], other=0.0)       # [BLOCK_K, BLOCK_R]: a[s].T
+                acc = tl.dot(x, a, acc)
+            out = tl.where((slots == s)[:, None], acc, out)
+    tl.store(out_ptr + offs_m[:, None] * stride_o + offs_r[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _expand_kernel(shrunk_ptr, b_ptr, slot_ptr, y_ptr, M, N, ROWS, stride_s, stride_y, NUM_SLOTS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    slots = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1)
+    if tl.max(slots) >= 0:   # (a block of base-model tokens leaves y as it is)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for r in range(0, ROWS, BLOCK_R):
+            offs_r = r + tl.arange(0, BLOCK_R)
+            r_ok = offs_r < ROWS
+            shrunk = tl.load(shrunk_ptr + offs_m[:, None] * stride_s + offs_r[None, :],
+                             mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+            for s in range(NUM_SLOTS):
+                if tl.max((slots == s).to(tl.int32)) > 0:
+                    b = tl.load(b_ptr + (s * ROWS + offs_r)[:, None] * N + offs_n[None, :],
+                                mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+                    acc = tl.dot(tl.where((slots == s)[:, None], shrunk, 0.0).to(b.dtype), b, acc)
+        y_ptrs = y_ptr + offs_m[:, None] * stride_y + offs_n[None, :]
+        y_ok = m_ok[:, None] & n_ok[None, :]
+        y = tl.load(y_ptrs, mask=y_ok, other=0.0)
+        tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=y_ok)
+
+
+def rows_block(rows: int) -> int:
+    """The tile of A's rows (or B's): all of them up to MAX_BLOCK_R, padded to a power of two of at least 16."""
+    return min(MAX_BLOCK_R, max(16, triton.next_power_of_2(rows)))
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """x: [M, K], a: [S, ROWS, K] contiguous, slots: [M] int32 (-1: none) -> [M, ROWS] in x's dtype (zero for -1)."""
+    m, k = x.shape
+    num_slots, rows = a.shape[:2]
+    assert a.shape[2] == k and a.is_contiguous() and x.stride(1) == 1
+    out = torch.empty(m, rows, dtype=x.dtype, device=x.device)
+    block_r = rows_block(rows)
+    launch(_shrink_kernel, (triton.cdiv(m, BLOCK_M), triton.cdiv(rows, block_r)), x, a, slots, out, m, k, rows,
+           x.stride(0), out.stride(0), NUM_SLOTS=num_slots, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=BLOCK_K)
+    return out
+
+
+def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """y: [M, N] += each token's shrunk: [M, ROWS] @ b[slot]: [S, ROWS, N] contiguous, in place; returns y."""
+    m, n = y.shape
+    num_slots, rows = b.shape[:2]
+    assert b.shape[2] == n and b.is_contiguous() and shrunk.shape == (m, rows) and y.stride(1) == 1
+    launch(_expand_kernel, (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N)), shrunk, b, slots, y, m, n, rows,
+           shrunk.stride(0), y.stride(0), NUM_SLOTS=num_slots, BLOCK_M=BLOCK_M,
+           BLOCK_R=rows_block(rows), BLOCK_N=BLOCK_N)
+    return y
