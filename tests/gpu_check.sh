@@ -5,6 +5,7 @@
 # VARIANTS="NANOVLLM_PDL=0 NANOVLLM_PDL=1" runs every benchmark once per environment setting, interleaved;
 # a comma joins settings into one variant: VARIANTS="X=0 X=1,Y=1".
 # FUZZ_SEEDS=a:b also runs tests/fuzz_engine.py on those seeds in bf16 (engine steps, then LLM calls).
+# BENCH_ARGS are added to every bench.py command (e.g. BENCH_ARGS="--num-loras 4").
 # ENGINES=none runs the tests alone. Each GPU test file runs in its own pytest under its own
 # time limit (TEST_TIMEOUT, seconds), so a test blocked in a collective costs only its file;
 # faulthandler prints where a test hung once it has run STACK_AFTER seconds (default 90).
@@ -46,7 +47,7 @@ for engine in ${ENGINES:-nanovllm}; do
         for v in "${variants[@]}"; do      # interleaved, so that drift hits every variant alike
           tag=${v:+_${v//[^A-Za-z0-9]/}}
           env ${v//,/ } timeout "${BENCH_TIMEOUT:-240}" python3 bench.py --engine "$engine" --workload "$w" \
-            --kv-cache-dtype "$kv" --json 2>&1 | tee "$OUT/bench_${engine}_${w}_${kv}${tag}_$i.log" | grep -v '^{' | tail -4
+            --kv-cache-dtype "$kv" ${BENCH_ARGS:-} --json 2>&1 | tee "$OUT/bench_${engine}_${w}_${kv}${tag}_$i.log" | grep -v '^{' | tail -4
         done
       done
     done
