@@ -46,9 +46,8 @@ class LoRASlots:
 
     def set_tokens(self, slots: np.ndarray):
         """slots: [tokens] int, each token's slot or -1."""
-        if self.fused:
-            [ids] = upload([slots.astype(np.int32)], self.ids.device)   # (pinned: the host does not wait)
-            self.ids[:len(slots)].copy_(ids)
+        if self.fused:   # straight into the buffer, from pinned memory (the host does not wait)
+            upload([slots.astype(np.int32)], self.ids.device, out=self.ids.view(torch.uint8))
             return
         onehot = np.zeros((len(slots), self.max_loras), np.float32)
         used = slots >= 0
