@@ -1110,3 +1110,28 @@ def test_lora_kernels_equal_the_per_token_products(num_tokens, num_slots, rows, 
     base = slots < 0
     assert torch.equal(out[base], y[base])
     assert rel_err(out, ref) < TOL
+
+
+def test_lora_projection_adds_the_same_through_the_kernels_as_through_the_mask():
+    """A q/k/v projection's LoRALinear: the kernels (slot ids) add what the torch formula (one-hot mask) adds,
+    for tokens of three slots and the base model, after set_tokens writes either buffer."""
+    import numpy as np
+    from nanovllm.layers.linear import QKVParallelLinear
+    from nanovllm.lora.layers import LoRALinear, LoRASlots
+    torch.manual_seed(0)
+    linear = QKVParallelLinear(96, 32, 4, 2).to(DEVICE, DTYPE)
+    slots = LoRASlots(3, 64, DTYPE, torch.device(DEVICE))
+    lora = LoRALinear(slots, linear, "qkv_proj", 16)
+    lora.a.normal_()
+    lora.b.normal_(std=0.1)
+    x = torch.randn(37, 96, device=DEVICE, dtype=DTYPE)
+    y = torch.randn(37, linear.weight.shape[0], device=DEVICE, dtype=DTYPE)
+    token_slots = np.random.RandomState(0).randint(-1, 3, 37)
+    results = []
+    for fused in (False, True):
+        slots.fused = fused
+        slots.set_tokens(token_slots)
+        results.append(lora.add_to(y.clone(), x).float())
+    assert rel_err(results[1], results[0]) < TOL
+    base = torch.from_numpy(token_slots < 0).to(DEVICE)
+    assert torch.equal(results[1][base], y[base].float())
