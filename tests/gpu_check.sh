@@ -47,7 +47,8 @@ for engine in ${ENGINES:-nanovllm}; do
         for v in "${variants[@]}"; do      # interleaved, so that drift hits every variant alike
           tag=${v:+_${v//[^A-Za-z0-9]/}}
           env ${v//,/ } timeout "${BENCH_TIMEOUT:-240}" python3 bench.py --engine "$engine" --workload "$w" \
-            --kv-cache-dtype "$kv" ${BENCH_ARGS:-} --json 2>&1 | tee "$OUT/bench_${engine}_${w}_${kv}${tag}_$i.log" | grep -v '^{' | tail -4
+            --kv-cache-dtype "$kv" ${BENCH_ARGS:-} --json 2>&1 \
+            | tee "$OUT/bench_${engine}_${w}_${kv}${tag}_$i.log" | grep -v '^{' | tail -4
         done
       done
     done
