@@ -1080,15 +1080,19 @@ def test_routing_kernels_route_as_route(num_tokens, num_experts, top_k, renormal
         assert torch.equal(sorted_ids, ref_sorted)
 
 
-@pytest.mark.parametrize("num_tokens, num_slots, rows, in_features, out_features, used", [
-    (1, 1, 16, 64, 96, "all"),         # one token, one slot (batch 1)
-    (37, 4, 48, 200, 300, "mixed"),    # q/k/v parts at rank 16; odd sizes, a partial tile of tokens
-    (40, 2, 96, 130, 70, "one"),       # rows over one tile (rank 32, three parts); one slot unused
-    (33, 3, 24, 64, 64, "none"),       # base-model tokens only: y untouched
+@pytest.mark.parametrize("num_tokens, num_slots, rows, in_features, out_features, used, splits", [
+    (1, 1, 16, 64, 96, "all", None),        # one token, one slot (batch 1), split_k's count
+    (37, 4, 48, 200, 300, "mixed", 1),      # q/k/v parts at rank 16; odd sizes, a partial tile of tokens
+    (37, 4, 48, 400, 300, "mixed", 4),      # the same over four slices of K, the last one partial
+    (40, 2, 96, 130, 70, "one", 2),         # rows over one tile (rank 32, three parts); one slot unused; a
+                                            # slice of K of two columns
+    (33, 3, 24, 300, 64, "none", 3),        # base-model tokens only: y untouched
 ])
-def test_lora_kernels_equal_the_per_token_products(num_tokens, num_slots, rows, in_features, out_features, used):
+def test_lora_kernels_equal_the_per_token_products(num_tokens, num_slots, rows, in_features, out_features, used,
+                                                   splits):
     """shrink then expand add each token's x @ a[slot].T @ b[slot] to y (nothing for slot -1), as the
-    per-token loop does; the shrunk rows of slot -1 are zero."""
+    per-token loop does, from the shrink's partial sums over `splits` slices of K; the shrunk rows of slot -1
+    are zero."""
     from nanovllm.kernels.triton_lora import lora_expand, lora_shrink
     gen = torch.Generator().manual_seed(num_tokens)
     x = torch.randn(num_tokens, in_features, generator=gen).to(DTYPE)
@@ -1104,8 +1108,9 @@ def test_lora_kernels_equal_the_per_token_products(num_tokens, num_slots, rows, 
             ref_shrunk[t] = x[t].float() @ a[s].float().T
             ref[t] += ref_shrunk[t].to(DTYPE).float() @ b[s].float()
     ids = slots.to(torch.int32).to(DEVICE)
-    shrunk = lora_shrink(x.to(DEVICE), a.to(DEVICE), ids)
-    assert rel_err(shrunk, ref_shrunk) < TOL if used != "none" else not shrunk.any()
+    shrunk = lora_shrink(x.to(DEVICE), a.to(DEVICE), ids, splits)
+    assert shrunk.shape[0] == (splits or 1)
+    assert rel_err(shrunk.sum(0).cpu(), ref_shrunk) < TOL if used != "none" else not shrunk.any()
     out = lora_expand(y.to(DEVICE), shrunk, b.to(DEVICE), ids).cpu()
     base = slots < 0
     assert torch.equal(out[base], y[base])

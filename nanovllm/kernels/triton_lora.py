@@ -7,6 +7,9 @@ punica shrink and expand). Their reference is lora/layers.py's plain-torch formu
 A token of slot -1 (the base model) gets nothing. A program owns BLOCK_M tokens and loops over the
 slots, computing a slot's product only when one of its tokens uses it, so a step of one adapter costs
 one slot's product, and the products of every slot are never formed or masked as in the torch formula.
+A decode step's few tiles would leave most SMs idle through the shrink's long loop over K, so the
+shrink splits K into slices, each program writing its slice's float32 partial sums, and the expand adds
+the partial sums up as it loads them (no atomics, no zeroed buffer: the same sums each run).
 """
 import functools
 import os
@@ -16,6 +19,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.compile_ahead import launch
+from nanovllm.kernels.device import num_sms
 
 BLOCK_M, BLOCK_K, BLOCK_N, MAX_BLOCK_R = 16, 128, 128, 64
 
@@ -27,32 +31,34 @@ def enabled() -> bool:
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, slot_ptr, out_ptr, M, K, ROWS, stride_x, stride_o, NUM_SLOTS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _shrink_kernel(x_ptr, a_ptr, slot_ptr, out_ptr, M, K, ROWS, K_PER_SPLIT, stride_x, stride_o, stride_split,
+                   NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
+    k_start = tl.program_id(2) * K_PER_SPLIT
+    k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     m_ok, r_ok = offs_m < M, offs_r < ROWS
     slots = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1)
     out = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
     for s in range(NUM_SLOTS):
         if tl.max((slots == s).to(tl.int32)) > 0:
             acc = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
-            for k in range(0, K, BLOCK_K):
-                k_ok = offs_k < K - k
+            for k in range(k_start, k_end, BLOCK_K):
+                k_ok = offs_k < k_end - k
                 x = tl.load(x_ptr + offs_m[:, None] * stride_x + (k + offs_k)[None, :],
                             mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 a = tl.load(a_ptr + (s * ROWS + offs_r)[None, :] * K + (k + offs_k)[:, None],
                             mask=r_ok[None, :] & k_ok[:, None], other=0.0)       # [BLOCK_K, BLOCK_R]: a[s].T
                 acc = tl.dot(x, a, acc)
             out = tl.where((slots == s)[:, None], acc, out)
-    tl.store(out_ptr + offs_m[:, None] * stride_o + offs_r[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & r_ok[None, :])
+    out_ptrs = out_ptr + tl.program_id(2) * stride_split + offs_m[:, None] * stride_o + offs_r[None, :]
+    tl.store(out_ptrs, out, mask=m_ok[:, None] & r_ok[None, :])
 
 
 @triton.jit
-def _expand_kernel(shrunk_ptr, b_ptr, slot_ptr, y_ptr, M, N, ROWS, stride_s, stride_y, NUM_SLOTS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+def _expand_kernel(shrunk_ptr, b_ptr, slot_ptr, y_ptr, M, N, ROWS, SPLITS, stride_s, stride_split, stride_y,
+                   NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = offs_m < M, offs_n < N
@@ -62,13 +68,16 @@ def _expand_kernel(shrunk_ptr, b_ptr, slot_ptr, y_ptr, M, N, ROWS, stride_s, str
         for r in range(0, ROWS, BLOCK_R):
             offs_r = r + tl.arange(0, BLOCK_R)
             r_ok = offs_r < ROWS
-            shrunk = tl.load(shrunk_ptr + offs_m[:, None] * stride_s + offs_r[None, :],
-                             mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+            shrunk = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
+            for split in range(SPLITS):   # (the shrink's partial sums over slices of K)
+                shrunk += tl.load(shrunk_ptr + split * stride_split + offs_m[:, None] * stride_s + offs_r[None, :],
+                                  mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+            shrunk = shrunk.to(b_ptr.dtype.element_ty)
             for s in range(NUM_SLOTS):
                 if tl.max((slots == s).to(tl.int32)) > 0:
                     b = tl.load(b_ptr + (s * ROWS + offs_r)[:, None] * N + offs_n[None, :],
                                 mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-                    acc = tl.dot(tl.where((slots == s)[:, None], shrunk, 0.0).to(b.dtype), b, acc)
+                    acc = tl.dot(tl.where((slots == s)[:, None], shrunk, 0.0), b, acc)
         y_ptrs = y_ptr + offs_m[:, None] * stride_y + offs_n[None, :]
         y_ok = m_ok[:, None] & n_ok[None, :]
         y = tl.load(y_ptrs, mask=y_ok, other=0.0)
@@ -80,24 +89,38 @@ def rows_block(rows: int) -> int:
     return min(MAX_BLOCK_R, max(16, triton.next_power_of_2(rows)))
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """x: [M, K], a: [S, ROWS, K] contiguous, slots: [M] int32 (-1: none) -> [M, ROWS] in x's dtype (zero for -1)."""
+def split_k(m: int, rows: int, k: int, device: torch.device) -> int:
+    """Into how many slices of K the shrink splits its products: enough for about two programs per SM
+    (a decode step's 256 tokens are only 16 tiles of BLOCK_M), none for a prefill's thousands of tokens."""
+    programs = triton.cdiv(m, BLOCK_M) * triton.cdiv(rows, rows_block(rows))
+    sms = num_sms(device) if device.type == "cuda" else 132
+    return max(1, min(triton.cdiv(k, BLOCK_K), 2 * sms // programs))
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+    """x: [M, K], a: [S, ROWS, K] contiguous, slots: [M] int32 (-1: none) -> float32 [splits, M, ROWS]: the
+    partial products over `splits` slices of K (split_k's count unless given), whose sum is x[t] @ a[slot[t]].T
+    (zero for -1)."""
     m, k = x.shape
     num_slots, rows = a.shape[:2]
     assert a.shape[2] == k and a.is_contiguous() and x.stride(1) == 1
-    out = torch.empty(m, rows, dtype=x.dtype, device=x.device)
     block_r = rows_block(rows)
-    launch(_shrink_kernel, (triton.cdiv(m, BLOCK_M), triton.cdiv(rows, block_r)), x, a, slots, out, m, k, rows,
-           x.stride(0), out.stride(0), NUM_SLOTS=num_slots, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=BLOCK_K)
+    k_per_split = triton.cdiv(triton.cdiv(k, splits or split_k(m, rows, k, x.device)), BLOCK_K) * BLOCK_K
+    splits = triton.cdiv(k, k_per_split)
+    out = torch.empty(splits, m, rows, dtype=torch.float32, device=x.device)
+    launch(_shrink_kernel, (triton.cdiv(m, BLOCK_M), triton.cdiv(rows, block_r), splits), x, a, slots, out, m, k,
+           rows, k_per_split, x.stride(0), out.stride(1), out.stride(0), NUM_SLOTS=num_slots, BLOCK_M=BLOCK_M,
+           BLOCK_R=block_r, BLOCK_K=BLOCK_K)
     return out
 
 
 def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """y: [M, N] += each token's shrunk: [M, ROWS] @ b[slot]: [S, ROWS, N] contiguous, in place; returns y."""
+    """y: [M, N] += each token's shrunk (lora_shrink's partial sums: [splits, M, ROWS]) @ b[slot]: [S, ROWS, N]
+    contiguous, in place; returns y."""
     m, n = y.shape
     num_slots, rows = b.shape[:2]
-    assert b.shape[2] == n and b.is_contiguous() and shrunk.shape == (m, rows) and y.stride(1) == 1
+    assert b.shape[2] == n and b.is_contiguous() and shrunk.shape[1:] == (m, rows) and y.stride(1) == 1
     launch(_expand_kernel, (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N)), shrunk, b, slots, y, m, n, rows,
-           shrunk.stride(0), y.stride(0), NUM_SLOTS=num_slots, BLOCK_M=BLOCK_M,
+           shrunk.shape[0], shrunk.stride(1), shrunk.stride(0), y.stride(0), NUM_SLOTS=num_slots, BLOCK_M=BLOCK_M,
            BLOCK_R=rows_block(rows), BLOCK_N=BLOCK_N)
     return y
