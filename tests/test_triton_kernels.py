@@ -1140,3 +1140,28 @@ def test_lora_projection_adds_the_same_through_the_kernels_as_through_the_mask()
     assert rel_err(results[1], results[0]) < TOL
     base = torch.from_numpy(token_slots < 0).to(DEVICE)
     assert torch.equal(results[1][base], y[base].float())
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the split-K partials before a norm are for 16-bit CUDA matrices")
+def test_lora_adds_into_the_split_k_partials_of_a_projection_before_a_norm():
+    """A down projection whose output goes to an RMSNorm, at 37 rows: with adapters it still returns split-K
+    partials, the expand adding the adapters' products into the first, and their sum is the plain path's output."""
+    import numpy as np
+    from nanovllm.layers.linear import Partials, RowParallelLinear
+    from nanovllm.lora.layers import LoRALinear, LoRASlots
+    torch.manual_seed(0)
+    linear = RowParallelLinear(1024, 256, to_norm=True).to(DEVICE, DTYPE)
+    linear.weight.normal_(std=0.03)
+    slots = LoRASlots(2, 64, DTYPE, torch.device(DEVICE))
+    linear.lora = LoRALinear(slots, linear, "down_proj", 16)
+    linear.lora.a.normal_(std=0.03)
+    linear.lora.b.normal_(std=0.1)
+    x = torch.randn(37, 1024, device=DEVICE, dtype=DTYPE)
+    slots.set_tokens(np.random.RandomState(0).randint(-1, 2, 37))
+    out = linear(x)
+    assert isinstance(out, Partials) and out.parts.shape[0] > 1
+    linear.to_norm = False
+    want = linear(x).float()
+    assert rel_err(out.parts.sum(0), want) < TOL
+    linear.lora = None
+    assert rel_err(want, linear(x).float()) > 0.1   # (the adapters' products are not lost in the noise)

@@ -182,10 +182,13 @@ class RowParallelLinear(LinearBase):
         self.to_norm = to_norm and tp.size == 1 and not bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | Partials:
-        if self.to_norm and self.lora is None and is_16bit_cuda_matrix(x):
+        if self.to_norm and (self.lora is None or self.lora.slots.fused) and is_16bit_cuda_matrix(x):
             splits = split_k_before_norm(x.shape[0], *self.weight.shape[::-1])
             if splits > 1:
-                return split_k_partials(x, self.weight, splits)
+                partials = split_k_partials(x, self.weight, splits)
+                if self.lora is not None:   # (the Triton expand adds into a float32 part as well)
+                    self.lora.add_to(partials.parts[0], x)
+                return partials
         # Bias is added once, on rank 0, before the sum. The product goes straight into the
         # all-reduce's input buffer when it has one (no copy into it).
         out = self.tp.all_reduce_input((x.shape[0], self.weight.shape[0]), x.dtype) if x.dim() == 2 else None
