@@ -265,3 +265,16 @@ def test_beam_search_and_embeddings_with_an_adapter_match_the_merged_model(qwen3
     for i, out in enumerate(got):
         expected = (adapted if i % 2 == 0 else plain)[i].outputs.embedding
         torch.testing.assert_close(torch.tensor(out.outputs.embedding), torch.tensor(expected), atol=2e-6, rtol=0)
+
+
+def test_the_kernels_tokens_are_sorted_by_slot_and_padded_with_none():
+    """On the Triton path a step's tokens go to the kernels as (slot, row) pairs sorted by slot; past the step's
+    tokens every pair is (-1, row), also where a larger step wrote before (a CUDA graph's padding rows)."""
+    import numpy as np
+    from nanovllm.lora.layers import LoRASlots
+    slots = LoRASlots(2, 16, torch.float32, torch.device("cpu"))
+    slots.fused = True   # (the buffer the kernels read, written as on CUDA)
+    slots.set_tokens(np.array([1, 0, -1, 1, 0, 1]))
+    assert slots.tokens.tolist() == [[-1, 2], [0, 1], [0, 4], [1, 0], [1, 3], [1, 5]] + [[-1, i] for i in range(6, 16)]
+    slots.set_tokens(np.array([1, 0]))
+    assert slots.tokens.tolist() == [[0, 1], [1, 0]] + [[-1, i] for i in range(2, 16)]

@@ -1091,9 +1091,11 @@ def test_routing_kernels_route_as_route(num_tokens, num_experts, top_k, renormal
 def test_lora_kernels_equal_the_per_token_products(num_tokens, num_slots, rows, in_features, out_features, used,
                                                    splits):
     """shrink then expand add each token's x @ a[slot].T @ b[slot] to y (nothing for slot -1), as the
-    per-token loop does, from the shrink's partial sums over `splits` slices of K; the shrunk rows of slot -1
-    are zero."""
+    per-token loop does, from the tokens sorted by slot and the shrink's partial sums over `splits` slices of
+    K; the shrunk rows of slot -1 are zero, and rows past the step's tokens (slot -1) stay as they are."""
+    import numpy as np
     from nanovllm.kernels.triton_lora import lora_expand, lora_shrink
+    from nanovllm.lora.layers import sorted_tokens
     gen = torch.Generator().manual_seed(num_tokens)
     x = torch.randn(num_tokens, in_features, generator=gen).to(DTYPE)
     a = (torch.randn(num_slots, rows, in_features, generator=gen) / in_features ** 0.5).to(DTYPE)
@@ -1107,11 +1109,18 @@ def test_lora_kernels_equal_the_per_token_products(num_tokens, num_slots, rows, 
         if s >= 0:
             ref_shrunk[t] = x[t].float() @ a[s].float().T
             ref[t] += ref_shrunk[t].to(DTYPE).float() @ b[s].float()
-    ids = slots.to(torch.int32).to(DEVICE)
-    shrunk = lora_shrink(x.to(DEVICE), a.to(DEVICE), ids, splits)
+    pairs = sorted_tokens(slots.numpy(), num_tokens + 5)   # (as a CUDA graph's, 5 padding rows)
+    assert (np.diff(pairs[:num_tokens, 0]) >= 0).all() and (pairs[num_tokens:, 0] == -1).all()
+    assert sorted(pairs[:, 1]) == list(range(num_tokens + 5))
+    tokens = torch.from_numpy(pairs).to(DEVICE)
+    x, y = (torch.cat([t, torch.randn(5, t.shape[1], generator=gen).to(DTYPE)]) for t in (x, y))
+    shrunk = lora_shrink(x.to(DEVICE), a.to(DEVICE), tokens, splits)
     assert shrunk.shape[0] == (splits or 1)
-    assert rel_err(shrunk.sum(0).cpu(), ref_shrunk) < TOL if used != "none" else not shrunk.any()
-    out = lora_expand(y.to(DEVICE), shrunk, b.to(DEVICE), ids).cpu()
+    order = pairs[:num_tokens, 1]
+    assert rel_err(shrunk.sum(0)[:num_tokens].cpu(), ref_shrunk[order]) < TOL if used != "none" else not shrunk.any()
+    out = lora_expand(y.to(DEVICE), shrunk, b.to(DEVICE), tokens).cpu()
+    assert torch.equal(out[num_tokens:], y[num_tokens:])
+    out, y = out[:num_tokens], y[:num_tokens]
     base = slots < 0
     assert torch.equal(out[base], y[base])
     assert rel_err(out, ref) < TOL

@@ -7,6 +7,9 @@ punica shrink and expand). Their reference is lora/layers.py's plain-torch formu
 A token of slot -1 (the base model) gets nothing. A program owns BLOCK_M tokens and loops over the
 slots, computing a slot's product only when one of its tokens uses it, so a step of one adapter costs
 one slot's product, and the products of every slot are never formed or masked as in the torch formula.
+The kernels take the tokens sorted by slot, as (slot, row) pairs, so that a tile mostly holds one slot
+however the step mixes its adapters; the shrink gathers x's rows through them, and the expand adds
+into y's rows (the shrunk rows stay in the sorted order between the two).
 A decode step's few tiles would leave most SMs idle through the shrink's long loop over K, so the
 shrink splits K into slices, each program writing its slice's float32 partial sums, and the expand adds
 the partial sums up as it loads them (no atomics, no zeroed buffer: the same sums each run).
@@ -31,39 +34,43 @@ def enabled() -> bool:
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, slot_ptr, out_ptr, M, K, ROWS, K_PER_SPLIT, stride_x, stride_o, stride_split,
+def _shrink_kernel(x_ptr, a_ptr, tokens_ptr, out_ptr, M, K, ROWS, K_PER_SPLIT, stride_x, stride_o, stride_split,
                    NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)     # places in the order of the slots
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
     k_start = tl.program_id(2) * K_PER_SPLIT
     k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     m_ok, r_ok = offs_m < M, offs_r < ROWS
-    slots = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1)
+    slots = tl.load(tokens_ptr + 2 * offs_m, mask=m_ok, other=-1)
+    rows = tl.load(tokens_ptr + 2 * offs_m + 1, mask=m_ok, other=0)  # their tokens' rows of x
     out = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
     for s in range(NUM_SLOTS):
-        if tl.max((slots == s).to(tl.int32)) > 0:
-            acc = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
+        mine = slots == s
+        if tl.max(mine.to(tl.int32)) > 0:
             for k in range(k_start, k_end, BLOCK_K):
                 k_ok = offs_k < k_end - k
-                x = tl.load(x_ptr + offs_m[:, None] * stride_x + (k + offs_k)[None, :],
-                            mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                x = tl.load(x_ptr + rows[:, None] * stride_x + (k + offs_k)[None, :],
+                            mask=mine[:, None] & k_ok[None, :], other=0.0)       # (zero: other slots' tokens)
                 a = tl.load(a_ptr + (s * ROWS + offs_r)[None, :] * K + (k + offs_k)[:, None],
                             mask=r_ok[None, :] & k_ok[:, None], other=0.0)       # [BLOCK_K, BLOCK_R]: a[s].T
-                acc = tl.dot(x, a, acc)
-            out = tl.where((slots == s)[:, None], acc, out)
+                out = tl.dot(x, a, out)
     out_ptrs = out_ptr + tl.program_id(2) * stride_split + offs_m[:, None] * stride_o + offs_r[None, :]
     tl.store(out_ptrs, out, mask=m_ok[:, None] & r_ok[None, :])
 
 
 @triton.jit
-def _expand_kernel(shrunk_ptr, b_ptr, slot_ptr, y_ptr, M, N, ROWS, SPLITS, stride_s, stride_split, stride_y,
+def _expand_kernel(shrunk_ptr, b_ptr, tokens_ptr, y_ptr, M, N, ROWS, SPLITS, stride_s, stride_split, stride_y,
                    NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)     # places in the order of the slots
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = offs_m < M, offs_n < N
-    slots = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1)
+    slots = tl.load(tokens_ptr + 2 * offs_m, mask=m_ok, other=-1)
     if tl.max(slots) >= 0:   # (a block of base-model tokens leaves y as it is)
+        rows = tl.load(tokens_ptr + 2 * offs_m + 1, mask=m_ok, other=0)
+        y_ptrs = y_ptr + rows[:, None] * stride_y + offs_n[None, :]
+        y_ok = (slots >= 0)[:, None] & n_ok[None, :]                # (nor does a base-model token's row)
+        y = tl.load(y_ptrs, mask=y_ok, other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for r in range(0, ROWS, BLOCK_R):
             offs_r = r + tl.arange(0, BLOCK_R)
@@ -78,9 +85,6 @@ def _expand_kernel(shrunk_ptr, b_ptr, slot_ptr, y_ptr, M, N, ROWS, SPLITS, strid
                     b = tl.load(b_ptr + (s * ROWS + offs_r)[:, None] * N + offs_n[None, :],
                                 mask=r_ok[:, None] & n_ok[None, :], other=0.0)
                     acc = tl.dot(tl.where((slots == s)[:, None], shrunk, 0.0), b, acc)
-        y_ptrs = y_ptr + offs_m[:, None] * stride_y + offs_n[None, :]
-        y_ok = m_ok[:, None] & n_ok[None, :]
-        y = tl.load(y_ptrs, mask=y_ok, other=0.0)
         tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=y_ok)
 
 
@@ -97,30 +101,33 @@ def split_k(m: int, rows: int, k: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(k, BLOCK_K), 2 * sms // programs))
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, splits: int | None = None) -> torch.Tensor:
-    """x: [M, K], a: [S, ROWS, K] contiguous, slots: [M] int32 (-1: none) -> float32 [splits, M, ROWS]: the
-    partial products over `splits` slices of K (split_k's count unless given), whose sum is x[t] @ a[slot[t]].T
-    (zero for -1)."""
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, tokens: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+    """x: [M, K], a: [S, ROWS, K] contiguous, tokens: [M, 2] int32 contiguous, (slot, row of x) pairs sorted by
+    slot (lora/layers.py sorted_tokens; slot -1: none) -> float32 [splits, M, ROWS]: the partial products over
+    `splits` slices of K (split_k's count unless given), whose sum's i-th row is x[row] @ a[slot].T for the i-th
+    pair (zero for -1)."""
     m, k = x.shape
     num_slots, rows = a.shape[:2]
-    assert a.shape[2] == k and a.is_contiguous() and x.stride(1) == 1
+    assert a.shape[2] == k and a.is_contiguous() and x.stride(1) == 1 and tokens.shape == (m, 2)
+    assert tokens.is_contiguous()
     block_r = rows_block(rows)
     k_per_split = triton.cdiv(triton.cdiv(k, splits or split_k(m, rows, k, x.device)), BLOCK_K) * BLOCK_K
     splits = triton.cdiv(k, k_per_split)
     out = torch.empty(splits, m, rows, dtype=torch.float32, device=x.device)
-    launch(_shrink_kernel, (triton.cdiv(m, BLOCK_M), triton.cdiv(rows, block_r), splits), x, a, slots, out, m, k,
+    launch(_shrink_kernel, (triton.cdiv(m, BLOCK_M), triton.cdiv(rows, block_r), splits), x, a, tokens, out, m, k,
            rows, k_per_split, x.stride(0), out.stride(1), out.stride(0), NUM_SLOTS=num_slots, BLOCK_M=BLOCK_M,
            BLOCK_R=block_r, BLOCK_K=BLOCK_K)
     return out
 
 
-def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """y: [M, N] += each token's shrunk (lora_shrink's partial sums: [splits, M, ROWS]) @ b[slot]: [S, ROWS, N]
-    contiguous, in place; returns y."""
+def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """y[row] += shrunk's i-th row (the sum of lora_shrink's partial sums: [splits, M, ROWS]) @ b[slot]
+    ([S, ROWS, N] contiguous) for the i-th (slot, row) pair of tokens, in place (y: [M, N]); returns y."""
     m, n = y.shape
     num_slots, rows = b.shape[:2]
     assert b.shape[2] == n and b.is_contiguous() and shrunk.shape[1:] == (m, rows) and y.stride(1) == 1
-    launch(_expand_kernel, (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N)), shrunk, b, slots, y, m, n, rows,
+    assert tokens.shape == (m, 2) and tokens.is_contiguous()
+    launch(_expand_kernel, (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N)), shrunk, b, tokens, y, m, n, rows,
            shrunk.shape[0], shrunk.stride(1), shrunk.stride(0), y.stride(0), NUM_SLOTS=num_slots, BLOCK_M=BLOCK_M,
            BLOCK_R=rows_block(rows), BLOCK_N=BLOCK_N)
     return y

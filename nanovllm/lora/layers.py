@@ -14,8 +14,9 @@ one-hot mask [tokens, slots] that the runner writes before the forward pass (LoR
 is two products whatever the mix of adapters in the step: the mask zeroes each token's other slots.
 That is the plain-torch path (the CPU's, and the reference). On CUDA two Triton kernels
 (kernels/triton_lora.py) compute each token's own slot's products from its slot id, skipping the slots
-that none of a tile's tokens use. Mask and ids are buffers at fixed addresses, so CUDA graphs replay
-with each step's.
+that none of a tile's tokens use; they take the tokens sorted by slot (sorted_tokens), so that a tile
+of tokens mostly holds one slot. Mask and sorted tokens are buffers at fixed addresses, so CUDA graphs
+replay with each step's.
 """
 import numpy as np
 import torch
@@ -31,9 +32,19 @@ PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
          "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
+def sorted_tokens(slots: np.ndarray, length: int) -> np.ndarray:
+    """The Triton kernels' view of a step's tokens: int32 [length, 2], the (slot, token) pairs in the order of
+    the slots (base-model tokens first), then (-1, i) up to length."""
+    order = np.argsort(slots, kind="stable")
+    pairs = np.empty((length, 2), np.int32)
+    pairs[:len(slots), 0], pairs[:len(slots), 1] = slots[order], order
+    pairs[len(slots):, 0], pairs[len(slots):, 1] = -1, np.arange(len(slots), length)
+    return pairs
+
+
 class LoRASlots:
-    """The step's slot of each token (-1: the base model), shared by the projections: as ids for the
-    Triton kernels (on CUDA) and as a one-hot mask [tokens, slots] for the torch formula."""
+    """The step's slot of each token (-1: the base model), shared by the projections: as the tokens sorted by
+    slot for the Triton kernels (on CUDA) and as a one-hot mask [tokens, slots] for the torch formula."""
 
     def __init__(self, max_loras: int, max_tokens: int, dtype: torch.dtype, device: torch.device):
         self.max_loras = max_loras
@@ -41,13 +52,18 @@ class LoRASlots:
         if device.type == "cuda":
             from nanovllm.kernels import triton_lora
             self.fused = triton_lora.enabled()
-        self.ids = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self.tokens = torch.from_numpy(sorted_tokens(np.zeros(0, np.int64), max_tokens)).to(device)
+        self.written = 0   # tokens beyond this many in self.tokens are (-1, i)
         self.mask = torch.zeros(max_tokens, max_loras, dtype=dtype, device=device)
 
     def set_tokens(self, slots: np.ndarray):
         """slots: [tokens] int, each token's slot or -1."""
         if self.fused:   # straight into the buffer, from pinned memory (the host does not wait)
-            upload([slots.astype(np.int32)], self.ids.device, out=self.ids.view(torch.uint8))
+            # (past the step's tokens, the last step's are overwritten: a CUDA graph's padding rows then read
+            # slot -1, which the kernels neither read nor write)
+            pairs = sorted_tokens(slots, max(len(slots), self.written))
+            upload([pairs], self.tokens.device, out=self.tokens.view(torch.uint8).view(-1))
+            self.written = len(slots)
             return
         onehot = np.zeros((len(slots), self.max_loras), np.float32)
         used = slots >= 0
@@ -83,8 +99,8 @@ class LoRALinear(nn.Module):
         if self.slots.fused:
             from nanovllm.kernels.triton_lora import lora_expand, lora_shrink
             a, b = (w.view(self.slots.max_loras, -1, w.shape[-1]) for w in (self.a, self.b))
-            ids = self.slots.ids[:n]
-            return lora_expand(y, lora_shrink(x, a, ids), b, ids)
+            tokens = self.slots.tokens[:n]
+            return lora_expand(y, lora_shrink(x, a, tokens), b, tokens)
         rows = self.a.shape[0] * self.a.shape[1] * self.a.shape[2]
         shrunk = x @ self.a.view(rows, -1).t()                                   # [n, slots * parts * rank]
         shrunk = shrunk.view(n, self.slots.max_loras, -1) * self.slots.mask[:n, :, None]
