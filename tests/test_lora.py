@@ -1,5 +1,7 @@
 """LoRA adapters (enable_lora=True, lora_request=LoRARequest(...)): the tokens of HF transformers running
-the base model with the adapter merged into its weights (W + scaling * B @ A), float32 on the CPU."""
+the base model with the adapter merged into its weights (W + scaling * B @ A), float32 on the CPU.
+The CUDA path's Triton kernels run these tests too, in the Triton interpreter:
+    TRITON_INTERPRET=1 NANOVLLM_LORA_TRITON=1 pytest tests/test_lora.py"""
 import json
 import math
 import shutil

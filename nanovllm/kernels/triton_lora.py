@@ -29,7 +29,8 @@ BLOCK_M, BLOCK_K, BLOCK_N, MAX_BLOCK_R = 16, 128, 128, 64
 
 @functools.cache
 def enabled() -> bool:
-    """On unless NANOVLLM_LORA_TRITON=0 (for A/B runs against the torch formula)."""
+    """On unless NANOVLLM_LORA_TRITON=0 (for A/B runs against the torch formula). On the CPU the kernels run
+    only with NANOVLLM_LORA_TRITON=1 and TRITON_INTERPRET=1: the engine's LoRA tests through them, without a GPU."""
     return os.environ.get("NANOVLLM_LORA_TRITON") != "0"
 
 

@@ -18,6 +18,8 @@ that none of a tile's tokens use; they take the tokens sorted by slot (sorted_to
 of tokens mostly holds one slot. Mask and sorted tokens are buffers at fixed addresses, so CUDA graphs
 replay with each step's.
 """
+import os
+
 import numpy as np
 import torch
 from torch import nn
@@ -49,7 +51,7 @@ class LoRASlots:
     def __init__(self, max_loras: int, max_tokens: int, dtype: torch.dtype, device: torch.device):
         self.max_loras = max_loras
         self.fused = False
-        if device.type == "cuda":
+        if device.type == "cuda" or os.environ.get("NANOVLLM_LORA_TRITON") == "1":
             from nanovllm.kernels import triton_lora
             self.fused = triton_lora.enabled()
         self.tokens = torch.from_numpy(sorted_tokens(np.zeros(0, np.int64), max_tokens)).to(device)
