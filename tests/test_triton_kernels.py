@@ -1127,8 +1127,8 @@ def test_lora_kernels_equal_the_per_token_products(num_tokens, num_slots, rows, 
 
 
 def test_lora_projection_adds_the_same_through_the_kernels_as_through_the_mask():
-    """A q/k/v projection's LoRALinear: the kernels (slot ids) add what the torch formula (one-hot mask) adds,
-    for tokens of three slots and the base model, after set_tokens writes either buffer."""
+    """A q/k/v projection's LoRALinear: the kernels (tokens sorted by slot) add what the torch formula (one-hot
+    mask) adds, for tokens of three slots and the base model, after set_tokens writes either buffer."""
     import numpy as np
     from nanovllm.layers.linear import QKVParallelLinear
     from nanovllm.lora.layers import LoRALinear, LoRASlots

@@ -14,9 +14,6 @@ A decode step's few tiles would leave most SMs idle through the shrink's long lo
 shrink splits K into slices, each program writing its slice's float32 partial sums, and the expand adds
 the partial sums up as it loads them (no atomics, no zeroed buffer: the same sums each run).
 """
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -25,13 +22,6 @@ from nanovllm.kernels.compile_ahead import launch
 from nanovllm.kernels.device import num_sms
 
 BLOCK_M, BLOCK_K, BLOCK_N, MAX_BLOCK_R = 16, 128, 128, 64
-
-
-@functools.cache
-def enabled() -> bool:
-    """On unless NANOVLLM_LORA_TRITON=0 (for A/B runs against the torch formula). On the CPU the kernels run
-    only with NANOVLLM_LORA_TRITON=1 and TRITON_INTERPRET=1: the engine's LoRA tests through them, without a GPU."""
-    return os.environ.get("NANOVLLM_LORA_TRITON") != "0"
 
 
 @triton.jit

@@ -44,16 +44,21 @@ def sorted_tokens(slots: np.ndarray, length: int) -> np.ndarray:
     return pairs
 
 
+def uses_kernels(device: torch.device) -> bool:
+    """Whether the projections take the Triton kernels: on CUDA unless NANOVLLM_LORA_TRITON=0 (A/B runs against
+    the torch formula); on the CPU only with NANOVLLM_LORA_TRITON=1, under TRITON_INTERPRET=1 (the engine's LoRA
+    tests through the kernels, without a GPU)."""
+    setting = os.environ.get("NANOVLLM_LORA_TRITON")
+    return setting != "0" if device.type == "cuda" else setting == "1"
+
+
 class LoRASlots:
     """The step's slot of each token (-1: the base model), shared by the projections: as the tokens sorted by
     slot for the Triton kernels (on CUDA) and as a one-hot mask [tokens, slots] for the torch formula."""
 
     def __init__(self, max_loras: int, max_tokens: int, dtype: torch.dtype, device: torch.device):
         self.max_loras = max_loras
-        self.fused = False
-        if device.type == "cuda" or os.environ.get("NANOVLLM_LORA_TRITON") == "1":
-            from nanovllm.kernels import triton_lora
-            self.fused = triton_lora.enabled()
+        self.fused = uses_kernels(device)
         self.tokens = torch.from_numpy(sorted_tokens(np.zeros(0, np.int64), max_tokens)).to(device)
         self.written = 0   # tokens beyond this many in self.tokens are (-1, i)
         self.mask = torch.zeros(max_tokens, max_loras, dtype=dtype, device=device)
