@@ -122,11 +122,13 @@ def test_logprobs_close_to_hf(gpu_model_dir, variant):
 
 @pytest.fixture(scope="module")
 def gpu_adapters(gpu_model_dir, tmp_path_factory):
-    """Two LoRA adapters (test_lora.py): every projection at rank 16; q, v and down at rank 8 with rsLoRA."""
+    """Two LoRA adapters (test_lora.py): every projection at rank 16; q, v, down, the embedding and the LM head
+    at rank 8 with rsLoRA."""
     from test_lora import write_adapter
     return [write_adapter(tmp_path_factory.mktemp("gpu_lora_a"), gpu_model_dir, rank=16, alpha=16),
             write_adapter(tmp_path_factory.mktemp("gpu_lora_b"), gpu_model_dir,
-                          targets=("q_proj", "v_proj", "down_proj"), rank=8, seed=2, use_rslora=True)]
+                          targets=("q_proj", "v_proj", "down_proj", "embed_tokens", "lm_head"), rank=8, seed=2,
+                          use_rslora=True)]
 
 
 LORA_VARIANTS = {"graphs": dict(max_loras=2), "eager": dict(max_loras=2, enforce_eager=True),

@@ -13,7 +13,7 @@ from transformers import AutoConfig
 
 from conftest import as_prompts, hf_greedy, make_prompts
 from nanovllm import LLM, SamplingParams
-from nanovllm.lora.adapter import ATTENTION_TARGETS, MLP_TARGETS, projection_shapes
+from nanovllm.lora.adapter import ATTENTION_TARGETS, MLP_TARGETS, MODEL_TARGETS, projection_shapes
 from nanovllm.lora.request import LoRARequest
 
 ALL_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
@@ -24,23 +24,33 @@ PROMPTS = make_prompts(num=12)[4:12]   # 17-150 tokens; the last four share a 70
 
 def write_adapter(path, model_dir: str, targets=ALL_TARGETS, rank: int = 8, alpha: int = 16, seed: int = 1,
                   use_rslora: bool = False, **config) -> tuple[str, str]:
-    """A random PEFT adapter in path/adapter, and path/merged: the base checkpoint with it merged in."""
+    """A random PEFT adapter in path/adapter, and path/merged: the base checkpoint with it merged in (its LM head
+    untied from the embedding where the adapter has either)."""
     hf = AutoConfig.from_pretrained(model_dir)
     shapes = projection_shapes(hf)
     scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
     g = torch.Generator().manual_seed(seed)
     weights = load_file(f"{model_dir}/model.safetensors")
+    untie = hf.tie_word_embeddings and any(t in MODEL_TARGETS for t in targets)
+    if untie:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
     tensors = {}
-    for layer in range(hf.num_hidden_layers):
-        for target in targets:
-            block = "self_attn" if target in ATTENTION_TARGETS else "mlp"
-            in_features, out_features = shapes[target]
-            a = torch.randn(rank, in_features, generator=g) * 0.1
-            b = torch.randn(out_features, rank, generator=g) * 0.1
-            name = f"model.layers.{layer}.{block}.{target}"
-            tensors[f"base_model.model.{name}.lora_A.weight"] = a
-            tensors[f"base_model.model.{name}.lora_B.weight"] = b
-            weights[f"{name}.weight"] = weights[f"{name}.weight"] + scaling * b @ a
+    layers = [(layer, target) for layer in range(hf.num_hidden_layers) for target in targets
+              if target not in MODEL_TARGETS]
+    for layer, target in layers + [(None, t) for t in MODEL_TARGETS if t in targets]:
+        in_features, out_features = shapes[target]
+        a = torch.randn(rank, in_features, generator=g) * 0.1
+        b = torch.randn(out_features, rank, generator=g) * 0.1
+        if target == "embed_tokens":   # (PEFT's names for an embedding's pair; the one-hot product is a lookup)
+            tensors["base_model.model.model.embed_tokens.lora_embedding_A"] = a
+            tensors["base_model.model.model.embed_tokens.lora_embedding_B"] = b
+            weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"] + scaling * (b @ a).t()
+            continue
+        block = "self_attn" if target in ATTENTION_TARGETS else "mlp"
+        name = "lm_head" if target == "lm_head" else f"model.layers.{layer}.{block}.{target}"
+        tensors[f"base_model.model.{name}.lora_A.weight"] = a
+        tensors[f"base_model.model.{name}.lora_B.weight"] = b
+        weights[f"{name}.weight"] = weights[f"{name}.weight"] + scaling * b @ a
     adapter, merged = path / "adapter", path / "merged"
     adapter.mkdir()
     save_file(tensors, f"{adapter}/adapter_model.safetensors")
@@ -49,13 +59,17 @@ def write_adapter(path, model_dir: str, targets=ALL_TARGETS, rank: int = 8, alph
          "target_modules": list(targets), "modules_to_save": None, "use_dora": False} | config))
     shutil.copytree(model_dir, merged)
     save_file(weights, f"{merged}/model.safetensors", metadata={"format": "pt"})
+    if untie:
+        merged_config = json.loads((merged / "config.json").read_text())
+        (merged / "config.json").write_text(json.dumps(merged_config | {"tie_word_embeddings": False}))
     return str(adapter), str(merged)
 
 
 @pytest.fixture(scope="module")
 def adapters(qwen3_dir, tmp_path_factory):
-    """Two adapters of the tiny Qwen3: every projection at rank 8, and q/v only at rank 4 with rsLoRA."""
-    first = write_adapter(tmp_path_factory.mktemp("lora_a"), qwen3_dir)
+    """Two adapters of the tiny Qwen3 (its LM head tied to the embedding): every projection, the embedding and
+    the LM head at rank 8, and q/v only at rank 4 with rsLoRA."""
+    first = write_adapter(tmp_path_factory.mktemp("lora_a"), qwen3_dir, targets=ALL_TARGETS + MODEL_TARGETS)
     second = write_adapter(tmp_path_factory.mktemp("lora_b"), qwen3_dir, targets=("q_proj", "v_proj"), rank=4,
                            seed=2, use_rslora=True)
     return first, second
@@ -212,8 +226,14 @@ def test_bad_adapters_are_value_errors_and_the_engine_goes_on(qwen3_dir, adapter
         (LoRARequest("save", 5, variant("save", {"modules_to_save": ["lm_head"]})), "modules_to_save"),
         (LoRARequest("half", 5, variant("half", drop="layers.1.mlp.down_proj.lora_B")),
          "layer 1 down_proj has no lora_B tensor"),
-        (LoRARequest("head", 5, variant("head", extra={"base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64)})),
-         "tensor 'base_model.model.lm_head.lora_A.weight' is not a LoRA A or B matrix"),
+        (LoRARequest("head", 5, variant("head", drop="lm_head.lora_B")), "lm_head has no lora_B tensor"),
+        (LoRARequest("embedding", 5, variant("embedding", drop="lora_embedding_A")),
+         "embed_tokens has no lora_embedding_A tensor"),
+        (LoRARequest("norm", 5, variant("norm", extra={"base_model.model.model.norm.lora_A.weight": torch.zeros(8, 64)})),
+         "tensor 'base_model.model.model.norm.lora_A.weight' is not a LoRA A or B matrix"),
+        (LoRARequest("vocab", 5, variant("vocab", extra={
+            "base_model.model.lm_head.lora_B.weight": torch.zeros(1000, 8)})),
+         r"lm_head.lora_B.weight' has shape \(1000, 8\), expected \(\d+, 8\)"),
         (LoRARequest("shape", 5, variant("shape", extra={
             "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 65)})),
          r"has shape \(8, 65\), expected \(8, 64\)"),

@@ -233,6 +233,8 @@ class ModelRunner:
     def _warm_up_logits(self, hidden_size: int, dtype: torch.dtype):
         """The LM head once at every logits bucket (on every rank: with TP it gathers)."""
         for rows in self.logits_buckets:
+            if self.lora is not None:
+                self.lora.slots.select_rows(slice(0, rows))
             self.model.compute_logits(torch.zeros(rows, hidden_size, dtype=dtype, device=self.device))
 
     @property
@@ -335,6 +337,8 @@ class ModelRunner:
             hidden = self.model(*inputs)
             if self.pooling:
                 return
+            if self.lora is not None:
+                self.lora.slots.select_rows(last_tokens)
             logits = self.model.compute_logits(hidden[last_tokens])
             if self.sampler is not None:
                 self.sampler(logits, md)
@@ -504,12 +508,15 @@ class ModelRunner:
             n = len(hidden) if rows is None else len(rows)
             padded = self.logits_bucket(n)
             if rows is None and from_graph:
-                h = self.graphs.hidden[:padded]      # the graph bucket's padding rows follow
+                h, index = self.graphs.hidden[:padded], slice(0, padded)   # the graph bucket's padding rows follow
             elif rows is None and padded == n:
-                h = hidden
+                h, index = hidden, slice(0, n)
             else:
                 index = np.arange(n) if rows is None else np.asarray(rows, np.int64)
-                h = hidden[upload([np.pad(index, (0, padded - n), mode="edge")], self.device)[0]]
+                index = upload([np.pad(index, (0, padded - n), mode="edge")], self.device)[0]
+                h = hidden[index]
+            if self.lora is not None:   # (the LM head's adapters: those of these rows' tokens)
+                self.lora.slots.select_rows(index)
             logits = self.model.compute_logits(h)
             return None if logits is None else logits[:n]
 

@@ -17,6 +17,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = self.shard_size * self.tp_rank
         self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.lora = None   # with LoRA adapters: lora/layers.py's LoRAEmbedding (LoRAHead for the LM head)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
         if loaded.shape[0] != self.num_embeddings:
@@ -28,11 +29,12 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
-        local = input_ids - self.vocab_start
-        mask = (local >= 0) & (local < self.shard_size)
-        y = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * mask.unsqueeze(-1)
-        return self.tp.all_reduce(y)
+            y = F.embedding(input_ids, self.weight)
+        else:
+            local = input_ids - self.vocab_start
+            mask = (local >= 0) & (local < self.shard_size)
+            y = self.tp.all_reduce(F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * mask.unsqueeze(-1))
+        return y if self.lora is None else self.lora.add_to(y, input_ids)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -40,6 +42,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = F.linear(hidden, self.weight)
+        if self.lora is not None:   # (this rank's shard of the adapters' logits)
+            self.lora.add_to(logits, hidden)
         if self.tp_size == 1:
             return logits
         parts = self.tp.gather_to_first(logits)

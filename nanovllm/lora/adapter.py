@@ -3,7 +3,10 @@
 PEFT saves adapter_config.json (r, lora_alpha, ...) and adapter_model.safetensors with two tensors per
 adapted projection, e.g. `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` [r, in] and
 `...lora_B.weight` [out, r]; the projection computes x @ W.T + scaling * (x @ A.T) @ B.T, with scaling
-lora_alpha / r (lora_alpha / sqrt(r) with use_rslora).
+lora_alpha / r (lora_alpha / sqrt(r) with use_rslora). The LM head (`base_model.model.lm_head.lora_A.weight`)
+is such a projection too, hidden -> vocabulary; the token embedding's pair is `...embed_tokens.lora_embedding_A`
+[r, vocab] and `lora_embedding_B` [hidden, r], which is the same formula with x a token's one-hot row: its
+embedding gains scaling * A.T[token] @ B.T.
 """
 import json
 import math
@@ -22,8 +25,12 @@ from nanovllm.model.qwen3 import head_dim_of
 # A projection's LoRA tensor, as PEFT names it (".default" where an adapter was saved under its name).
 TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
                          r"\.lora_([AB])(?:\.default)?\.weight$")
+# The token embedding's and the LM head's (vLLM's "embedding modules")
+MODEL_TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?(?:model\.(embed_tokens)\.lora_embedding_|(lm_head)\.lora_)"
+                               r"([AB])(?:\.default)?(?:\.weight)?$")
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+MODEL_TARGETS = ("embed_tokens", "lm_head")
 
 
 @dataclass
@@ -31,17 +38,20 @@ class LoRAAdapter:
     request: LoRARequest
     rank: int
     scaling: float
-    # (layer index, target such as "q_proj") -> (A [rank, in_features], B [out_features, rank]), full size
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    # (layer index, target such as "q_proj") -> (A [rank, in_features], B [out_features, rank]), full size;
+    # layer None for embed_tokens (in_features: the vocabulary) and lm_head
+    weights: dict[tuple[int | None, str], tuple[torch.Tensor, torch.Tensor]]
 
 
 def projection_shapes(hf: PretrainedConfig) -> dict[str, tuple[int, int]]:
-    """target -> (in_features, out_features) of the base model's projection, before sharding."""
+    """target -> (in_features, out_features) of the base model's projection, before sharding (the embedding's
+    inputs are the vocabulary's one-hot rows)."""
     head_dim = head_dim_of(hf)
     q, kv, hidden = hf.num_attention_heads * head_dim, hf.num_key_value_heads * head_dim, hf.hidden_size
     inter = hf.intermediate_size
     return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
+            "embed_tokens": (hf.vocab_size, hidden), "lm_head": (hidden, hf.vocab_size)}
 
 
 def read_adapter(request: LoRARequest, hf: PretrainedConfig, max_lora_rank: int, path: str) -> LoRAAdapter:
@@ -70,19 +80,23 @@ def read_adapter(request: LoRARequest, hf: PretrainedConfig, max_lora_rank: int,
 
     tensors = _load_tensors(path, where)
     shapes = projection_shapes(hf)
-    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    parts: dict[tuple[int | None, str], dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
-        match = TENSOR_NAME.match(name)
-        if match is None:
+        match, model_match = TENSOR_NAME.match(name), MODEL_TENSOR_NAME.match(name)
+        if model_match is not None:
+            layer, target, ab = None, model_match[1] or model_match[2], model_match[3]
+        elif match is None:
             raise ValueError(f"{where}: tensor {name!r} is not a LoRA A or B matrix of a decoder layer's "
-                             f"projection ({', '.join(ATTENTION_TARGETS + MLP_TARGETS)}); nanovllm adapts those only.")
-        layer, block, target, ab = int(match[1]), match[2], match[3], match[4]
-        allowed = ATTENTION_TARGETS if block == "self_attn" else MLP_TARGETS
-        if target not in allowed or layer >= hf.num_hidden_layers:
-            raise ValueError(f"{where}: tensor {name!r} names no projection of the base model.")
-        if block == "mlp" and is_moe_layer(hf, layer):
-            raise ValueError(f"{where}: tensor {name!r}: layer {layer}'s MLP is a mixture of experts; LoRA on "
-                             f"experts is not supported.")
+                             f"projection ({', '.join(ATTENTION_TARGETS + MLP_TARGETS)}), the token embedding or "
+                             f"the LM head; nanovllm adapts those only.")
+        else:
+            layer, block, target, ab = int(match[1]), match[2], match[3], match[4]
+            allowed = ATTENTION_TARGETS if block == "self_attn" else MLP_TARGETS
+            if target not in allowed or layer >= hf.num_hidden_layers:
+                raise ValueError(f"{where}: tensor {name!r} names no projection of the base model.")
+            if block == "mlp" and is_moe_layer(hf, layer):
+                raise ValueError(f"{where}: tensor {name!r}: layer {layer}'s MLP is a mixture of experts; LoRA on "
+                                 f"experts is not supported.")
         in_features, out_features = shapes[target]
         expected = (rank, in_features) if ab == "A" else (out_features, rank)
         if tuple(tensor.shape) != expected:
@@ -92,7 +106,9 @@ def read_adapter(request: LoRARequest, hf: PretrainedConfig, max_lora_rank: int,
     for (layer, target), ab in parts.items():
         if set(ab) != {"A", "B"}:
             missing = ({"A", "B"} - set(ab)).pop()
-            raise ValueError(f"{where}: layer {layer} {target} has no lora_{missing} tensor.")
+            what = target if layer is None else f"layer {layer} {target}"
+            kind = "lora_embedding_" if target == "embed_tokens" else "lora_"
+            raise ValueError(f"{where}: {what} has no {kind}{missing} tensor.")
         weights[layer, target] = (ab["A"], ab["B"])
     if not weights:
         raise ValueError(f"{where}: the adapter holds no LoRA tensors.")

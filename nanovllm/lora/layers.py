@@ -53,51 +53,76 @@ def uses_kernels(device: torch.device) -> bool:
 
 
 class LoRASlots:
-    """The step's slot of each token (-1: the base model), shared by the projections: as the tokens sorted by
-    slot for the Triton kernels (on CUDA) and as a one-hot mask [tokens, slots] for the torch formula."""
+    """The step's slot of each token (-1: the base model), shared by the adapted modules: as token_slots [max_tokens]
+    (the embedding's and the LM head's), and as the tokens sorted by slot for the Triton kernels (on CUDA) or as a
+    one-hot mask [tokens, slots] for the torch formula (the projections'). All at fixed addresses, so that CUDA
+    graphs replay with each step's."""
 
     def __init__(self, max_loras: int, max_tokens: int, dtype: torch.dtype, device: torch.device):
         self.max_loras = max_loras
         self.fused = uses_kernels(device)
+        self.written = 0   # tokens beyond this many are slot -1, in token_slots and in tokens
+        self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.tokens = torch.from_numpy(sorted_tokens(np.zeros(0, np.int64), max_tokens)).to(device)
-        self.written = 0   # tokens beyond this many in self.tokens are (-1, i)
+        self.slot_ids = torch.arange(max_loras, device=device)
         self.mask = torch.zeros(max_tokens, max_loras, dtype=dtype, device=device)
+        self.row_slots = self.token_slots   # the slots of the rows the LM head computes logits of (select_rows)
 
     def set_tokens(self, slots: np.ndarray):
         """slots: [tokens] int, each token's slot or -1."""
-        if self.fused:   # straight into the buffer, from pinned memory (the host does not wait)
-            # (past the step's tokens, the last step's are overwritten: a CUDA graph's padding rows then read
-            # slot -1, which the kernels neither read nor write)
-            pairs = sorted_tokens(slots, max(len(slots), self.written))
-            upload([pairs], self.tokens.device, out=self.tokens.view(torch.uint8).view(-1))
-            self.written = len(slots)
-            return
-        onehot = np.zeros((len(slots), self.max_loras), np.float32)
-        used = slots >= 0
-        onehot[np.flatnonzero(used), slots[used]] = 1.0
-        [onehot] = upload([onehot], self.mask.device)
-        self.mask[:len(slots)].copy_(onehot)
+        # Straight into the buffers, from pinned memory (the host does not wait). Past the step's tokens the last
+        # step's are overwritten: a CUDA graph's padding rows then read slot -1, which the kernels neither read
+        # nor write and the torch formula masks out.
+        length = max(len(slots), self.written)
+        token_slots = np.full(length, -1, np.int64)
+        token_slots[:len(slots)] = slots
+        upload([token_slots], self.token_slots.device, out=self.token_slots.view(torch.uint8))
+        if self.fused:
+            upload([sorted_tokens(slots, length)], self.tokens.device, out=self.tokens.view(torch.uint8).view(-1))
+        else:
+            self.mask.copy_(self.token_slots[:, None] == self.slot_ids)
+        self.written = len(slots)
+
+    def select_rows(self, index: torch.Tensor | slice):
+        """The LM head's next rows are the hidden states of these tokens (a device index or a slice)."""
+        self.row_slots = self.token_slots[index]
+
+    def one_hot(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """slots [n] -> [n, max_loras, 1]: 1 at each row's slot, none for -1."""
+        return (slots[:, None] == self.slot_ids).to(dtype)[:, :, None]
 
 
-class LoRALinear(nn.Module):
+class SlotWeights(nn.Module):
+    """An adapted module's A and B buffers, a slot's first: zero where a slot holds no weights for it."""
+
+    def __init__(self, slots: LoRASlots, a_shape: tuple, b_shape: tuple, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.slots = slots
+        for name, shape in (("a", a_shape), ("b", b_shape)):
+            self.register_buffer(name, torch.zeros(slots.max_loras, *shape, dtype=dtype, device=device),
+                                 persistent=False)
+
+    def clear(self, slot: int):
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+
+
+class LoRALinear(SlotWeights):
     """The slots' A and B of one projection (this rank's shard), whose delta(x) add_to() adds to its output."""
 
     def __init__(self, slots: LoRASlots, linear: LinearBase, name: str, max_rank: int):
-        super().__init__()
-        self.slots, self.name = slots, name
-        self.targets = PARTS[name]
+        out_features, in_features = linear.weight.shape
+        parts = len(PARTS[name])
+        super().__init__(slots, (parts, max_rank, in_features), (parts, max_rank, out_features), linear.weight.dtype,
+                         linear.weight.device)
+        self.name, self.targets = name, PARTS[name]
         self.row_parallel = isinstance(linear, RowParallelLinear)
         self.tp_rank, self.tp_size = linear.tp_rank, linear.tp_size
-        out_features, in_features = linear.weight.shape
         # this rank's output columns of each part
         if isinstance(linear, MergedColumnParallelLinear):
             self.columns = [MergedColumnParallelLinear.shard_range(linear, i) for i in range(len(self.targets))]
         else:
             self.columns = [(0, out_features)]
-        shape = (slots.max_loras, len(self.targets), max_rank)
-        dtype, device = linear.weight.dtype, linear.weight.device
-        self.register_buffer("a", torch.zeros(*shape, in_features, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("b", torch.zeros(*shape, out_features, dtype=dtype, device=device), persistent=False)
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """y += delta(x), in place: the two Triton kernels of each token's own slot on CUDA, else three torch
@@ -115,8 +140,7 @@ class LoRALinear(nn.Module):
 
     def load(self, slot: int, layer: int, adapter: LoRAAdapter):
         """Write adapter's weights for this projection of `layer` into slot (zero where it has none)."""
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.clear(slot)
         for part, target in enumerate(self.targets):
             weights = adapter.weights.get((layer, target))
             if weights is None:
@@ -130,13 +154,67 @@ class LoRALinear(nn.Module):
             self.a[slot, part, :adapter.rank].copy_(a)
             self.b[slot, part, :adapter.rank, start:start + size].copy_((b.float() * adapter.scaling).t())
 
-    def clear(self, slot: int):
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+
+class LoRAEmbedding(SlotWeights):
+    """The slots' A and B of the token embedding, whole on every rank (added after the ranks' sum): a token's
+    embedding gains a[slot, token] @ b[slot], A's product with the token's one-hot row being a lookup. Plain
+    torch: one lookup and one product a step."""
+
+    def __init__(self, slots: LoRASlots, embedding: nn.Module, max_rank: int):
+        vocab_size, hidden_size = embedding.num_embeddings, embedding.weight.shape[1]
+        super().__init__(slots, (vocab_size, max_rank), (max_rank, hidden_size), embedding.weight.dtype,
+                         embedding.weight.device)
+
+    def add_to(self, y: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        num_slots, vocab_size, rank = self.a.shape
+        slots = self.slots.token_slots[:len(input_ids)]
+        looked_up = self.a.view(-1, rank)[slots.clamp(min=0) * vocab_size + input_ids]     # [n, rank]
+        per_slot = looked_up[:, None, :] * self.slots.one_hot(slots, y.dtype)              # [n, slots, rank]
+        return y.addmm_(per_slot.view(len(y), -1), self.b.view(num_slots * rank, -1))
+
+    def load(self, slot: int, adapter: LoRAAdapter):
+        self.clear(slot)
+        weights = adapter.weights.get((None, "embed_tokens"))
+        if weights is not None:
+            a, b = weights                                   # [rank, vocab], [hidden, rank]
+            self.a[slot, :, :adapter.rank].copy_(a.t())
+            self.b[slot, :adapter.rank].copy_((b.float() * adapter.scaling).t())
+
+
+class LoRAHead(SlotWeights):
+    """The slots' A and B of the LM head (B's columns: this rank's shard of the vocabulary, added before the
+    ranks' logits are gathered), for the rows that LoRASlots.select_rows named. The torch formula: a step's
+    logits rows are few. Skipped while no slot holds LM-head weights (the head runs outside the CUDA graphs)."""
+
+    def __init__(self, slots: LoRASlots, head: nn.Module, max_rank: int):
+        shard_size, hidden_size = head.weight.shape
+        super().__init__(slots, (max_rank, hidden_size), (max_rank, shard_size), head.weight.dtype, head.weight.device)
+        self.vocab_start, self.num_embeddings = head.vocab_start, head.num_embeddings
+        self.holding: set[int] = set()   # the slots with LM-head weights
+
+    def add_to(self, logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.holding:
+            return logits
+        num_slots, rank, hidden_size = self.a.shape
+        shrunk = (hidden @ self.a.view(-1, hidden_size).t()).view(len(hidden), num_slots, rank)
+        shrunk = shrunk * self.slots.one_hot(self.slots.row_slots, shrunk.dtype)
+        return logits.addmm_(shrunk.view(len(hidden), -1), self.b.view(num_slots * rank, -1))
+
+    def load(self, slot: int, adapter: LoRAAdapter):
+        self.clear(slot)
+        weights = adapter.weights.get((None, "lm_head"))
+        self.holding.discard(slot)
+        if weights is not None:
+            self.holding.add(slot)
+            a, b = weights                                   # [rank, hidden], [vocab, rank]
+            b = b[self.vocab_start:min(self.vocab_start + self.b.shape[-1], self.num_embeddings)]   # this shard's
+            self.a[slot, :adapter.rank].copy_(a)
+            self.b[slot, :adapter.rank, :len(b)].copy_((b.float() * adapter.scaling).t())
 
 
 class LoRAModel:
-    """The adapted projections of a model (attention's q/k/v and o, a dense MLP's gate/up and down)."""
+    """The adapted modules of a model: attention's q/k/v and o, a dense MLP's gate/up and down, the token
+    embedding and the LM head (a pooling model has none: an adapter's LM-head weights go unused there)."""
 
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_tokens: int):
         first = next(model.parameters())
@@ -149,14 +227,18 @@ class LoRAModel:
             for name, linear in modules:
                 linear.lora = LoRALinear(self.slots, linear, name, max_rank)
                 self.projections.append((index, linear.lora))
+        embedding = model.model.embed_tokens
+        embedding.lora = LoRAEmbedding(self.slots, embedding, max_rank)
+        self.model_modules = [embedding.lora]
+        if model.lm_head is not None:
+            model.lm_head.lora = LoRAHead(self.slots, model.lm_head, max_rank)
+            self.model_modules.append(model.lm_head.lora)
 
     def load(self, slot: int, adapter: LoRAAdapter):
         for layer, projection in self.projections:
             projection.load(slot, layer, adapter)
-
-    def clear(self, slot: int):
-        for _, projection in self.projections:
-            projection.clear(slot)
+        for module in self.model_modules:
+            module.load(slot, adapter)
 
 
 class SlotTable:
