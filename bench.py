@@ -123,11 +123,10 @@ def lora_adapters(model: str, num: int, rank: int) -> list[str]:
     """num random PEFT adapters of rank `rank` on every attention and MLP projection of model (a directory
     with its config.json), written once into the temp directory -> their directories."""
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoConfig
-    from nanovllm.lora.adapter import ATTENTION_TARGETS, MLP_TARGETS, projection_shapes
+    from nanovllm.lora.adapter import ATTENTION_TARGETS, MLP_TARGETS, peft_names, projection_shapes, save_adapter
     hf = AutoConfig.from_pretrained(model)
-    shapes = projection_shapes(hf)
+    shapes, targets = projection_shapes(hf), ATTENTION_TARGETS + MLP_TARGETS
     paths = []
     for i in range(num):
         path = os.path.join(tempfile.gettempdir(), f"nanovllm-bench-lora-{os.path.basename(model.rstrip('/'))}"
@@ -135,22 +134,16 @@ def lora_adapters(model: str, num: int, rank: int) -> list[str]:
         paths.append(path)
         if os.path.exists(os.path.join(path, "adapter_model.safetensors")):
             continue
-        os.makedirs(path, exist_ok=True)
         g = torch.Generator().manual_seed(i)
         tensors = {}
         for layer in range(hf.num_hidden_layers):
-            for target in ATTENTION_TARGETS + MLP_TARGETS:
-                block = "self_attn" if target in ATTENTION_TARGETS else "mlp"
+            for target in targets:
                 in_features, out_features = shapes[target]
-                name = f"base_model.model.model.layers.{layer}.{block}.{target}"
-                tensors[f"{name}.lora_A.weight"] = (torch.randn(rank, in_features, generator=g) * 0.01).bfloat16()
-                tensors[f"{name}.lora_B.weight"] = (torch.randn(out_features, rank, generator=g) * 0.01).bfloat16()
-        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
-        with open(os.path.join(path, "adapter_config.json"), "w") as f:
-            json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
-                       "target_modules": list(ATTENTION_TARGETS + MLP_TARGETS), "bias": "none",
-                       "modules_to_save": None, "use_rslora": False, "use_dora": False, "lora_dropout": 0.0,
-                       "base_model_name_or_path": model}, f)
+                a_name, b_name = peft_names(layer, target)
+                tensors[a_name] = (torch.randn(rank, in_features, generator=g) * 0.01).bfloat16()
+                tensors[b_name] = (torch.randn(out_features, rank, generator=g) * 0.01).bfloat16()
+        save_adapter(path, tensors, rank, 2 * rank, targets, task_type="CAUSAL_LM", lora_dropout=0.0,
+                     base_model_name_or_path=model)
     return paths
 
 

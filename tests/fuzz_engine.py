@@ -722,12 +722,12 @@ def run_llm_seed(model: str, seed: int, **engine_kwargs) -> int:
 
 
 def write_lora_adapters(model: str):
-    """ADAPTERS: three random adapters of the tiny model (tests/test_lora.py's): every projection at rank 8,
-    q/v at rank 4 with rsLoRA, o/down at rank 2."""
+    """ADAPTERS: three random adapters of the tiny model (tests/test_lora.py's): every projection, the embedding
+    and the LM head at rank 8, q/v at rank 4 with rsLoRA, o/down at rank 2."""
     import pathlib
     import tempfile
-    from test_lora import ALL_TARGETS, write_adapter
-    shapes = [(ALL_TARGETS, 8, False), (("q_proj", "v_proj"), 4, True), (("o_proj", "down_proj"), 2, False)]
+    from test_lora import ALL_TARGETS, MODEL_TARGETS, write_adapter
+    shapes = [(ALL_TARGETS + MODEL_TARGETS, 8, False), (("q_proj", "v_proj"), 4, True), (("o_proj", "down_proj"), 2, False)]
     for i, (targets, rank, rslora) in enumerate(shapes):
         path = pathlib.Path(tempfile.mkdtemp())
         ADAPTERS.append(write_adapter(path, model, targets, rank=rank, seed=i + 1, use_rslora=rslora)[0])

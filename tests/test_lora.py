@@ -13,7 +13,8 @@ from transformers import AutoConfig
 
 from conftest import as_prompts, hf_greedy, make_prompts
 from nanovllm import LLM, SamplingParams
-from nanovllm.lora.adapter import ATTENTION_TARGETS, MLP_TARGETS, MODEL_TARGETS, projection_shapes
+from nanovllm.lora.adapter import (ATTENTION_TARGETS, MLP_TARGETS, MODEL_TARGETS, peft_names, projection_shapes,
+                                   save_adapter)
 from nanovllm.lora.request import LoRARequest
 
 ALL_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
@@ -41,22 +42,15 @@ def write_adapter(path, model_dir: str, targets=ALL_TARGETS, rank: int = 8, alph
         in_features, out_features = shapes[target]
         a = torch.randn(rank, in_features, generator=g) * 0.1
         b = torch.randn(out_features, rank, generator=g) * 0.1
-        if target == "embed_tokens":   # (PEFT's names for an embedding's pair; the one-hot product is a lookup)
-            tensors["base_model.model.model.embed_tokens.lora_embedding_A"] = a
-            tensors["base_model.model.model.embed_tokens.lora_embedding_B"] = b
+        a_name, b_name = peft_names(layer, target)
+        tensors[a_name], tensors[b_name] = a, b
+        if target == "embed_tokens":   # (the one-hot product is a lookup: A's columns are the tokens')
             weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"] + scaling * (b @ a).t()
-            continue
-        block = "self_attn" if target in ATTENTION_TARGETS else "mlp"
-        name = "lm_head" if target == "lm_head" else f"model.layers.{layer}.{block}.{target}"
-        tensors[f"base_model.model.{name}.lora_A.weight"] = a
-        tensors[f"base_model.model.{name}.lora_B.weight"] = b
-        weights[f"{name}.weight"] = weights[f"{name}.weight"] + scaling * b @ a
+        else:
+            name = a_name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            weights[f"{name}.weight"] = weights[f"{name}.weight"] + scaling * b @ a
     adapter, merged = path / "adapter", path / "merged"
-    adapter.mkdir()
-    save_file(tensors, f"{adapter}/adapter_model.safetensors")
-    (adapter / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "use_rslora": use_rslora, "bias": "none",
-         "target_modules": list(targets), "modules_to_save": None, "use_dora": False} | config))
+    save_adapter(str(adapter), tensors, rank, alpha, targets, use_rslora=use_rslora, **config)
     shutil.copytree(model_dir, merged)
     save_file(weights, f"{merged}/model.safetensors", metadata={"format": "pt"})
     if untie:

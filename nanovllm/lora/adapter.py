@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import PretrainedConfig
 
 from nanovllm.layers.moe import is_moe_layer
@@ -52,6 +52,26 @@ def projection_shapes(hf: PretrainedConfig) -> dict[str, tuple[int, int]]:
     return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
             "embed_tokens": (hf.vocab_size, hidden), "lm_head": (hidden, hf.vocab_size)}
+
+
+def peft_names(layer: int | None, target: str) -> tuple[str, str]:
+    """The names PEFT saves target's A and B under (layer None: embed_tokens or lm_head)."""
+    if target == "embed_tokens":
+        name = "base_model.model.model.embed_tokens.lora_embedding_"
+        return name + "A", name + "B"
+    block = "self_attn" if target in ATTENTION_TARGETS else "mlp"
+    name = "lm_head" if target == "lm_head" else f"model.layers.{layer}.{block}.{target}"
+    return f"base_model.model.{name}.lora_A.weight", f"base_model.model.{name}.lora_B.weight"
+
+
+def save_adapter(path: str, tensors: dict[str, torch.Tensor], rank: int, alpha: int, targets: list[str], **config):
+    """An adapter's two files as PEFT writes them, into the directory path (for tests and benchmarks: the engine
+    only reads adapters). config: more adapter_config.json keys."""
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
+                   "bias": "none", "modules_to_save": None, "use_rslora": False, "use_dora": False} | config, f)
 
 
 def read_adapter(request: LoRARequest, hf: PretrainedConfig, max_lora_rank: int, path: str) -> LoRAAdapter:
