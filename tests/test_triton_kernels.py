@@ -1126,6 +1126,23 @@ def test_lora_kernels_equal_the_per_token_products(num_tokens, num_slots, rows, 
     assert rel_err(out, ref) < TOL
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the Triton interpreter multiplies float32 in full anyway")
+def test_lora_kernels_multiply_float32_in_full():
+    """A float32 model's LoRA products are float32 products, as torch's, not TF32 ones (whose 10-bit
+    mantissas would leave a relative error of ~1e-3)."""
+    from nanovllm.kernels.triton_lora import lora_expand, lora_shrink
+    from nanovllm.lora.layers import sorted_tokens
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 512, generator=gen)
+    a, b = torch.randn(2, 16, 512, generator=gen), torch.randn(2, 16, 256, generator=gen)
+    slots = torch.randint(0, 2, (37,), generator=gen)
+    ref = torch.stack([x[t].double() @ a[s].double().T @ b[s].double() for t, s in enumerate(slots.tolist())])
+    tokens = torch.from_numpy(sorted_tokens(slots.numpy(), 37)).to(DEVICE)
+    x, a, b = x.to(DEVICE), a.to(DEVICE), b.to(DEVICE)
+    out = lora_expand(torch.zeros(37, 256, device=DEVICE), lora_shrink(x, a, tokens), b, tokens)
+    assert rel_err(out.cpu().double(), ref) < 1e-5
+
+
 def test_lora_projection_adds_the_same_through_the_kernels_as_through_the_mask():
     """A q/k/v projection's LoRALinear: the kernels (tokens sorted by slot) add what the torch formula (one-hot
     mask) adds, for tokens of three slots and the base model, after set_tokens writes either buffer."""

@@ -26,7 +26,8 @@ BLOCK_M, BLOCK_K, BLOCK_N, MAX_BLOCK_R = 16, 128, 128, 64
 
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, tokens_ptr, out_ptr, M, K, ROWS, K_PER_SPLIT, stride_x, stride_o, stride_split,
-                   NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                   NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PRECISION: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)     # places in the order of the slots
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
@@ -45,14 +46,15 @@ def _shrink_kernel(x_ptr, a_ptr, tokens_ptr, out_ptr, M, K, ROWS, K_PER_SPLIT, s
                             mask=mine[:, None] & k_ok[None, :], other=0.0)       # (zero: other slots' tokens)
                 a = tl.load(a_ptr + (s * ROWS + offs_r)[None, :] * K + (k + offs_k)[:, None],
                             mask=r_ok[None, :] & k_ok[:, None], other=0.0)       # [BLOCK_K, BLOCK_R]: a[s].T
-                out = tl.dot(x, a, out)
+                out = tl.dot(x, a, out, input_precision=PRECISION)
     out_ptrs = out_ptr + tl.program_id(2) * stride_split + offs_m[:, None] * stride_o + offs_r[None, :]
     tl.store(out_ptrs, out, mask=m_ok[:, None] & r_ok[None, :])
 
 
 @triton.jit
 def _expand_kernel(shrunk_ptr, b_ptr, tokens_ptr, y_ptr, M, N, ROWS, SPLITS, stride_s, stride_split, stride_y,
-                   NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                   NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                   PRECISION: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)     # places in the order of the slots
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = offs_m < M, offs_n < N
@@ -75,8 +77,13 @@ def _expand_kernel(shrunk_ptr, b_ptr, tokens_ptr, y_ptr, M, N, ROWS, SPLITS, str
                 if tl.max((slots == s).to(tl.int32)) > 0:
                     b = tl.load(b_ptr + (s * ROWS + offs_r)[:, None] * N + offs_n[None, :],
                                 mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-                    acc = tl.dot(tl.where((slots == s)[:, None], shrunk, 0.0), b, acc)
+                    acc = tl.dot(tl.where((slots == s)[:, None], shrunk, 0.0), b, acc, input_precision=PRECISION)
         tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=y_ok)
+
+
+def precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: float32 products in full (as torch's by default), not in TF32."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def rows_block(rows: int) -> int:
@@ -107,7 +114,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, tokens: torch.Tensor, splits: 
     out = torch.empty(splits, m, rows, dtype=torch.float32, device=x.device)
     launch(_shrink_kernel, (triton.cdiv(m, BLOCK_M), triton.cdiv(rows, block_r), splits), x, a, tokens, out, m, k,
            rows, k_per_split, x.stride(0), out.stride(1), out.stride(0), NUM_SLOTS=num_slots, BLOCK_M=BLOCK_M,
-           BLOCK_R=block_r, BLOCK_K=BLOCK_K)
+           BLOCK_R=block_r, BLOCK_K=BLOCK_K, PRECISION=precision(x.dtype))
     return out
 
 
@@ -120,5 +127,5 @@ def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, b: torch.Tensor, tokens: 
     assert tokens.shape == (m, 2) and tokens.is_contiguous()
     launch(_expand_kernel, (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N)), shrunk, b, tokens, y, m, n, rows,
            shrunk.shape[0], shrunk.stride(1), shrunk.stride(0), y.stride(0), NUM_SLOTS=num_slots, BLOCK_M=BLOCK_M,
-           BLOCK_R=rows_block(rows), BLOCK_N=BLOCK_N)
+           BLOCK_R=rows_block(rows), BLOCK_N=BLOCK_N, PRECISION=precision(b.dtype))
     return y
