@@ -99,6 +99,30 @@ def test_adapters_mixed_in_a_batch_match_merged_weights(qwen3_dir, adapters, ref
         assert llm.llm_engine.list_loras() == ({1, 2} if max_loras == 2 else {2})   # (max_cpu_loras: max_loras)
 
 
+def test_prompt_and_sampled_logprobs_with_an_adapter_on_the_lm_head(qwen3_dir, adapters):
+    """Prompt logprobs (the LM head over a step's prompt rows) and sampled logprobs (its logits rows) of an
+    adapter on the embedding and the LM head, beside requests without one: the merged checkpoint's."""
+    adapter, merged = adapters[0]
+    a = LoRARequest("a", 1, adapter)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+
+    def logprobs(outputs):   # each output's [(token, logprob)] of every prompt and sampled position
+        return [[sorted((t, p.logprob) for t, p in entry.items())
+                 for entry in out.prompt_logprobs[1:] + out.outputs[0].logprobs] for out in outputs]
+
+    with LLM(qwen3_dir, enable_lora=True, max_lora_rank=8, **SMALL) as llm:
+        got = logprobs(llm.generate(as_prompts(PROMPTS[:4]), params, use_tqdm=False, lora_request=[a, None, a, None]))
+    with LLM(merged, **SMALL) as llm:
+        adapted = logprobs(llm.generate(as_prompts(PROMPTS[:4]), params, use_tqdm=False))
+    with LLM(qwen3_dir, **SMALL) as llm:
+        plain = logprobs(llm.generate(as_prompts(PROMPTS[:4]), params, use_tqdm=False))
+    expected = [adapted[0], plain[1], adapted[2], plain[3]]
+    assert [[[t for t, _ in e] for e in out] for out in got] == [[[t for t, _ in e] for e in out] for out in expected]
+    torch.testing.assert_close(torch.tensor([p for out in got for e in out for _, p in e]),
+                               torch.tensor([p for out in expected for e in out for _, p in e]), atol=1e-4, rtol=0)
+    assert adapted[0][0] != plain[0][0]
+
+
 def test_prefix_cache_keeps_each_adapter_to_its_own_blocks(qwen3_dir, adapters, references):
     """The same prompt without an adapter, then with one: no cache hit across them (the K/V differ), hits
     within one adapter."""
