@@ -1087,6 +1087,7 @@ def test_routing_kernels_route_as_route(num_tokens, num_experts, top_k, renormal
     (40, 2, 96, 130, 70, "one", 2),         # rows over one tile (rank 32, three parts); one slot unused; a
                                             # slice of K of two columns
     (33, 3, 24, 300, 64, "none", 3),        # base-model tokens only: y untouched
+    (1030, 4, 48, 64, 96, "mixed", 1),      # a prefill's size: the expand's larger tiles, the last one partial
 ])
 def test_lora_kernels_equal_the_per_token_products(num_tokens, num_slots, rows, in_features, out_features, used,
                                                    splits):

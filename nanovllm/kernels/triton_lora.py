@@ -22,6 +22,9 @@ from nanovllm.kernels.compile_ahead import launch
 from nanovllm.kernels.device import num_sms
 
 BLOCK_M, BLOCK_K, BLOCK_N, MAX_BLOCK_R = 16, 128, 128, 64
+# The expand's tile of tokens from PREFILL_TOKENS up: each tile reads its slots' B again, and a prefill chunk's
+# thousands of tokens, sorted by slot, fill large tiles of one slot.
+PREFILL_TOKENS, PREFILL_BLOCK_M = 1024, 64
 
 
 @triton.jit
@@ -125,7 +128,8 @@ def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, b: torch.Tensor, tokens: 
     num_slots, rows = b.shape[:2]
     assert b.shape[2] == n and b.is_contiguous() and shrunk.shape[1:] == (m, rows) and y.stride(1) == 1
     assert tokens.shape == (m, 2) and tokens.is_contiguous()
-    launch(_expand_kernel, (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N)), shrunk, b, tokens, y, m, n, rows,
-           shrunk.shape[0], shrunk.stride(1), shrunk.stride(0), y.stride(0), NUM_SLOTS=num_slots, BLOCK_M=BLOCK_M,
+    block_m = PREFILL_BLOCK_M if m >= PREFILL_TOKENS else BLOCK_M
+    launch(_expand_kernel, (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N)), shrunk, b, tokens, y, m, n, rows,
+           shrunk.shape[0], shrunk.stride(1), shrunk.stride(0), y.stride(0), NUM_SLOTS=num_slots, BLOCK_M=block_m,
            BLOCK_R=rows_block(rows), BLOCK_N=BLOCK_N, PRECISION=precision(b.dtype))
     return y
