@@ -307,6 +307,24 @@ def test_beam_search_and_embeddings_with_an_adapter_match_the_merged_model(qwen3
         torch.testing.assert_close(torch.tensor(out.outputs.embedding), torch.tensor(expected), atol=2e-6, rtol=0)
 
 
+def test_lm_head_adapter_takes_each_ranks_shard_of_the_vocabulary():
+    """With the vocabulary split over 3 ranks (10 tokens: shards of 4, the last one padded by 2), each rank's
+    LoRAHead holds its tokens' columns of scaling * B.T, zero in the padding; slot 1 holds nothing."""
+    from nanovllm.distributed import TPGroup
+    from nanovllm.layers.embed_head import ParallelLMHead
+    from nanovllm.lora.adapter import LoRAAdapter
+    from nanovllm.lora.layers import LoRAHead, LoRASlots
+    b = torch.arange(30.0).view(10, 3)        # [vocab, rank]
+    adapter = LoRAAdapter(LoRARequest("a", 1, "."), 3, 0.5, {(None, "lm_head"): (torch.ones(3, 8), b)})
+    slots = LoRASlots(2, 4, torch.float32, torch.device("cpu"))
+    for rank, tokens in enumerate([range(0, 4), range(4, 8), range(8, 10)]):
+        head = LoRAHead(slots, ParallelLMHead(10, 8, TPGroup(rank=rank, size=3)), max_rank=4)
+        head.load(0, adapter)
+        expected = torch.zeros(4, 4)
+        expected[:3, :len(tokens)] = 0.5 * b[list(tokens)].T
+        assert torch.equal(head.b[0], expected) and not head.b[1].any() and head.holding == {0}
+
+
 def test_the_kernels_tokens_are_sorted_by_slot_and_padded_with_none():
     """On the Triton path a step's tokens go to the kernels as (slot, row) pairs sorted by slot; past the step's
     tokens every pair is (-1, row), also where a larger step wrote before (a CUDA graph's padding rows)."""
