@@ -727,7 +727,8 @@ def write_lora_adapters(model: str):
     import pathlib
     import tempfile
     from test_lora import ALL_TARGETS, MODEL_TARGETS, write_adapter
-    shapes = [(ALL_TARGETS + MODEL_TARGETS, 8, False), (("q_proj", "v_proj"), 4, True), (("o_proj", "down_proj"), 2, False)]
+    shapes = [(ALL_TARGETS + MODEL_TARGETS, 8, False), (("q_proj", "v_proj"), 4, True),
+              (("o_proj", "down_proj"), 2, False)]
     for i, (targets, rank, rslora) in enumerate(shapes):
         path = pathlib.Path(tempfile.mkdtemp())
         ADAPTERS.append(write_adapter(path, model, targets, rank=rank, seed=i + 1, use_rslora=rslora)[0])

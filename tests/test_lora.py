@@ -247,7 +247,8 @@ def test_bad_adapters_are_value_errors_and_the_engine_goes_on(qwen3_dir, adapter
         (LoRARequest("head", 5, variant("head", drop="lm_head.lora_B")), "lm_head has no lora_B tensor"),
         (LoRARequest("embedding", 5, variant("embedding", drop="lora_embedding_A")),
          "embed_tokens has no lora_embedding_A tensor"),
-        (LoRARequest("norm", 5, variant("norm", extra={"base_model.model.model.norm.lora_A.weight": torch.zeros(8, 64)})),
+        (LoRARequest("norm", 5, variant("norm", extra={
+            "base_model.model.model.norm.lora_A.weight": torch.zeros(8, 64)})),
          "tensor 'base_model.model.model.norm.lora_A.weight' is not a LoRA A or B matrix"),
         (LoRARequest("vocab", 5, variant("vocab", extra={
             "base_model.model.lm_head.lora_B.weight": torch.zeros(1000, 8)})),
