@@ -15,7 +15,7 @@ import torch
 from triton.testing import do_bench
 
 from nanovllm.kernels.triton_lora import lora_expand, lora_shrink, split_k
-from nanovllm.lora.layers import sorted_tokens
+from nanovllm.lora.layers import sorted_tokens, torch_formula
 
 SHAPES = {"qkv": (1024, 3, 4096), "o": (2048, 1, 1024), "gate_up": (1024, 2, 6144), "down": (3072, 1, 1024)}
 
@@ -32,15 +32,12 @@ def main(row_counts: list[int], slots: int = 4, rank: int = 16):
             y = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
             ids = np.random.randint(0, slots, m)
             tokens = torch.from_numpy(sorted_tokens(ids, m)).cuda()
-            mask = torch.nn.functional.one_hot(torch.from_numpy(ids).cuda(), slots).to(torch.bfloat16)
+            mask = torch.nn.functional.one_hot(torch.from_numpy(ids).cuda(), slots).to(torch.bfloat16)[:, :, None]
             shrunk = lora_shrink(x, a, tokens)
-
-            def torch3():
-                t = (x @ a.view(-1, k).t()).view(m, slots, -1) * mask[:, :, None]
-                y.addmm_(t.view(m, -1), b.view(-1, n))
             us = [do_bench(f) * 1e3 for f in (lambda: lora_shrink(x, a, tokens, 1), lambda: lora_shrink(x, a, tokens),
                                                lambda: lora_expand(y, shrunk, b, tokens),
-                                               lambda: lora_expand(y, lora_shrink(x, a, tokens), b, tokens), torch3)]
+                                               lambda: lora_expand(y, lora_shrink(x, a, tokens), b, tokens),
+                                               lambda: torch_formula(y, x, a, b, mask))]
             print(f"{name:8} {m:5} {split_k(m, r, k, x.device):6} " + " ".join(f"{t:8.1f}" for t in us))
 
 

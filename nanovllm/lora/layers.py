@@ -79,8 +79,8 @@ class LoRASlots:
         upload([token_slots], self.token_slots.device, out=self.token_slots.view(torch.uint8))
         if self.fused:
             upload([sorted_tokens(slots, length)], self.tokens.device, out=self.tokens.view(torch.uint8).view(-1))
-        else:
-            self.mask.copy_(self.token_slots[:, None] == self.slot_ids)
+        else:   # (rows past `length` are slot -1 already: zero)
+            self.mask[:length].copy_(self.token_slots[:length, None] == self.slot_ids)
         self.written = len(slots)
 
     def select_rows(self, index: torch.Tensor | slice):
@@ -90,6 +90,16 @@ class LoRASlots:
     def one_hot(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """slots [n] -> [n, max_loras, 1]: 1 at each row's slot, none for -1."""
         return (slots[:, None] == self.slot_ids).to(dtype)[:, :, None]
+
+
+def torch_formula(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                  mask: torch.Tensor) -> torch.Tensor:
+    """y += each row's own slot's products, through every slot at once (the plain-torch path), in place:
+    x [n, in_features], a [slots, ..., in_features] and b [slots, ..., out_features] (the same rows), mask
+    [n, slots, 1] one-hot (zero for -1)."""
+    rows = a.numel() // a.shape[-1]
+    shrunk = (x @ a.view(rows, -1).t()).view(len(x), mask.shape[1], -1) * mask   # [n, slots, rows per slot]
+    return y.addmm_(shrunk.view(len(x), rows), b.view(rows, -1))
 
 
 class SlotWeights(nn.Module):
@@ -133,10 +143,7 @@ class LoRALinear(SlotWeights):
             a, b = (w.view(self.slots.max_loras, -1, w.shape[-1]) for w in (self.a, self.b))
             tokens = self.slots.tokens[:n]
             return lora_expand(y, lora_shrink(x, a, tokens), b, tokens)
-        rows = self.a.shape[0] * self.a.shape[1] * self.a.shape[2]
-        shrunk = x @ self.a.view(rows, -1).t()                                   # [n, slots * parts * rank]
-        shrunk = shrunk.view(n, self.slots.max_loras, -1) * self.slots.mask[:n, :, None]
-        return y.addmm_(shrunk.view(n, rows), self.b.view(rows, -1))
+        return torch_formula(y, x, self.a, self.b, self.slots.mask[:n, :, None])
 
     def load(self, slot: int, layer: int, adapter: LoRAAdapter):
         """Write adapter's weights for this projection of `layer` into slot (zero where it has none)."""
@@ -195,10 +202,7 @@ class LoRAHead(SlotWeights):
     def add_to(self, logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         if not self.holding:
             return logits
-        num_slots, rank, hidden_size = self.a.shape
-        shrunk = (hidden @ self.a.view(-1, hidden_size).t()).view(len(hidden), num_slots, rank)
-        shrunk = shrunk * self.slots.one_hot(self.slots.row_slots, shrunk.dtype)
-        return logits.addmm_(shrunk.view(len(hidden), -1), self.b.view(num_slots * rank, -1))
+        return torch_formula(logits, hidden, self.a, self.b, self.slots.one_hot(self.slots.row_slots, hidden.dtype))
 
     def load(self, slot: int, adapter: LoRAAdapter):
         self.clear(slot)
