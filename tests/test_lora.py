@@ -328,7 +328,8 @@ def test_lm_head_adapter_takes_each_ranks_shard_of_the_vocabulary():
 
 def test_the_kernels_tokens_are_sorted_by_slot_and_padded_with_none():
     """On the Triton path a step's tokens go to the kernels as (slot, row) pairs sorted by slot; past the step's
-    tokens every pair is (-1, row), also where a larger step wrote before (a CUDA graph's padding rows)."""
+    tokens every pair is (-1, row) and every token's slot -1, also where a larger step wrote before (a CUDA graph's
+    padding rows) and after an odd number of tokens (whose upload ends inside a 16-byte unit)."""
     import numpy as np
     from nanovllm.lora.layers import LoRASlots
     slots = LoRASlots(2, 16, torch.float32, torch.device("cpu"))
@@ -337,3 +338,7 @@ def test_the_kernels_tokens_are_sorted_by_slot_and_padded_with_none():
     assert slots.tokens.tolist() == [[-1, 2], [0, 1], [0, 4], [1, 0], [1, 3], [1, 5]] + [[-1, i] for i in range(6, 16)]
     slots.set_tokens(np.array([1, 0]))
     assert slots.tokens.tolist() == [[0, 1], [1, 0]] + [[-1, i] for i in range(2, 16)]
+    for step in ([0, -1, 1], [1]):
+        slots.set_tokens(np.array(step))
+        assert slots.token_slots.tolist() == step + [-1] * (16 - len(step))
+        assert slots.tokens[len(step):].tolist() == [[-1, i] for i in range(len(step), 16)]

@@ -88,6 +88,17 @@ def test_packed_arrays_read_back_through_their_views():
         assert np.array_equal(view.numpy(), array)
 
 
+def test_an_upload_into_a_buffer_leaves_its_bytes_past_the_arrays():
+    """A buffer that outlives its uploads (the LoRA slots of a CUDA graph's padding rows) keeps its bytes past the
+    last array's, though the packed copy pads that array to a multiple of ALIGN bytes."""
+    from nanovllm.engine.upload import upload
+    out = torch.full((64,), 0xAB, dtype=torch.uint8)
+    ids, pairs = upload([np.array([7, -1], np.int64), np.arange(6, dtype=np.int32).reshape(3, 2)],
+                        torch.device("cpu"), out=out)
+    assert ids.tolist() == [7, -1] and pairs.tolist() == [[0, 1], [2, 3], [4, 5]]
+    assert out[16 + 24:].tolist() == [0xAB] * 24
+
+
 def test_a_decode_graph_bucket_reads_the_same_bytes_whatever_the_pending_tokens():
     """The decode graphs capture views of one staged buffer: a step's upload, with any number of
     pending tokens, puts each input at the bytes its bucket's graph reads, fits the buffer sized

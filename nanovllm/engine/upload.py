@@ -44,12 +44,15 @@ def packed(arrays: list[np.ndarray], pin_memory: bool = True) -> torch.Tensor:
 
 def upload(arrays: list[np.ndarray], device: torch.device, out: torch.Tensor | None = None) -> list[torch.Tensor]:
     """The arrays on `device`, after one non-blocking copy from pinned memory. out: a uint8 device
-    buffer to copy into (a CUDA graph's static inputs are views of it), else a new one. On the CPU
-    without out, the arrays themselves, as tensors."""
+    buffer to copy into (a CUDA graph's static inputs are views of it), else a new one; its bytes past
+    the last array are left as they are (the padding after it is not copied). On the CPU without out,
+    the arrays themselves, as tensors."""
     if device.type == "cpu" and out is None:
         return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
     host = packed(arrays, pin_memory=device.type != "cpu")
+    offsets, _ = packed_offsets(arrays)
+    end = offsets[-1] + arrays[-1].nbytes if arrays else 0
     # The caching host allocator keeps `host` from reuse until the copy has run.
     device_bytes = torch.empty(host.numel(), dtype=torch.uint8, device=device) if out is None else out[:host.numel()]
-    device_bytes.copy_(host, non_blocking=True)
+    device_bytes[:end].copy_(host[:end], non_blocking=True)
     return views(device_bytes, arrays)
