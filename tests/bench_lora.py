@@ -6,10 +6,9 @@ and prefill sizes, in microseconds (`triton.testing.do_bench`):
     PYTHONPATH=. python3 tests/bench_lora.py [--rows 1 16 64 256 8192] [--cudagraph]
 
 shrink1: the shrink in one slice of K; shrink: split as split_k chooses; expand; pair: shrink then expand;
-torch3: the torch formula's three operations (shrink product, mask, expand product with the add); fusedN: up to
-FUSED_TOKENS rows, shrink and expand in one kernel (lora_fused) in programs of N output columns. With --cudagraph
-each is timed as replays of a CUDA graph of it (triton.testing.do_bench_cudagraph), as the engine's decode steps
-run it, rather than as back-to-back launches.
+torch3: the torch formula's three operations (shrink product, mask, expand product with the add). With
+--cudagraph each is timed as replays of a CUDA graph of it (triton.testing.do_bench_cudagraph), as the engine's
+decode steps run it, rather than as back-to-back launches.
 """
 import argparse
 
@@ -17,20 +16,16 @@ import numpy as np
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from nanovllm.kernels.triton_lora import FUSED_TOKENS, lora_expand, lora_fused, lora_shrink, split_k
+from nanovllm.kernels.triton_lora import lora_expand, lora_shrink, split_k
 from nanovllm.lora.layers import sorted_tokens, torch_formula
 
 SHAPES = {"qkv": (1024, 3, 4096), "o": (2048, 1, 1024), "gate_up": (1024, 2, 6144), "down": (3072, 1, 1024)}
 
 
-FUSED_BLOCKS_N = (32, 64, 128)
-
-
 def main(row_counts: list[int], cudagraph: bool, slots: int = 4, rank: int = 16):
     torch.manual_seed(0)
     timer = do_bench_cudagraph if cudagraph else do_bench
-    print(f"{'proj':8} {'rows':>5} {'splits':>6} {'shrink1':>8} {'shrink':>8} {'expand':>8} {'pair':>8} {'torch3':>8} "
-          + " ".join(f"{'fused' + str(n):>8}" for n in FUSED_BLOCKS_N))
+    print(f"{'proj':8} {'rows':>5} {'splits':>6} {'shrink1':>8} {'shrink':>8} {'expand':>8} {'pair':>8} {'torch3':>8}")
     for name, (k, parts, n) in SHAPES.items():
         r = parts * rank
         a = torch.randn(slots, r, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
@@ -42,12 +37,10 @@ def main(row_counts: list[int], cudagraph: bool, slots: int = 4, rank: int = 16)
             tokens = torch.from_numpy(sorted_tokens(ids, m)).cuda()
             mask = torch.nn.functional.one_hot(torch.from_numpy(ids).cuda(), slots).to(torch.bfloat16)[:, :, None]
             shrunk = lora_shrink(x, a, tokens)
-            runs = [lambda: lora_shrink(x, a, tokens, 1), lambda: lora_shrink(x, a, tokens),
-                    lambda: lora_expand(y, shrunk, b, tokens), lambda: lora_expand(y, lora_shrink(x, a, tokens), b, tokens),
-                    lambda: torch_formula(y, x, a, b, mask)]
-            if m <= FUSED_TOKENS:
-                runs += [lambda n=n: lora_fused(y, x, a, b, tokens, n) for n in FUSED_BLOCKS_N]
-            us = [timer(f) * 1e3 for f in runs]
+            us = [timer(f) * 1e3 for f in (lambda: lora_shrink(x, a, tokens, 1), lambda: lora_shrink(x, a, tokens),
+                                               lambda: lora_expand(y, shrunk, b, tokens),
+                                               lambda: lora_expand(y, lora_shrink(x, a, tokens), b, tokens),
+                                               lambda: torch_formula(y, x, a, b, mask))]
             print(f"{name:8} {m:5} {split_k(m, r, k, x.device):6} " + " ".join(f"{t:8.1f}" for t in us))
 
 

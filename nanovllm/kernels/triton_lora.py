@@ -13,9 +13,6 @@ into y's rows (the shrunk rows stay in the sorted order between the two).
 A decode step's few tiles would leave most SMs idle through the shrink's long loop over K, so the
 shrink splits K into slices, each program writing its slice's float32 partial sums, and the expand adds
 the partial sums up as it loads them (no atomics, no zeroed buffer: the same sums each run).
-Up to one tile of tokens (batch 1 and small batches), one kernel does both (lora_fused): each program
-computes the tile's whole shrink, then its own columns of the expand, so every program reads all of A (tens
-of KB, from L2 after the first) to save the second launch and the partial sums' round trip.
 """
 import torch
 import triton
@@ -28,9 +25,6 @@ BLOCK_M, BLOCK_K, BLOCK_N, MAX_BLOCK_R = 16, 128, 128, 64
 # The expand's tile of tokens from PREFILL_TOKENS up: each tile reads its slots' B again, and a prefill chunk's
 # thousands of tokens, sorted by slot, fill large tiles of one slot.
 PREFILL_TOKENS, PREFILL_BLOCK_M = 1024, 64
-# Up to this many tokens (one tile) shrink and expand are one kernel (lora_fused), in programs of FUSED_BLOCK_N
-# output columns.
-FUSED_TOKENS, FUSED_BLOCK_N = 16, 64
 
 
 @triton.jit
@@ -90,41 +84,6 @@ def _expand_kernel(shrunk_ptr, b_ptr, tokens_ptr, y_ptr, M, N, ROWS, SPLITS, str
         tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=y_ok)
 
 
-@triton.jit
-def _fused_kernel(x_ptr, a_ptr, b_ptr, tokens_ptr, y_ptr, M, K, N, ROWS, stride_x, stride_y,
-                  NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    offs_m = tl.arange(0, BLOCK_M)                                  # all M tokens (M <= BLOCK_M)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_ok, n_ok = offs_m < M, offs_n < N
-    slots = tl.load(tokens_ptr + 2 * offs_m, mask=m_ok, other=-1)
-    if tl.max(slots) >= 0:
-        rows = tl.load(tokens_ptr + 2 * offs_m + 1, mask=m_ok, other=0)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for s in range(NUM_SLOTS):
-            mine = slots == s
-            if tl.max(mine.to(tl.int32)) > 0:
-                for r in range(0, ROWS, BLOCK_R):
-                    offs_r = r + tl.arange(0, BLOCK_R)
-                    r_ok = offs_r < ROWS
-                    shrunk = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)    # (zero for other slots' tokens)
-                    for k in range(0, K, BLOCK_K):
-                        k_ok = offs_k < K - k
-                        x = tl.load(x_ptr + rows[:, None] * stride_x + (k + offs_k)[None, :],
-                                    mask=mine[:, None] & k_ok[None, :], other=0.0)
-                        a = tl.load(a_ptr + (s * ROWS + offs_r)[None, :] * K + (k + offs_k)[:, None],
-                                    mask=r_ok[None, :] & k_ok[:, None], other=0.0)
-                        shrunk = tl.dot(x, a, shrunk, input_precision=PRECISION)
-                    b = tl.load(b_ptr + (s * ROWS + offs_r)[:, None] * N + offs_n[None, :],
-                                mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-                    acc = tl.dot(shrunk.to(b_ptr.dtype.element_ty), b, acc, input_precision=PRECISION)
-        y_ptrs = y_ptr + rows[:, None] * stride_y + offs_n[None, :]
-        y_ok = (slots >= 0)[:, None] & n_ok[None, :]
-        y = tl.load(y_ptrs, mask=y_ok, other=0.0)
-        tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=y_ok)
-
-
 def precision(dtype: torch.dtype) -> str:
     """tl.dot's input precision: float32 products in full (as torch's by default), not in TF32."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -173,20 +132,4 @@ def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, b: torch.Tensor, tokens: 
     launch(_expand_kernel, (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N)), shrunk, b, tokens, y, m, n, rows,
            shrunk.shape[0], shrunk.stride(1), shrunk.stride(0), y.stride(0), NUM_SLOTS=num_slots, BLOCK_M=block_m,
            BLOCK_R=rows_block(rows), BLOCK_N=BLOCK_N, PRECISION=precision(b.dtype))
-    return y
-
-
-def lora_fused(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor,
-               block_n: int = FUSED_BLOCK_N) -> torch.Tensor:
-    """lora_expand(y, lora_shrink(x, a, tokens), b, tokens) in one kernel, for at most FUSED_TOKENS tokens
-    (x: [M, K], y: [M, N], a: [S, ROWS, K] and b: [S, ROWS, N] contiguous); returns y."""
-    m, k = x.shape
-    n = y.shape[1]
-    num_slots, rows = a.shape[:2]
-    assert m <= FUSED_TOKENS and y.shape[0] == m and a.shape[2] == k and b.shape[:2] == a.shape[:2]
-    assert b.shape[2] == n and a.is_contiguous() and b.is_contiguous() and x.stride(1) == 1 and y.stride(1) == 1
-    assert tokens.shape == (m, 2) and tokens.is_contiguous()
-    launch(_fused_kernel, (triton.cdiv(n, block_n),), x, a, b, tokens, y, m, k, n, rows, x.stride(0), y.stride(0),
-           NUM_SLOTS=num_slots, BLOCK_M=FUSED_TOKENS, BLOCK_R=rows_block(rows), BLOCK_K=BLOCK_K, BLOCK_N=block_n,
-           PRECISION=precision(b.dtype))
     return y

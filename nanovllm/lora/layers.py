@@ -13,9 +13,9 @@ one-hot mask [tokens, slots] that the runner writes before the forward pass (LoR
 
 is two products whatever the mix of adapters in the step: the mask zeroes each token's other slots.
 That is the plain-torch path (the CPU's, and the reference). On CUDA two Triton kernels
-(kernels/triton_lora.py; one up to 16 tokens) compute each token's own slot's products from its slot id,
-skipping the slots that none of a tile's tokens use; they take the tokens sorted by slot (sorted_tokens),
-so that a tile of tokens mostly holds one slot. Mask and sorted tokens are buffers at fixed addresses, so CUDA graphs
+(kernels/triton_lora.py) compute each token's own slot's products from its slot id, skipping the slots
+that none of a tile's tokens use; they take the tokens sorted by slot (sorted_tokens), so that a tile
+of tokens mostly holds one slot. Mask and sorted tokens are buffers at fixed addresses, so CUDA graphs
 replay with each step's.
 """
 import os
@@ -135,16 +135,13 @@ class LoRALinear(SlotWeights):
             self.columns = [(0, out_features)]
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """y += delta(x), in place: the Triton kernels of each token's own slot on CUDA (one up to FUSED_TOKENS
-        tokens, else two), else three torch operations over all slots (the shrink product, the mask, the expand
-        product with the add)."""
+        """y += delta(x), in place: the two Triton kernels of each token's own slot on CUDA, else three torch
+        operations over all slots (the shrink product, the mask, the expand product with the add)."""
         n = x.shape[0]
         if self.slots.fused:
-            from nanovllm.kernels.triton_lora import FUSED_TOKENS, lora_expand, lora_fused, lora_shrink
+            from nanovllm.kernels.triton_lora import lora_expand, lora_shrink
             a, b = (w.view(self.slots.max_loras, -1, w.shape[-1]) for w in (self.a, self.b))
             tokens = self.slots.tokens[:n]
-            if n <= FUSED_TOKENS:
-                return lora_fused(y, x, a, b, tokens)
             return lora_expand(y, lora_shrink(x, a, tokens), b, tokens)
         return torch_formula(y, x, self.a, self.b, self.slots.mask[:n, :, None])
 
