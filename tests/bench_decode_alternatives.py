@@ -204,7 +204,7 @@ def main():
                     q, k, v, max_seqlen_q=1, cu_seqlens_q=first_rows, max_seqlen_k=max(lens), seqused_k=seq_lens,
                     softmax_scale=D ** -0.5, causal=True, block_table=tables, fa_version=version),
                     ours if page == PAGE else None)
-            del k, v
+            k = v = None   # (the cache freed before the next one is made)
         print(f"{batch:3} mixed {splits}: " + " | ".join(row), flush=True)
 
 

@@ -141,7 +141,7 @@ def read_ceilings_and_order():
         ms = do_bench(call, return_mode="median")
         print(f"  contiguous read, {programs} programs x {block} x {warps} warps x {stages} stages: "
               f"{programs * per * 2 / ms / 1e6:7.0f} GB/s")
-    del x, y
+    x = y = None   # (4 GiB freed before the paged caches)
     random.seed(1)
     for batch in (256, 192, 128):
         lens = [random.randint(100, 2048) for _ in range(batch)]
@@ -159,7 +159,7 @@ def read_ceilings_and_order():
                 us = us_per_call_in_graph([paged_read(k, v, tables, seq_lens, split, block_n, warps)] * 20)
                 print(f"  paged read only {batch} mixed, {order:14} split {split} tile {block_n} "
                       f"{warps} warps: {us:7.1f} us {kv_bytes / us / 1e3:6.0f} GB/s")
-            del k, v
+            k = v = None   # (the cache freed before the next one is made)
 
 
 def splits_at_mid_batches():
@@ -196,7 +196,7 @@ def launches_for_ncu(cache_dtype):
                 read()
             print(f"launched: {batch} mixed, splits {(num_splits, split)}, "
                   f"{'[block, head, token, dim]' if heads_first else '[block, token, head, dim]'}")
-            del k, v
+            k = v = None   # (the cache freed before the next one is made)
     x = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
     programs = num_sms * 32
     out = torch.empty(programs, device="cuda")
@@ -242,7 +242,7 @@ def main():
                                                           max_registers=max_registers), return_mode="median")
                 print(f"  {str(cache_dtype)[6:]:13} {name:10}  {(*cfg, max_registers)}: {ms * 1000:8.1f} us  "
                       f"{kv_bytes / ms / 1e6:7.0f} GB/s")
-            del k, v
+            k = v = None   # (the cache freed before the next one is made)
     print("decode, merge of the splits fused into the split kernel or a second kernel: us per call in a "
           "CUDA graph of 20 calls (bf16 cache)")
     for name, lens, splits in (("1 x 1024", [1024], (16, 64)), ("1 x 512", [512], (16, 64)),
@@ -252,7 +252,7 @@ def main():
         for fuse_merge in (False, True):
             call = lambda: ta.decode_attention(q, k, v, tables, seq_lens, D ** -0.5, *splits, fuse_merge=fuse_merge)
             print(f"  {name:10} {splits} fuse_merge={fuse_merge!s:5}: {us_per_call_in_graph([call] * 20):8.1f} us")
-        del k, v
+        k = v = None   # (the cache freed before the next one is made)
     print("prefill: 16 x 1024 new tokens, config (block_m, block_n, warps, stages) -> us, TFLOP/s")
     lens = [1024] * 16
     for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):

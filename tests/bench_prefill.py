@@ -61,7 +61,7 @@ def main():
                                   fa_version=version)
                 row.append(time_row(f"FA{version}", call, ref, flops))
         print(" | ".join(row), flush=True)
-        del k, v
+        k = v = None   # (the cache freed before the next case makes its own)
 
 
 def time_row(label, call, ref, flops):
