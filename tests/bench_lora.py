@@ -38,9 +38,9 @@ def main(row_counts: list[int], cudagraph: bool, slots: int = 4, rank: int = 16)
             mask = torch.nn.functional.one_hot(torch.from_numpy(ids).cuda(), slots).to(torch.bfloat16)[:, :, None]
             shrunk = lora_shrink(x, a, tokens)
             us = [timer(f) * 1e3 for f in (lambda: lora_shrink(x, a, tokens, 1), lambda: lora_shrink(x, a, tokens),
-                                               lambda: lora_expand(y, shrunk, b, tokens),
-                                               lambda: lora_expand(y, lora_shrink(x, a, tokens), b, tokens),
-                                               lambda: torch_formula(y, x, a, b, mask))]
+                                            lambda: lora_expand(y, shrunk, b, tokens),
+                                            lambda: lora_expand(y, lora_shrink(x, a, tokens), b, tokens),
+                                            lambda: torch_formula(y, x, a, b, mask))]
             print(f"{name:8} {m:5} {split_k(m, r, k, x.device):6} " + " ".join(f"{t:8.1f}" for t in us))
 
 
