@@ -50,8 +50,7 @@ def upload(arrays: list[np.ndarray], device: torch.device, out: torch.Tensor | N
     if device.type == "cpu" and out is None:
         return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
     host = packed(arrays, pin_memory=device.type != "cpu")
-    offsets, _ = packed_offsets(arrays)
-    end = offsets[-1] + arrays[-1].nbytes if arrays else 0
+    end = host.numel() - (-arrays[-1].nbytes % ALIGN) if arrays else 0   # (the last array's padding left out)
     # The caching host allocator keeps `host` from reuse until the copy has run.
     device_bytes = torch.empty(host.numel(), dtype=torch.uint8, device=device) if out is None else out[:host.numel()]
     device_bytes[:end].copy_(host[:end], non_blocking=True)
