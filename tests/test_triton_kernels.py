@@ -1163,7 +1163,7 @@ def test_lora_projection_adds_the_same_through_the_kernels_as_through_the_mask()
     for fused in (False, True):
         slots.fused = fused
         slots.set_tokens(token_slots)
-        results.append(lora.add_to(y.clone(), x).float())
+        results.append(lora.add_to(y.clone(), x, lora.shrink(x)).float())
     assert rel_err(results[1], results[0]) < TOL
     base = torch.from_numpy(token_slots < 0).to(DEVICE)
     assert torch.equal(results[1][base], y[base].float())

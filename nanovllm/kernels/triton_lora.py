@@ -102,19 +102,29 @@ def split_k(m: int, rows: int, k: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(k, BLOCK_K), 2 * sms // programs))
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, tokens: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+def shrink_output(x: torch.Tensor, a: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+    """The float32 [splits, M, ROWS] buffer of lora_shrink's partial sums over `splits` slices of K (split_k's
+    count unless given; fewer where K has fewer whole BLOCK_K columns)."""
+    (m, k), rows = x.shape, a.shape[1]
+    k_per_split = triton.cdiv(triton.cdiv(k, splits or split_k(m, rows, k, x.device)), BLOCK_K) * BLOCK_K
+    return torch.empty(triton.cdiv(k, k_per_split), m, rows, dtype=torch.float32, device=x.device)
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, tokens: torch.Tensor, splits: int | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, K], a: [S, ROWS, K] contiguous, tokens: [M, 2] int32 contiguous, (slot, row of x) pairs sorted by
-    slot (lora/layers.py sorted_tokens; slot -1: none) -> float32 [splits, M, ROWS]: the partial products over
-    `splits` slices of K (split_k's count unless given), whose sum's i-th row is x[row] @ a[slot].T for the i-th
-    pair (zero for -1)."""
+    slot (lora/layers.py sorted_tokens; slot -1: none) -> float32 [splits, M, ROWS] (into out, from
+    shrink_output, if given): the partial products over `splits` slices of K, whose sum's i-th row is
+    x[row] @ a[slot].T for the i-th pair (zero for -1)."""
     m, k = x.shape
     num_slots, rows = a.shape[:2]
     assert a.shape[2] == k and a.is_contiguous() and x.stride(1) == 1 and tokens.shape == (m, 2)
     assert tokens.is_contiguous()
+    out = shrink_output(x, a, splits) if out is None else out
+    splits = out.shape[0]
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
+    assert out.shape == (splits, m, rows) and triton.cdiv(k, k_per_split) == splits and out.is_contiguous()
     block_r = rows_block(rows)
-    k_per_split = triton.cdiv(triton.cdiv(k, splits or split_k(m, rows, k, x.device)), BLOCK_K) * BLOCK_K
-    splits = triton.cdiv(k, k_per_split)
-    out = torch.empty(splits, m, rows, dtype=torch.float32, device=x.device)
     launch(_shrink_kernel, (triton.cdiv(m, BLOCK_M), triton.cdiv(rows, block_r), splits), x, a, tokens, out, m, k,
            rows, k_per_split, x.stride(0), out.stride(1), out.stride(0), NUM_SLOTS=num_slots, BLOCK_M=BLOCK_M,
            BLOCK_R=block_r, BLOCK_K=BLOCK_K, PRECISION=precision(x.dtype))

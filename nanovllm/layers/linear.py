@@ -114,8 +114,10 @@ class LinearBase(nn.Module):
         copy_checked(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias)
-        return y if self.lora is None else self.lora.add_to(y, x)
+        if self.lora is None:
+            return linear(x, self.weight, self.bias)
+        shrunk = self.lora.shrink(x)   # (beside the base product, on CUDA)
+        return self.lora.add_to(linear(x, self.weight, self.bias), x, shrunk)
 
 
 class ReplicatedLinear(LinearBase):
@@ -142,7 +144,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """silu_mul: the two parts are a gated MLP's gate and up; return silu(gate) * up (see linear)."""
         assert not silu_mul or len(self.output_sizes) == 2
         if self.lora is not None:   # (the adapters' products join before the activation)
-            y = self.lora.add_to(linear(x, self.weight, self.bias), x)
+            shrunk = self.lora.shrink(x)
+            y = self.lora.add_to(linear(x, self.weight, self.bias), x, shrunk)
             return silu_and_mul(y) if silu_mul else y
         return linear(x, self.weight, self.bias, silu_mul=silu_mul)
 
@@ -182,17 +185,18 @@ class RowParallelLinear(LinearBase):
         self.to_norm = to_norm and tp.size == 1 and not bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | Partials:
+        shrunk = None if self.lora is None else self.lora.shrink(x)   # (beside the base product, on CUDA)
         if self.to_norm and (self.lora is None or self.lora.slots.fused) and is_16bit_cuda_matrix(x):
             splits = split_k_before_norm(x.shape[0], *self.weight.shape[::-1])
             if splits > 1:
                 partials = split_k_partials(x, self.weight, splits)
                 if self.lora is not None:   # (the Triton expand adds into a float32 part as well)
-                    self.lora.add_to(partials.parts[0], x)
+                    self.lora.add_to(partials.parts[0], x, shrunk)
                 return partials
         # Bias is added once, on rank 0, before the sum. The product goes straight into the
         # all-reduce's input buffer when it has one (no copy into it).
         out = self.tp.all_reduce_input((x.shape[0], self.weight.shape[0]), x.dtype) if x.dim() == 2 else None
         y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, out=out)
         if self.lora is not None:   # (each rank's part of the adapters' products, summed with the rest)
-            self.lora.add_to(y, x)
+            self.lora.add_to(y, x, shrunk)
         return self.tp.all_reduce(y)

@@ -67,6 +67,8 @@ class LoRASlots:
         self.slot_ids = torch.arange(max_loras, device=device)
         self.mask = torch.zeros(max_tokens, max_loras, dtype=dtype, device=device)
         self.row_slots = self.token_slots   # the slots of the rows the LM head computes logits of (select_rows)
+        # On CUDA a projection's shrink runs on this stream, beside the base product (in the graphs too)
+        self.side = torch.cuda.Stream(device) if self.fused and device.type == "cuda" else None
 
     def set_tokens(self, slots: np.ndarray):
         """slots: [tokens] int, each token's slot or -1."""
@@ -134,15 +136,31 @@ class LoRALinear(SlotWeights):
         else:
             self.columns = [(0, out_features)]
 
-    def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """y += delta(x), in place: the two Triton kernels of each token's own slot on CUDA, else three torch
-        operations over all slots (the shrink product, the mask, the expand product with the add)."""
+    def shrink(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The Triton path's first kernel (None on the torch path), begun before the base product: on CUDA on the
+        side stream, so that the two run at once (the caller's add_to waits for it)."""
+        if not self.slots.fused:
+            return None
+        from nanovllm.kernels.triton_lora import lora_shrink, shrink_output
+        a, tokens, side = self.a.view(self.slots.max_loras, -1, x.shape[1]), self.slots.tokens[:len(x)], self.slots.side
+        if side is None:
+            return lora_shrink(x, a, tokens)
+        out = shrink_output(x, a)   # (allocated on the caller's stream, which frees it after add_to)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            return lora_shrink(x, a, tokens, out=out)
+
+    def add_to(self, y: torch.Tensor, x: torch.Tensor, shrunk: torch.Tensor | None = None) -> torch.Tensor:
+        """y += delta(x), in place, with shrunk = shrink(x) begun before y's product: on CUDA the Triton expand
+        of each token's own slot, else three torch operations over all slots (the shrink product, the mask, the
+        expand product with the add)."""
         n = x.shape[0]
         if self.slots.fused:
-            from nanovllm.kernels.triton_lora import lora_expand, lora_shrink
-            a, b = (w.view(self.slots.max_loras, -1, w.shape[-1]) for w in (self.a, self.b))
+            from nanovllm.kernels.triton_lora import lora_expand
+            if self.slots.side is not None:
+                torch.cuda.current_stream().wait_stream(self.slots.side)
             tokens = self.slots.tokens[:n]
-            return lora_expand(y, lora_shrink(x, a, tokens), b, tokens)
+            return lora_expand(y, shrunk, self.b.view(self.slots.max_loras, -1, y.shape[1]), tokens)
         return torch_formula(y, x, self.a, self.b, self.slots.mask[:n, :, None])
 
     def load(self, slot: int, layer: int, adapter: LoRAAdapter):
