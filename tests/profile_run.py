@@ -11,8 +11,8 @@
     PYTHONPATH=. python3 tests/profile_run.py [--model qwen3-0.6b] [--workload default] [--tp 2] [--profile-steps 200]
         [--max-num-seqs 512] [--top-k 20 --top-p 0.95] [--presence-penalty 0.5 ...] [--runs 2] [--no-profile] [--pause 5]
         [--n 8] [--logprobs 20 [--flat-logprobs]] [--prompt-logprobs 1] [--tokenizer synthetic]
-        [--cprofile | --cprofile-steps 3 8] [--speculative-config JSON]     (bench.py's workload and request
-        flags, and this tool's own)
+        [--cprofile | --cprofile-steps 3 8] [--speculative-config JSON] [--num-loras 4 [--lora-rank 16]]
+        (bench.py's workload and request flags, and this tool's own)
         [--num-seqs 128 --min-input-len 6000 --max-input-len 8000 --min-output-len 16 --max-output-len 64
          --max-model-len 8192]     (the long-prompt workload; the default workload's lengths otherwise)
 """
@@ -30,9 +30,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import (add_request_arguments, add_workload_arguments, make_workload, preset_dir, request_options,
-                   sampling_filters, tokenizer_options, warm_up)
+from bench import (add_request_arguments, add_workload_arguments, lora_adapters, lora_plan, make_workload, preset_dir,
+                   request_options, sampling_filters, tokenizer_options, warm_up)
 from nanovllm import LLM, SamplingParams
+from nanovllm.lora.request import LoRARequest
 from nanovllm.utils.heap import fewer_collections
 
 DECODE_BUCKETS = (1, 8, 32, 64, 128, 192, 256, 512, 768, 1024)
@@ -58,18 +59,19 @@ class EventWaits:
         torch.cuda.Event.synchronize = self.original
 
 
-def run_steps(llm, prompts, settings, on_step=None, host_profile_steps=(), dump_dir=None,
+def run_steps(llm, prompts, settings, on_step=None, host_profile_steps=(), dump_dir=None, loras=None,
               **params) -> tuple[list[tuple[str, float, float]], list]:
     """Run the workload step by step -> (kind, seconds, seconds of host work) per step, and the
     finished outputs (kept to the end, as generate() keeps them): the host's work is the step's
     time less its wait for the GPU. on_step() after each; the steps numbered in
     host_profile_steps under cProfile, their top functions printed (and their stats saved as
     dump_dir/step<N>.prof, for pstats, when dump_dir is given). params: more SamplingParams
-    fields of every request (top_k, top_p, the penalties, logprobs)."""
+    fields of every request (top_k, top_p, the penalties, logprobs). loras: each prompt's LoRARequest, or None."""
     engine = llm.llm_engine
-    for ids, (max_tokens, temperature) in zip(prompts, settings):
+    loras = engine.lora_requests(loras, len(prompts))
+    for ids, (max_tokens, temperature), lora in zip(prompts, settings, loras):
         engine.add_tokens(None, ids, SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
-                                                     **params))
+                                                     **params), lora_request=lora)
     steps, finished = [], []   # under generate()'s collector thresholds
     waits = EventWaits()
     with fewer_collections():
@@ -77,7 +79,8 @@ def run_steps(llm, prompts, settings, on_step=None, host_profile_steps=(), dump_
             steps.append(timed_step(engine, waits, finished, len(steps), host_profile_steps, dump_dir))
             if on_step is not None:
                 on_step()
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():   # (run_steps also runs on the CPU, in tests/test_bench.py)
+        torch.cuda.synchronize()
     return steps, finished
 
 
@@ -131,6 +134,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cprofile-dump", metavar="DIR", help="save the --cprofile-steps' stats here (step<N>.prof)")
     p.add_argument("--speculative-config", type=json.loads, default=None,
                    help="LLM(speculative_config=...), JSON, as bench.py's")
+    p.add_argument("--num-loras", type=int, default=0, help="request i with random LoRA adapter i %% N, as bench.py's")
+    p.add_argument("--lora-rank", type=int, default=16, help="the adapters' rank, with --num-loras")
     p.add_argument("--pause", type=float, default=0.0, help="seconds the GPU sits idle before each host-view run "
                                                             "after the first (as before a process's first run)")
     args = p.parse_args(argv)
@@ -144,6 +149,10 @@ def main():
     engine_options = {} if args.logprobs_mode is None else dict(logprobs_mode=args.logprobs_mode)
     if args.speculative_config is not None:
         engine_options["speculative_config"] = args.speculative_config
+    if args.num_loras:
+        engine_options |= dict(enable_lora=True, max_loras=args.num_loras, max_lora_rank=args.lora_rank)
+        args.loras = [LoRARequest(f"bench-lora-{i}", i + 1, path) for i, path in
+                      enumerate(lora_adapters(preset_dir(args.model), args.num_loras, args.lora_rank))]
     llm = LLM(preset_dir(args.model), load_format="dummy", max_model_len=args.max_model_len,
               tensor_parallel_size=args.tp, max_num_seqs=args.max_num_seqs, **tokenizer_options(args.tokenizer),
               **engine_options)
@@ -160,7 +169,7 @@ def main():
         if host_profile:
             host_profile.enable()
         steps, finished = run_steps(llm, prompts, settings, host_profile_steps=args.cprofile_steps,
-                                    dump_dir=args.cprofile_dump, **params)
+                                    dump_dir=args.cprofile_dump, loras=lora_plan(args, len(prompts)), **params)
         if host_profile:
             host_profile.disable()
         wall = time.perf_counter() - start
@@ -193,7 +202,8 @@ def main():
               if args.profile_steps else None)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], schedule=window) as prof:
         start = time.perf_counter()
-        steps, _ = run_steps(llm, prompts, settings, prof.step if window else None, **params)
+        steps, _ = run_steps(llm, prompts, settings, prof.step if window else None,
+                             loras=lora_plan(args, len(prompts)), **params)
         wall = time.perf_counter() - start
     if window:   # wall time of the profiled steps only
         wall = sum(seconds for _, seconds, _ in steps[args.profile_start:args.profile_start + args.profile_steps])

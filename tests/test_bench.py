@@ -152,6 +152,25 @@ def test_profile_run_takes_bench_flags():
     assert len(prompts) == len(settings) == 8
 
 
+def test_profile_run_gives_each_request_its_adapter(qwen3_dir, tmp_path, monkeypatch):
+    """--num-loras: profile_run's requests take turns among bench.py's adapters, as bench.py's do."""
+    import bench
+    import profile_run
+    from nanovllm import LLM
+    from nanovllm.lora.request import LoRARequest
+    monkeypatch.setattr(bench.tempfile, "gettempdir", lambda: str(tmp_path))
+    args = profile_run.parse_args(["--num-loras", "2", "--lora-rank", "8"])
+    args.loras = [LoRARequest(f"l{i}", i + 1, path) for i, path in enumerate(bench.lora_adapters(qwen3_dir, 2, 8))]
+    llm = LLM(qwen3_dir, device="cpu", dtype="float32", enforce_eager=True, enable_lora=True, max_loras=2,
+              max_lora_rank=8, max_model_len=64)
+    try:
+        _, finished = profile_run.run_steps(llm, [[1, 2, 3]] * 5, [(2, 0.0)] * 5, loras=bench.lora_plan(args, 5))
+    finally:
+        llm.close()
+    assert [out.lora_request.lora_int_id for out in sorted(finished, key=lambda out: int(out.request_id))] == \
+        [1, 2, 1, 2, 1]
+
+
 def test_bench_host_runs_with_logprobs():
     """tests/bench_host.py stands in for the sampler and prompt scoring; its stand-ins must keep the
     engine's signatures (its prompt-score stand-in had lost logprobs_mode's as_logits)."""
