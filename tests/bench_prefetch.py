@@ -27,7 +27,7 @@ import triton.language as tl
 
 from bench_gemm import cases, print_times     # the 0.6B projection shapes, weights beyond L2
 from gpu_timing import us_per_call_in_graph
-from nanovllm.kernels.triton_skinny import _prefetch_l2    # the skinny kernel's own
+from nanovllm.kernels.pdl import prefetch_l2    # the skinny and LoRA kernels' own
 
 LINE = 64           # bf16 values per 128-byte L2 line
 PF_BLOCK = 512      # lines per prefetch iteration of a program
@@ -39,7 +39,7 @@ def _prefetch_share(pf_ptr, num_lines, LINE: tl.constexpr, PF_BLOCK: tl.constexp
     pid, num_programs = tl.program_id(0), tl.num_programs(0)
     for first in range(pid * PF_BLOCK, num_lines, num_programs * PF_BLOCK):
         lines = tl.minimum(first + tl.arange(0, PF_BLOCK), num_lines - 1)
-        _prefetch_l2(pf_ptr + lines.to(tl.int64) * LINE)
+        prefetch_l2(pf_ptr + lines.to(tl.int64) * LINE)
 
 
 @triton.jit

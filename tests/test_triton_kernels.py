@@ -1082,6 +1082,8 @@ def test_routing_kernels_route_as_route(num_tokens, num_experts, top_k, renormal
 
 @pytest.mark.parametrize("num_tokens, num_slots, rows, in_features, out_features, used, splits", [
     (1, 1, 16, 64, 96, "all", None),        # one token, one slot (batch 1), split_k's count
+    (9, 4, 48, 640, 300, "mixed", 5),       # a small batch's (PDL launches on Hopper); five slices of eight loads
+    (16, 2, 32, 3072, 200, "mixed", None),  # split_k's count for 24 slices of BLOCK_K: MAX_SPLITS
     (37, 4, 48, 200, 300, "mixed", 1),      # q/k/v parts at rank 16; odd sizes, a partial tile of tokens
     (37, 4, 48, 400, 300, "mixed", 4),      # the same over four slices of K, the last one partial
     (40, 2, 96, 130, 70, "one", 2),         # rows over one tile (rank 32, three parts); one slot unused; a
@@ -1095,7 +1097,7 @@ def test_lora_kernels_equal_the_per_token_products(num_tokens, num_slots, rows, 
     per-token loop does, from the tokens sorted by slot and the shrink's partial sums over `splits` slices of
     K; the shrunk rows of slot -1 are zero, and rows past the step's tokens (slot -1) stay as they are."""
     import numpy as np
-    from nanovllm.kernels.triton_lora import lora_expand, lora_shrink
+    from nanovllm.kernels.triton_lora import BLOCK_K, MAX_SPLITS, lora_expand, lora_shrink
     from nanovllm.lora.layers import sorted_tokens
     gen = torch.Generator().manual_seed(num_tokens)
     x = torch.randn(num_tokens, in_features, generator=gen).to(DTYPE)
@@ -1116,7 +1118,7 @@ def test_lora_kernels_equal_the_per_token_products(num_tokens, num_slots, rows, 
     tokens = torch.from_numpy(pairs).to(DEVICE)
     x, y = (torch.cat([t, torch.randn(5, t.shape[1], generator=gen).to(DTYPE)]) for t in (x, y))
     shrunk = lora_shrink(x.to(DEVICE), a.to(DEVICE), tokens, splits)
-    assert shrunk.shape[0] == (splits or 1)
+    assert shrunk.shape[0] == (splits or min(triton.cdiv(in_features, BLOCK_K), MAX_SPLITS))
     order = pairs[:num_tokens, 1]
     assert rel_err(shrunk.sum(0)[:num_tokens].cpu(), ref_shrunk[order]) < TOL if used != "none" else not shrunk.any()
     out = lora_expand(y.to(DEVICE), shrunk, b.to(DEVICE), tokens).cpu()

@@ -11,17 +11,23 @@ The kernels take the tokens sorted by slot, as (slot, row) pairs, so that a tile
 however the step mixes its adapters; the shrink gathers x's rows through them, and the expand adds
 into y's rows (the shrunk rows stay in the sorted order between the two).
 A decode step's few tiles would leave most SMs idle through the shrink's long loop over K, so the
-shrink splits K into slices, each program writing its slice's float32 partial sums, and the expand adds
-the partial sums up as it loads them (no atomics, no zeroed buffer: the same sums each run).
+shrink splits K into up to MAX_SPLITS slices, each program writing its slice's float32 partial sums, and
+the expand adds the partial sums up as it loads them, all loads at once (no atomics, no zeroed buffer:
+the same sums each run).
+Over at most pdl.MAX_ROWS tokens both are PDL launches, as the base model's small-batch kernels are, so
+that they do not break that chain: each asks L2 for its slots' adapter weights before it waits for the
+kernel before it.
 """
 import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels import pdl
 from nanovllm.kernels.compile_ahead import launch
 from nanovllm.kernels.device import num_sms
 
 BLOCK_M, BLOCK_K, BLOCK_N, MAX_BLOCK_R = 16, 128, 128, 64
+MAX_SPLITS = 8   # (the expand's loads of the partial sums, all in flight at once)
 # The expand's tile of tokens from PREFILL_TOKENS up: each tile reads its slots' B again, and a prefill chunk's
 # thousands of tokens, sorted by slot, fill large tiles of one slot.
 PREFILL_TOKENS, PREFILL_BLOCK_M = 1024, 64
@@ -30,15 +36,23 @@ PREFILL_TOKENS, PREFILL_BLOCK_M = 1024, 64
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, tokens_ptr, out_ptr, M, K, ROWS, K_PER_SPLIT, stride_x, stride_o, stride_split,
                    NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)     # places in the order of the slots
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
     k_start = tl.program_id(2) * K_PER_SPLIT
     k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     m_ok, r_ok = offs_m < M, offs_r < ROWS
-    slots = tl.load(tokens_ptr + 2 * offs_m, mask=m_ok, other=-1)
+    slots = tl.load(tokens_ptr + 2 * offs_m, mask=m_ok, other=-1)   # (uploaded before the step's kernels)
     rows = tl.load(tokens_ptr + 2 * offs_m + 1, mask=m_ok, other=0)  # their tokens' rows of x
+    if PDL:   # this program's slice of its slots' A, into L2 while the kernel before finishes
+        for s in range(NUM_SLOTS):
+            if tl.max((slots == s).to(tl.int32)) > 0:
+                a_rows = s * ROWS + tl.minimum(offs_r, ROWS - 1)
+                for k in range(k_start, k_end, BLOCK_K):
+                    cols = tl.minimum(k + tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)
+                    pdl.prefetch_l2(a_ptr + a_rows[:, None] * K + cols[None, :])
+    pdl.begin(PDL)
     out = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
     for s in range(NUM_SLOTS):
         mine = slots == s
@@ -57,11 +71,19 @@ def _shrink_kernel(x_ptr, a_ptr, tokens_ptr, out_ptr, M, K, ROWS, K_PER_SPLIT, s
 @triton.jit
 def _expand_kernel(shrunk_ptr, b_ptr, tokens_ptr, y_ptr, M, N, ROWS, SPLITS, stride_s, stride_split, stride_y,
                    NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   SPLITS_BLOCK: tl.constexpr, PRECISION: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)     # places in the order of the slots
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = offs_m < M, offs_n < N
-    slots = tl.load(tokens_ptr + 2 * offs_m, mask=m_ok, other=-1)
+    slots = tl.load(tokens_ptr + 2 * offs_m, mask=m_ok, other=-1)   # (uploaded before the step's kernels)
+    if PDL:   # this program's columns of its slots' B, into L2 while the kernel before finishes
+        cols = tl.minimum(tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N // LINE) * LINE, N - 1)
+        for s in range(NUM_SLOTS):
+            if tl.max((slots == s).to(tl.int32)) > 0:
+                for r in range(0, ROWS, BLOCK_R):
+                    b_rows = s * ROWS + tl.minimum(r + tl.arange(0, BLOCK_R), ROWS - 1)
+                    pdl.prefetch_l2(b_ptr + b_rows[:, None] * N + cols[None, :])
+    pdl.begin(PDL)
     if tl.max(slots) >= 0:   # (a block of base-model tokens leaves y as it is)
         rows = tl.load(tokens_ptr + 2 * offs_m + 1, mask=m_ok, other=0)
         y_ptrs = y_ptr + rows[:, None] * stride_y + offs_n[None, :]
@@ -72,9 +94,10 @@ def _expand_kernel(shrunk_ptr, b_ptr, tokens_ptr, y_ptr, M, N, ROWS, SPLITS, str
             offs_r = r + tl.arange(0, BLOCK_R)
             r_ok = offs_r < ROWS
             shrunk = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
-            for split in range(SPLITS):   # (the shrink's partial sums over slices of K)
+            for split in tl.static_range(SPLITS_BLOCK):   # (the shrink's partial sums over slices of K)
+                split_ok = r_ok & (tl.full((BLOCK_R,), split, tl.int32) < SPLITS)
                 shrunk += tl.load(shrunk_ptr + split * stride_split + offs_m[:, None] * stride_s + offs_r[None, :],
-                                  mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+                                  mask=m_ok[:, None] & split_ok[None, :], other=0.0)
             shrunk = shrunk.to(b_ptr.dtype.element_ty)
             for s in range(NUM_SLOTS):
                 if tl.max((slots == s).to(tl.int32)) > 0:
@@ -96,10 +119,11 @@ def rows_block(rows: int) -> int:
 
 def split_k(m: int, rows: int, k: int, device: torch.device) -> int:
     """Into how many slices of K the shrink splits its products: enough for about two programs per SM
-    (a decode step's 256 tokens are only 16 tiles of BLOCK_M), none for a prefill's thousands of tokens."""
+    (a decode step's 256 tokens are only 16 tiles of BLOCK_M) up to MAX_SPLITS, none for a prefill's thousands
+    of tokens."""
     programs = triton.cdiv(m, BLOCK_M) * triton.cdiv(rows, rows_block(rows))
     sms = num_sms(device) if device.type == "cuda" else 132
-    return max(1, min(triton.cdiv(k, BLOCK_K), 2 * sms // programs))
+    return max(1, min(triton.cdiv(k, BLOCK_K), 2 * sms // programs, MAX_SPLITS))
 
 
 def shrink_output(x: torch.Tensor, a: torch.Tensor, splits: int | None = None) -> torch.Tensor:
@@ -127,7 +151,8 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, tokens: torch.Tensor, splits: 
     block_r = rows_block(rows)
     launch(_shrink_kernel, (triton.cdiv(m, BLOCK_M), triton.cdiv(rows, block_r), splits), x, a, tokens, out, m, k,
            rows, k_per_split, x.stride(0), out.stride(1), out.stride(0), NUM_SLOTS=num_slots, BLOCK_M=BLOCK_M,
-           BLOCK_R=block_r, BLOCK_K=BLOCK_K, PRECISION=precision(x.dtype))
+           BLOCK_R=block_r, BLOCK_K=BLOCK_K, PRECISION=precision(x.dtype), LINE=128 // a.element_size(),
+           **pdl.launch_options(m))
     return out
 
 
@@ -141,5 +166,6 @@ def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, b: torch.Tensor, tokens: 
     block_m = PREFILL_BLOCK_M if m >= PREFILL_TOKENS else BLOCK_M
     launch(_expand_kernel, (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N)), shrunk, b, tokens, y, m, n, rows,
            shrunk.shape[0], shrunk.stride(1), shrunk.stride(0), y.stride(0), NUM_SLOTS=num_slots, BLOCK_M=block_m,
-           BLOCK_R=rows_block(rows), BLOCK_N=BLOCK_N, PRECISION=precision(b.dtype))
+           BLOCK_R=rows_block(rows), BLOCK_N=BLOCK_N, SPLITS_BLOCK=triton.next_power_of_2(shrunk.shape[0]),
+           PRECISION=precision(b.dtype), LINE=128 // b.element_size(), **pdl.launch_options(m))
     return y

@@ -59,7 +59,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, 
         r = tl.arange(0, BLOCK_N)   # the program's weight rows: its features' (gate rows, then up rows)
         rows = tl.minimum(block * OUT_N + r % OUT_N + (r // OUT_N) * N, (2 * N if SILU_MUL else N) - 1)
         cols = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * LINE, K - 1)
-        _prefetch_l2(w_ptr + rows[:, None] * stride_w + cols[None, :])
+        pdl.prefetch_l2(w_ptr + rows[:, None] * stride_w + cols[None, :])
     pdl.begin(PDL)
     w_ptrs = w_ptr + offs_n[:, None] * stride_w + (k_start + offs_k)[None, :]   # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + offs_m[:, None] * stride_x + (k_start + offs_k)[None, :]   # [BLOCK_M, BLOCK_K]
@@ -94,11 +94,6 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, 
         if SILU_MUL:   # each product rounded first, as silu_and_mul after the product rounds them
             acc = silu_mul(acc.to(out_ptr.dtype.element_ty), acc_up.to(out_ptr.dtype.element_ty))
         _store(acc, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_o, HAS_BIAS)
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
