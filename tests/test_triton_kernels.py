@@ -1129,6 +1129,35 @@ def test_lora_kernels_equal_the_per_token_products(num_tokens, num_slots, rows, 
     assert rel_err(out, ref) < TOL
 
 
+@pytest.mark.parametrize("num_tokens", [9, 37, 1030])
+def test_lora_expand_with_the_activation_equals_the_expand_then_silu_and_mul(num_tokens):
+    """gate_up_proj's expand with silu_mul gives what the expand then silu_and_mul give (bit for bit on CUDA):
+    every row, base-model tokens and padding rows too (a small batch's PDL launch, a decode step's tiles, a
+    prefill's), the adapters' products in exactly the adapted tokens' rows, and y left as it was."""
+    import numpy as np
+    from nanovllm.kernels.triton_lora import lora_expand, lora_shrink
+    from nanovllm.layers.activation import silu_and_mul
+    from nanovllm.lora.layers import sorted_tokens
+    gen = torch.Generator().manual_seed(num_tokens)
+    rows, half = 32, 200   # (gate and up parts at rank 16; 200 output features each: a partial tile)
+    x = torch.randn(num_tokens + 3, 256, generator=gen).to(DTYPE).to(DEVICE)
+    a = (torch.randn(3, rows, 256, generator=gen) / 16).to(DTYPE).to(DEVICE)
+    b = torch.randn(3, rows, 2 * half, generator=gen).to(DTYPE).to(DEVICE)
+    y = torch.randn(num_tokens + 3, 2 * half, generator=gen).to(DTYPE).to(DEVICE)
+    slots = np.random.RandomState(num_tokens).randint(-1, 3, num_tokens)
+    tokens = torch.from_numpy(sorted_tokens(slots, num_tokens + 3)).to(DEVICE)   # (3 padding rows)
+    shrunk, y_before = lora_shrink(x, a, tokens), y.clone()
+    fused = lora_expand(y, shrunk, b, tokens, silu_mul=True)
+    assert torch.equal(y, y_before)
+    want = silu_and_mul(lora_expand(y.clone(), shrunk, b, tokens))
+    if DEVICE == "cuda":   # (silu_and_mul's Triton kernel, the same operations)
+        assert torch.equal(fused, want)
+    else:                  # (silu_and_mul is torch's F.silu there)
+        torch.testing.assert_close(fused, want, rtol=1e-6, atol=1e-6)
+    adapted = np.concatenate([slots >= 0, [False] * 3])
+    assert ((fused - silu_and_mul(y)).abs().amax(1) > 1e-3).tolist() == adapted.tolist()
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the Triton interpreter multiplies float32 in full anyway")
 def test_lora_kernels_multiply_float32_in_full():
     """A float32 model's LoRA products are float32 products, as torch's, not TF32 ones (whose 10-bit

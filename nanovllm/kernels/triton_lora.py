@@ -25,6 +25,7 @@ import triton.language as tl
 from nanovllm.kernels import pdl
 from nanovllm.kernels.compile_ahead import launch
 from nanovllm.kernels.device import num_sms
+from nanovllm.kernels.triton_fused import silu_mul
 
 BLOCK_M, BLOCK_K, BLOCK_N, MAX_BLOCK_R = 16, 128, 128, 64
 MAX_SPLITS = 8   # (the expand's loads of the partial sums, all in flight at once)
@@ -69,27 +70,36 @@ def _shrink_kernel(x_ptr, a_ptr, tokens_ptr, out_ptr, M, K, ROWS, K_PER_SPLIT, s
 
 
 @triton.jit
-def _expand_kernel(shrunk_ptr, b_ptr, tokens_ptr, y_ptr, M, N, ROWS, SPLITS, stride_s, stride_split, stride_y,
-                   NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLITS_BLOCK: tl.constexpr, PRECISION: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
+def _expand_kernel(shrunk_ptr, b_ptr, tokens_ptr, y_ptr, out_ptr, M, N, ROWS, SPLITS, stride_s, stride_split,
+                   stride_y, stride_o, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SPLITS_BLOCK: tl.constexpr, SILU_MUL: tl.constexpr, PRECISION: tl.constexpr,
+                   LINE: tl.constexpr, PDL: tl.constexpr):
+    # With SILU_MUL, y's columns are a gated MLP's gate | up (N / 2 each): a program adds the products to the
+    # gate's columns offs_n and to the up's columns as many places on, and writes silu(gate) * up into out.
+    n_out = N // 2 if SILU_MUL else N
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)     # places in the order of the slots
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok, n_ok = offs_m < M, offs_n < N
+    m_ok, n_ok = offs_m < M, offs_n < n_out
     slots = tl.load(tokens_ptr + 2 * offs_m, mask=m_ok, other=-1)   # (uploaded before the step's kernels)
     if PDL:   # this program's columns of its slots' B, into L2 while the kernel before finishes
-        cols = tl.minimum(tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N // LINE) * LINE, N - 1)
+        cols = tl.minimum(tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N // LINE) * LINE, n_out - 1)
         for s in range(NUM_SLOTS):
             if tl.max((slots == s).to(tl.int32)) > 0:
                 for r in range(0, ROWS, BLOCK_R):
                     b_rows = s * ROWS + tl.minimum(r + tl.arange(0, BLOCK_R), ROWS - 1)
                     pdl.prefetch_l2(b_ptr + b_rows[:, None] * N + cols[None, :])
+                    if SILU_MUL:
+                        pdl.prefetch_l2(b_ptr + b_rows[:, None] * N + n_out + cols[None, :])
     pdl.begin(PDL)
-    if tl.max(slots) >= 0:   # (a block of base-model tokens leaves y as it is)
+    # (a block of base-model tokens leaves y as it is, unless their activations are to be written: slots >= -1)
+    if tl.max(slots) >= (-1 if SILU_MUL else 0):
         rows = tl.load(tokens_ptr + 2 * offs_m + 1, mask=m_ok, other=0)
         y_ptrs = y_ptr + rows[:, None] * stride_y + offs_n[None, :]
-        y_ok = (slots >= 0)[:, None] & n_ok[None, :]                # (nor does a base-model token's row)
+        # (nor does a base-model token's row, unless its activation is to be written)
+        y_ok = (((slots >= 0) | SILU_MUL) & m_ok)[:, None] & n_ok[None, :]
         y = tl.load(y_ptrs, mask=y_ok, other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for r in range(0, ROWS, BLOCK_R):
             offs_r = r + tl.arange(0, BLOCK_R)
             r_ok = offs_r < ROWS
@@ -101,10 +111,20 @@ def _expand_kernel(shrunk_ptr, b_ptr, tokens_ptr, y_ptr, M, N, ROWS, SPLITS, str
             shrunk = shrunk.to(b_ptr.dtype.element_ty)
             for s in range(NUM_SLOTS):
                 if tl.max((slots == s).to(tl.int32)) > 0:
-                    b = tl.load(b_ptr + (s * ROWS + offs_r)[:, None] * N + offs_n[None, :],
-                                mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-                    acc = tl.dot(tl.where((slots == s)[:, None], shrunk, 0.0), b, acc, input_precision=PRECISION)
-        tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=y_ok)
+                    b_ptrs = b_ptr + (s * ROWS + offs_r)[:, None] * N + offs_n[None, :]
+                    b_ok = r_ok[:, None] & n_ok[None, :]
+                    mine = tl.where((slots == s)[:, None], shrunk, 0.0)
+                    acc = tl.dot(mine, tl.load(b_ptrs, mask=b_ok, other=0.0), acc, input_precision=PRECISION)
+                    if SILU_MUL:
+                        acc_up = tl.dot(mine, tl.load(b_ptrs + n_out, mask=b_ok, other=0.0), acc_up,
+                                        input_precision=PRECISION)
+        y = (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty)
+        if SILU_MUL:
+            up = tl.load(y_ptrs + n_out, mask=y_ok, other=0.0)
+            up = (up.to(tl.float32) + acc_up).to(y_ptr.dtype.element_ty)
+            tl.store(out_ptr + rows[:, None] * stride_o + offs_n[None, :], silu_mul(y, up), mask=y_ok)
+        else:
+            tl.store(y_ptrs, y, mask=y_ok)
 
 
 def precision(dtype: torch.dtype) -> str:
@@ -156,16 +176,21 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, tokens: torch.Tensor, splits: 
     return out
 
 
-def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor,
+                silu_mul: bool = False) -> torch.Tensor:
     """y[row] += shrunk's i-th row (the sum of lora_shrink's partial sums: [splits, M, ROWS]) @ b[slot]
-    ([S, ROWS, N] contiguous) for the i-th (slot, row) pair of tokens, in place (y: [M, N]); returns y."""
+    ([S, ROWS, N] contiguous) for the i-th (slot, row) pair of tokens, in place (y: [M, N]); returns y.
+    silu_mul: y's halves are a gated MLP's gate | up; return silu(gate) * up of the sums instead ([M, N / 2],
+    as layers/activation.py silu_and_mul gives it; y is left as it was)."""
     m, n = y.shape
     num_slots, rows = b.shape[:2]
     assert b.shape[2] == n and b.is_contiguous() and shrunk.shape[1:] == (m, rows) and y.stride(1) == 1
-    assert tokens.shape == (m, 2) and tokens.is_contiguous()
+    assert tokens.shape == (m, 2) and tokens.is_contiguous() and not (silu_mul and n % 2)
+    out = torch.empty(m, n // 2, dtype=y.dtype, device=y.device) if silu_mul else y
     block_m = PREFILL_BLOCK_M if m >= PREFILL_TOKENS else BLOCK_M
-    launch(_expand_kernel, (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N)), shrunk, b, tokens, y, m, n, rows,
-           shrunk.shape[0], shrunk.stride(1), shrunk.stride(0), y.stride(0), NUM_SLOTS=num_slots, BLOCK_M=block_m,
-           BLOCK_R=rows_block(rows), BLOCK_N=BLOCK_N, SPLITS_BLOCK=triton.next_power_of_2(shrunk.shape[0]),
-           PRECISION=precision(b.dtype), LINE=128 // b.element_size(), **pdl.launch_options(m))
-    return y
+    launch(_expand_kernel, (triton.cdiv(m, block_m), triton.cdiv(out.shape[1], BLOCK_N)), shrunk, b, tokens, y, out,
+           m, n, rows, shrunk.shape[0], shrunk.stride(1), shrunk.stride(0), y.stride(0), out.stride(0),
+           NUM_SLOTS=num_slots, BLOCK_M=block_m, BLOCK_R=rows_block(rows), BLOCK_N=BLOCK_N,
+           SPLITS_BLOCK=triton.next_power_of_2(shrunk.shape[0]), SILU_MUL=silu_mul, PRECISION=precision(b.dtype),
+           LINE=128 // b.element_size(), **pdl.launch_options(m))
+    return out

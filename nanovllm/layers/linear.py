@@ -145,8 +145,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         assert not silu_mul or len(self.output_sizes) == 2
         if self.lora is not None:   # (the adapters' products join before the activation)
             shrunk = self.lora.shrink(x)
-            y = self.lora.add_to(linear(x, self.weight, self.bias), x, shrunk)
-            return silu_and_mul(y) if silu_mul else y
+            return self.lora.add_to(linear(x, self.weight, self.bias), x, shrunk, silu_mul)
         return linear(x, self.weight, self.bias, silu_mul=silu_mul)
 
     def shard_range(self, shard_id: int) -> tuple[int, int]:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from nanovllm.engine.upload import upload
+from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.linear import LinearBase, MergedColumnParallelLinear, RowParallelLinear
 from nanovllm.layers.mlp import GatedMLP
 from nanovllm.lora.adapter import LoRAAdapter
@@ -150,18 +151,21 @@ class LoRALinear(SlotWeights):
         with torch.cuda.stream(side):
             return lora_shrink(x, a, tokens, out=out)
 
-    def add_to(self, y: torch.Tensor, x: torch.Tensor, shrunk: torch.Tensor | None = None) -> torch.Tensor:
+    def add_to(self, y: torch.Tensor, x: torch.Tensor, shrunk: torch.Tensor | None = None,
+               silu_mul: bool = False) -> torch.Tensor:
         """y += delta(x), in place, with shrunk = shrink(x) begun before y's product: on CUDA the Triton expand
         of each token's own slot, else three torch operations over all slots (the shrink product, the mask, the
-        expand product with the add)."""
+        expand product with the add). silu_mul: return silu(gate) * up of the sum's halves (gate_up_proj's), in
+        the expand on CUDA."""
         n = x.shape[0]
         if self.slots.fused:
             from nanovllm.kernels.triton_lora import lora_expand
             if self.slots.side is not None:
                 torch.cuda.current_stream().wait_stream(self.slots.side)
             tokens = self.slots.tokens[:n]
-            return lora_expand(y, shrunk, self.b.view(self.slots.max_loras, -1, y.shape[1]), tokens)
-        return torch_formula(y, x, self.a, self.b, self.slots.mask[:n, :, None])
+            return lora_expand(y, shrunk, self.b.view(self.slots.max_loras, -1, y.shape[1]), tokens, silu_mul)
+        y = torch_formula(y, x, self.a, self.b, self.slots.mask[:n, :, None])
+        return silu_and_mul(y) if silu_mul else y
 
     def load(self, slot: int, layer: int, adapter: LoRAAdapter):
         """Write adapter's weights for this projection of `layer` into slot (zero where it has none)."""
