@@ -1200,6 +1200,32 @@ def test_lora_projection_adds_the_same_through_the_kernels_as_through_the_mask()
     assert torch.equal(results[1][base], y[base].float())
 
 
+@pytest.mark.parametrize("num_tokens", [5, 37])
+def test_lora_embedding_adds_the_same_through_the_kernel_as_through_the_lookup(num_tokens):
+    """The embedding's LoRAEmbedding: the expand with its lookup in it (a small batch's PDL launch, a decode
+    step's tiles) adds what the torch lookup and product add, for tokens of three slots and the base model (whose
+    rows, and the padding rows past the step's tokens, stay as they are)."""
+    import numpy as np
+    from nanovllm.lora.layers import LoRAEmbedding, LoRASlots
+    torch.manual_seed(num_tokens)
+    slots = LoRASlots(3, 64, DTYPE, torch.device(DEVICE))
+    lora = LoRAEmbedding(slots, torch.nn.Embedding(1000, 96).to(DEVICE, DTYPE), 16)
+    lora.a.normal_()
+    lora.b.normal_(std=0.1)
+    ids = torch.randint(0, 1000, (num_tokens + 3,), device=DEVICE)   # (3 padding rows)
+    y = torch.randn(num_tokens + 3, 96, device=DEVICE, dtype=DTYPE)
+    token_slots = np.random.RandomState(num_tokens).randint(-1, 3, num_tokens)
+    results = []
+    for fused in (False, True):
+        slots.fused = fused
+        slots.set_tokens(token_slots)
+        results.append(lora.add_to(y.clone(), ids).float())
+    assert rel_err(results[1], results[0]) < TOL
+    unchanged = torch.from_numpy(np.concatenate([token_slots < 0, [True] * 3])).to(DEVICE)
+    assert torch.equal(results[1][unchanged], y[unchanged].float())
+    assert not torch.equal(results[1], y.float())
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the split-K partials before a norm are for 16-bit CUDA matrices")
 def test_lora_adds_into_the_split_k_partials_of_a_projection_before_a_norm():
     """A down projection whose output goes to an RMSNorm, at 37 rows: with adapters it still returns split-K

@@ -70,12 +70,14 @@ def _shrink_kernel(x_ptr, a_ptr, tokens_ptr, out_ptr, M, K, ROWS, K_PER_SPLIT, s
 
 
 @triton.jit
-def _expand_kernel(shrunk_ptr, b_ptr, tokens_ptr, y_ptr, out_ptr, M, N, ROWS, SPLITS, stride_s, stride_split,
-                   stride_y, stride_o, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLITS_BLOCK: tl.constexpr, SILU_MUL: tl.constexpr, PRECISION: tl.constexpr,
-                   LINE: tl.constexpr, PDL: tl.constexpr):
+def _expand_kernel(shrunk_ptr, b_ptr, tokens_ptr, y_ptr, out_ptr, ids_ptr, M, N, ROWS, SPLITS, VOCAB, stride_s,
+                   stride_split, stride_y, stride_o, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_BLOCK: tl.constexpr, SILU_MUL: tl.constexpr,
+                   GATHER: tl.constexpr, PRECISION: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
     # With SILU_MUL, y's columns are a gated MLP's gate | up (N / 2 each): a program adds the products to the
     # gate's columns offs_n and to the up's columns as many places on, and writes silu(gate) * up into out.
+    # With GATHER, shrunk_ptr is a table [slots, VOCAB, ROWS] (the embedding's A) and a place's shrunk row is
+    # its slot's row of its token (ids_ptr: each row's token id).
     n_out = N // 2 if SILU_MUL else N
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)     # places in the order of the slots
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -100,14 +102,22 @@ def _expand_kernel(shrunk_ptr, b_ptr, tokens_ptr, y_ptr, out_ptr, M, N, ROWS, SP
         y = tl.load(y_ptrs, mask=y_ok, other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        if GATHER:
+            adapted = m_ok & (slots >= 0)
+            ids = tl.load(ids_ptr + rows, mask=adapted, other=0)
+            table_rows = tl.maximum(slots, 0).to(tl.int64) * VOCAB + ids
         for r in range(0, ROWS, BLOCK_R):
             offs_r = r + tl.arange(0, BLOCK_R)
             r_ok = offs_r < ROWS
-            shrunk = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
-            for split in tl.static_range(SPLITS_BLOCK):   # (the shrink's partial sums over slices of K)
-                split_ok = r_ok & (tl.full((BLOCK_R,), split, tl.int32) < SPLITS)
-                shrunk += tl.load(shrunk_ptr + split * stride_split + offs_m[:, None] * stride_s + offs_r[None, :],
-                                  mask=m_ok[:, None] & split_ok[None, :], other=0.0)
+            if GATHER:
+                shrunk = tl.load(shrunk_ptr + table_rows[:, None] * ROWS + offs_r[None, :],
+                                 mask=adapted[:, None] & r_ok[None, :], other=0.0)
+            else:
+                shrunk = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
+                for split in tl.static_range(SPLITS_BLOCK):   # (the shrink's partial sums over slices of K)
+                    split_ok = r_ok & (tl.full((BLOCK_R,), split, tl.int32) < SPLITS)
+                    shrunk += tl.load(shrunk_ptr + split * stride_split + offs_m[:, None] * stride_s +
+                                      offs_r[None, :], mask=m_ok[:, None] & split_ok[None, :], other=0.0)
             shrunk = shrunk.to(b_ptr.dtype.element_ty)
             for s in range(NUM_SLOTS):
                 if tl.max((slots == s).to(tl.int32)) > 0:
@@ -177,20 +187,27 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, tokens: torch.Tensor, splits: 
 
 
 def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor,
-                silu_mul: bool = False) -> torch.Tensor:
+                silu_mul: bool = False, ids: torch.Tensor | None = None) -> torch.Tensor:
     """y[row] += shrunk's i-th row (the sum of lora_shrink's partial sums: [splits, M, ROWS]) @ b[slot]
     ([S, ROWS, N] contiguous) for the i-th (slot, row) pair of tokens, in place (y: [M, N]); returns y.
     silu_mul: y's halves are a gated MLP's gate | up; return silu(gate) * up of the sums instead ([M, N / 2],
-    as layers/activation.py silu_and_mul gives it; y is left as it was)."""
+    as layers/activation.py silu_and_mul gives it; y is left as it was).
+    ids: y's rows' token ids ([M]); shrunk is then a table [S, V, ROWS] (the embedding's A, contiguous) whose
+    row of the pair's slot and row's token stands for its shrunk row."""
     m, n = y.shape
     num_slots, rows = b.shape[:2]
-    assert b.shape[2] == n and b.is_contiguous() and shrunk.shape[1:] == (m, rows) and y.stride(1) == 1
+    if ids is None:
+        assert shrunk.shape[1:] == (m, rows)
+    else:
+        assert shrunk.shape[::2] == (num_slots, rows) and shrunk.is_contiguous() and ids.shape == (m,)
+    assert b.shape[2] == n and b.is_contiguous() and y.stride(1) == 1
     assert tokens.shape == (m, 2) and tokens.is_contiguous() and not (silu_mul and n % 2)
     out = torch.empty(m, n // 2, dtype=y.dtype, device=y.device) if silu_mul else y
     block_m = PREFILL_BLOCK_M if m >= PREFILL_TOKENS else BLOCK_M
+    splits = 1 if ids is not None else shrunk.shape[0]
     launch(_expand_kernel, (triton.cdiv(m, block_m), triton.cdiv(out.shape[1], BLOCK_N)), shrunk, b, tokens, y, out,
-           m, n, rows, shrunk.shape[0], shrunk.stride(1), shrunk.stride(0), y.stride(0), out.stride(0),
-           NUM_SLOTS=num_slots, BLOCK_M=block_m, BLOCK_R=rows_block(rows), BLOCK_N=BLOCK_N,
-           SPLITS_BLOCK=triton.next_power_of_2(shrunk.shape[0]), SILU_MUL=silu_mul, PRECISION=precision(b.dtype),
-           LINE=128 // b.element_size(), **pdl.launch_options(m))
+           tokens if ids is None else ids, m, n, rows, splits, 0 if ids is None else shrunk.shape[1], shrunk.stride(1),
+           shrunk.stride(0), y.stride(0), out.stride(0), NUM_SLOTS=num_slots, BLOCK_M=block_m, BLOCK_R=rows_block(rows),
+           BLOCK_N=BLOCK_N, SPLITS_BLOCK=triton.next_power_of_2(splits), SILU_MUL=silu_mul, GATHER=ids is not None,
+           PRECISION=precision(b.dtype), LINE=128 // b.element_size(), **pdl.launch_options(m))
     return out

@@ -186,8 +186,7 @@ class LoRALinear(SlotWeights):
 
 class LoRAEmbedding(SlotWeights):
     """The slots' A and B of the token embedding, whole on every rank (added after the ranks' sum): a token's
-    embedding gains a[slot, token] @ b[slot], A's product with the token's one-hot row being a lookup. Plain
-    torch: one lookup and one product a step."""
+    embedding gains a[slot, token] @ b[slot], A's product with the token's one-hot row being a lookup."""
 
     def __init__(self, slots: LoRASlots, embedding: nn.Module, max_rank: int):
         vocab_size, hidden_size = embedding.num_embeddings, embedding.weight.shape[1]
@@ -195,7 +194,12 @@ class LoRAEmbedding(SlotWeights):
                          embedding.weight.device)
 
     def add_to(self, y: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """y += each token's a[slot, token] @ b[slot], in place: on CUDA the Triton expand with the lookup in
+        it, else a lookup and one product over all slots."""
         num_slots, vocab_size, rank = self.a.shape
+        if self.slots.fused:
+            from nanovllm.kernels.triton_lora import lora_expand
+            return lora_expand(y, self.a, self.b, self.slots.tokens[:len(y)], ids=input_ids)
         slots = self.slots.token_slots[:len(input_ids)]
         looked_up = self.a.view(-1, rank)[slots.clamp(min=0) * vocab_size + input_ids]     # [n, rank]
         per_slot = looked_up[:, None, :] * self.slots.one_hot(slots, y.dtype)              # [n, slots, rank]
