@@ -14,6 +14,8 @@ A decode step's few tiles would leave most SMs idle through the shrink's long lo
 shrink splits K into up to MAX_SPLITS slices, each program writing its slice's float32 partial sums, and
 the expand adds the partial sums up as it loads them, all loads at once (no atomics, no zeroed buffer:
 the same sums each run).
+The expand also ends gate_up_proj with its activation (silu_mul: silu(gate) * up of the sums, no kernel of
+its own), and serves the token embedding, whose A product is a lookup of the token's row (ids).
 Over at most pdl.MAX_ROWS tokens both are PDL launches, as the base model's small-batch kernels are, so
 that they do not break that chain: each asks L2 for its slots' adapter weights before it waits for the
 kernel before it.
