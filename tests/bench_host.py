@@ -8,6 +8,11 @@ entries are timed too.
 
     PYTHONPATH=. python3 tests/bench_host.py [--num-seqs 256] [--scale 4] [--runs 3] [--cprofile 30]
         [--logprobs 20 [--flat-logprobs]] [--tokenizer synthetic] [--prompt-logprobs 1] [--max-tokens 1]
+        [--speculative-config JSON]
+
+With --speculative-config (n-gram drafts, as bench.py's) every sampled token being 0, a sequence's output
+soon repeats and its drafts are all accepted: `--num-seqs 1 --scale 1` times the host's part of batch 1's
+drafting steps.
 
 With --prompt-logprobs the prompt rows' scores are random too (the scoring kernels left out), so a
 loglikelihood-like run (`--num-seqs 1024 --scale 1 --max-tokens 1 --prompt-logprobs 1`, bench.py's
@@ -16,6 +21,7 @@ its 16k-token scoring steps.
 """
 import argparse
 import cProfile
+import json
 import os
 import pstats
 import random
@@ -72,11 +78,13 @@ def main():
     p.add_argument("--prompt-logprobs", type=int, default=None, help="SamplingParams.prompt_logprobs of every "
                                                                      "request (random scores)")
     p.add_argument("--max-tokens", type=int, default=None, help="every request's, in place of bench.py's draw")
+    p.add_argument("--speculative-config", type=json.loads, default=None, help="LLM(speculative_config=...), JSON")
     args = p.parse_args()
     vocab_size = 151936 if args.logprobs is not None or args.tokenizer else VOCAB_SIZE
     path = build_model_dir(tempfile.mkdtemp(), "qwen3", build_tokenizer(), max_position_embeddings=4096,
                            vocab_size=vocab_size)
-    llm = LLM(path, max_model_len=4096, **tokenizer_options(args.tokenizer))
+    llm = LLM(path, max_model_len=4096, speculative_config=args.speculative_config,
+              **tokenizer_options(args.tokenizer))
     engine = llm.llm_engine
     runner = engine.model_runner
     runner.run_step = lambda step: (torch.zeros(step.num_sampling, 1) if step.num_sampling else None,
@@ -89,6 +97,7 @@ def main():
                  random.randint(100, 1024) // args.scale) for _ in range(args.num_seqs)]
     if args.max_tokens is not None:
         requests = [(ids, args.max_tokens) for ids, _ in requests]
+    output_tokens = sum(max_tokens for _, max_tokens in requests)
     for run in range(args.runs):
         for ids, max_tokens in requests:
             engine.add_tokens(None, ids, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens,
@@ -105,7 +114,8 @@ def main():
             profile.disable()
         seconds = time.perf_counter() - start
         print(f"run {run + 1}{' (cProfile)' if profile else ''}: {steps} steps in {seconds:.3f} s, "
-              f"{seconds / steps * 1000:.3f} ms a step")
+              f"{seconds / steps * 1000:.3f} ms a step" + (f", {output_tokens / steps:.2f} tokens a step"
+                                                           if args.speculative_config else ""))
         del finished
         llm.reset_prefix_cache()
     if args.cprofile:

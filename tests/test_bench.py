@@ -179,3 +179,16 @@ def test_bench_host_runs_with_logprobs():
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ | {"PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert re.fullmatch(r"run 1: \d+ steps in [\d.]+ s, [\d.]+ ms a step", proc.stdout.splitlines()[-1])
+
+
+def test_bench_host_times_drafting_steps():
+    """bench_host.py --speculative-config: with every sampled token 0 a sequence's output repeats, so its
+    drafts are accepted and a step adds several tokens (the host's part of batch 1's drafting steps)."""
+    proc = subprocess.run([sys.executable, "tests/bench_host.py", "--num-seqs", "1", "--scale", "2", "--runs", "1",
+                           "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, '
+                           '"prompt_lookup_max": 3}'],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ | {"PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found = re.fullmatch(r"run 1: \d+ steps in [\d.]+ s, [\d.]+ ms a step, ([\d.]+) tokens a step",
+                         proc.stdout.splitlines()[-1])
+    assert found and float(found.group(1)) > 3
