@@ -1129,8 +1129,8 @@ def test_lora_kernels_equal_the_per_token_products(num_tokens, num_slots, rows, 
     assert rel_err(out, ref) < TOL
 
 
-@pytest.mark.parametrize("num_tokens", [9, 37, 1030])
-def test_lora_expand_with_the_activation_equals_the_expand_then_silu_and_mul(num_tokens):
+@pytest.mark.parametrize("num_tokens, rows", [(9, 32), (37, 32), (1030, 32), (37, 128)])
+def test_lora_expand_with_the_activation_equals_the_expand_then_silu_and_mul(num_tokens, rows):
     """gate_up_proj's expand with silu_mul gives what the expand then silu_and_mul give (bit for bit on CUDA):
     every row, base-model tokens and padding rows too (a small batch's PDL launch, a decode step's tiles, a
     prefill's), the adapters' products in exactly the adapted tokens' rows, and y left as it was."""
@@ -1139,7 +1139,7 @@ def test_lora_expand_with_the_activation_equals_the_expand_then_silu_and_mul(num
     from nanovllm.layers.activation import silu_and_mul
     from nanovllm.lora.layers import sorted_tokens
     gen = torch.Generator().manual_seed(num_tokens)
-    rows, half = 32, 200   # (gate and up parts at rank 16; 200 output features each: a partial tile)
+    half = 200   # (200 features each for gate and up: a partial tile; 128 rows: two tiles of B's rows)
     x = torch.randn(num_tokens + 3, 256, generator=gen).to(DTYPE).to(DEVICE)
     a = (torch.randn(3, rows, 256, generator=gen) / 16).to(DTYPE).to(DEVICE)
     b = torch.randn(3, rows, 2 * half, generator=gen).to(DTYPE).to(DEVICE)
@@ -1200,8 +1200,8 @@ def test_lora_projection_adds_the_same_through_the_kernels_as_through_the_mask()
     assert torch.equal(results[1][base], y[base].float())
 
 
-@pytest.mark.parametrize("num_tokens", [5, 37])
-def test_lora_embedding_adds_the_same_through_the_kernel_as_through_the_lookup(num_tokens):
+@pytest.mark.parametrize("num_tokens, rank", [(5, 16), (37, 16), (37, 128)])
+def test_lora_embedding_adds_the_same_through_the_kernel_as_through_the_lookup(num_tokens, rank):
     """The embedding's LoRAEmbedding: the expand with its lookup in it (a small batch's PDL launch, a decode
     step's tiles) adds what the torch lookup and product add, for tokens of three slots and the base model (whose
     rows, and the padding rows past the step's tokens, stay as they are)."""
@@ -1209,7 +1209,7 @@ def test_lora_embedding_adds_the_same_through_the_kernel_as_through_the_lookup(n
     from nanovllm.lora.layers import LoRAEmbedding, LoRASlots
     torch.manual_seed(num_tokens)
     slots = LoRASlots(3, 64, DTYPE, torch.device(DEVICE))
-    lora = LoRAEmbedding(slots, torch.nn.Embedding(1000, 96).to(DEVICE, DTYPE), 16)
+    lora = LoRAEmbedding(slots, torch.nn.Embedding(1000, 96).to(DEVICE, DTYPE), rank)   # (128: two tiles of A)
     lora.a.normal_()
     lora.b.normal_(std=0.1)
     ids = torch.randint(0, 1000, (num_tokens + 3,), device=DEVICE)   # (3 padding rows)
