@@ -196,10 +196,10 @@ class LoRAEmbedding(SlotWeights):
     def add_to(self, y: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """y += each token's a[slot, token] @ b[slot], in place: on CUDA the Triton expand with the lookup in
         it, else a lookup and one product over all slots."""
-        num_slots, vocab_size, rank = self.a.shape
         if self.slots.fused:
             from nanovllm.kernels.triton_lora import lora_expand
             return lora_expand(y, self.a, self.b, self.slots.tokens[:len(y)], ids=input_ids)
+        num_slots, vocab_size, rank = self.a.shape
         slots = self.slots.token_slots[:len(input_ids)]
         looked_up = self.a.view(-1, rank)[slots.clamp(min=0) * vocab_size + input_ids]     # [n, rank]
         per_slot = looked_up[:, None, :] * self.slots.one_hot(slots, y.dtype)              # [n, slots, rank]
