@@ -784,6 +784,28 @@ def test_moe_logprobs_close_to_hf(gpu_moe_dir, enforce_eager):
         assert full >= len(PROMPTS) // 2
 
 
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_moe_lora_logprobs_close_to_hf_merged(gpu_moe_dir, enforce_eager, tmp_path):
+    """An adapter on every projection, each expert's and (Qwen2-MoE) the shared expert's included, through the MoE
+    kernels' LoRA products (kernels/triton_moe.py's ExpertLoRA), beside prompts without it, in the decode graphs
+    and eagerly: close to HF with the adapter merged (vLLM's check; see test_moe_logprobs_close_to_hf)."""
+    from nanovllm.lora.request import LoRARequest
+    from test_lora import write_adapter
+    arch, path = gpu_moe_dir
+    adapter, merged = write_adapter(tmp_path, path, rank=16, alpha=16)
+    request = LoRARequest("experts", 1, adapter)
+    plan = [(request, None)[i % 2] for i in range(len(PROMPTS))]
+    refs = {None: hf_reference(path), request: hf_reference(merged)}
+    assert refs[request] != refs[None]
+    llm = LLM(path, dtype="bfloat16", max_model_len=1024, enforce_eager=enforce_eager, enable_lora=True,
+              max_lora_rank=16)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False, lora_request=plan)
+    full = check_logprobs_close(tokens_and_tops(outs), [refs[lora][i] for i, lora in enumerate(plan)])
+    if arch == "qwen3_moe":
+        assert full >= len(PROMPTS) // 2
+    llm.close()
+
+
 def test_moe_kernels_compile_at_start_up(gpu_moe_dir):
     """Without decode graphs, start-up's dry passes alone give every step size its MoE variants:
     4 experts, 2 a token, take 16-row blocks up to 32 tokens (a few assignments' tiles up to 8, one

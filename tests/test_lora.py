@@ -13,8 +13,8 @@ from transformers import AutoConfig
 
 from conftest import as_prompts, hf_greedy, make_prompts
 from nanovllm import LLM, SamplingParams
-from nanovllm.lora.adapter import (ATTENTION_TARGETS, MLP_TARGETS, MODEL_TARGETS, peft_names, projection_shapes,
-                                   save_adapter)
+from nanovllm.lora.adapter import (ATTENTION_TARGETS, MLP_TARGETS, MODEL_TARGETS, layer_targets, peft_names,
+                                   projection_shapes, save_adapter, target_shape)
 from nanovllm.lora.request import LoRARequest
 
 ALL_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
@@ -26,7 +26,8 @@ PROMPTS = make_prompts(num=12)[4:12]   # 17-150 tokens; the last four share a 70
 def write_adapter(path, model_dir: str, targets=ALL_TARGETS, rank: int = 8, alpha: int = 16, seed: int = 1,
                   use_rslora: bool = False, **config) -> tuple[str, str]:
     """A random PEFT adapter in path/adapter, and path/merged: the base checkpoint with it merged in (its LM head
-    untied from the embedding where the adapter has either)."""
+    untied from the embedding where the adapter has either). An MLP target of a mixture-of-experts layer adapts
+    that projection of every expert and of the shared expert."""
     hf = AutoConfig.from_pretrained(model_dir)
     shapes = projection_shapes(hf)
     scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
@@ -36,10 +37,10 @@ def write_adapter(path, model_dir: str, targets=ALL_TARGETS, rank: int = 8, alph
     if untie:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
     tensors = {}
-    layers = [(layer, target) for layer in range(hf.num_hidden_layers) for target in targets
-              if target not in MODEL_TARGETS]
+    layers = [(layer, target) for layer in range(hf.num_hidden_layers) for target in layer_targets(hf, layer)
+              if target.rsplit(".", 1)[-1] in targets]
     for layer, target in layers + [(None, t) for t in MODEL_TARGETS if t in targets]:
-        in_features, out_features = shapes[target]
+        in_features, out_features = target_shape(shapes, target)
         a = torch.randn(rank, in_features, generator=g) * 0.1
         b = torch.randn(out_features, rank, generator=g) * 0.1
         a_name, b_name = peft_names(layer, target)
@@ -176,23 +177,29 @@ def test_llama_adapter_with_attention_biases(llama_dir, tmp_path):
     assert tokens(outputs) == hf_greedy(merged, PROMPTS[:4], GREEDY.max_tokens)
 
 
-def test_moe_model_adapts_attention_and_refuses_experts(qwen3_moe_dir, tmp_path):
-    """A mixture-of-experts model: an adapter on the attention projections runs; one on an MoE layer's MLP
-    (layer 0 here; layer 1 is dense) is a ValueError naming the tensor."""
-    adapter, merged = write_adapter(tmp_path, qwen3_moe_dir, targets=ATTENTION_TARGETS)
-    experts = tmp_path / "experts"
-    shutil.copytree(adapter, experts)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_moe_model_adapts_its_experts(arch, request, tmp_path):
+    """A mixture-of-experts model: an adapter on every expert's projections (and, in Qwen2-MoE, the shared
+    expert's) beside the attention's matches the merged weights, mixed in a batch with an attention-only one
+    and the base model. A plain MLP target on an MoE layer (layer 0; layer 1 of Qwen3-MoE's is dense) is a
+    ValueError naming the tensor."""
+    model_dir = request.getfixturevalue(f"{arch}_dir")
+    experts = write_adapter(tmp_path / "experts", model_dir)
+    attention = write_adapter(tmp_path / "attention", model_dir, targets=ATTENTION_TARGETS, rank=4, seed=2)
+    mlp = tmp_path / "mlp"
+    shutil.copytree(attention[0], mlp)
     name = "base_model.model.model.layers.0.mlp.gate_proj"
-    save_file(load_file(f"{adapter}/adapter_model.safetensors") | {f"{name}.lora_A.weight": torch.zeros(8, 64),
-                                                                 f"{name}.lora_B.weight": torch.zeros(128, 8)},
-              f"{experts}/adapter_model.safetensors")
-    with LLM(qwen3_moe_dir, enable_lora=True, max_lora_rank=8, **SMALL) as llm:
-        outputs = llm.generate(as_prompts(PROMPTS[:4]), GREEDY, use_tqdm=False,
-                               lora_request=LoRARequest("attention", 1, adapter))
-        with pytest.raises(ValueError, match="layer 0's MLP is a mixture of experts"):
-            llm.generate(as_prompts(PROMPTS[:1]), GREEDY, use_tqdm=False,
-                         lora_request=LoRARequest("mlp", 2, str(experts)))
-    assert tokens(outputs) == hf_greedy(merged, PROMPTS[:4], GREEDY.max_tokens)
+    save_file(load_file(f"{attention[0]}/adapter_model.safetensors") | {f"{name}.lora_A.weight": torch.zeros(4, 64),
+                                                                      f"{name}.lora_B.weight": torch.zeros(128, 4)},
+              f"{mlp}/adapter_model.safetensors")
+    requests = [LoRARequest("experts", 1, experts[0]), LoRARequest("attention", 2, attention[0]), None]
+    with LLM(model_dir, enable_lora=True, max_lora_rank=8, max_loras=2, **SMALL) as llm:
+        outputs = llm.generate(as_prompts(PROMPTS), GREEDY, use_tqdm=False,
+                               lora_request=[requests[i % 3] for i in range(len(PROMPTS))])
+        with pytest.raises(ValueError, match="layer 0's MLP is a mixture of experts; name its experts"):
+            llm.generate(as_prompts(PROMPTS[:1]), GREEDY, use_tqdm=False, lora_request=LoRARequest("mlp", 3, str(mlp)))
+    for i, path in enumerate((experts[1], attention[1], model_dir)):
+        assert tokens(outputs)[i::3] == hf_greedy(path, PROMPTS[i::3], GREEDY.max_tokens)
 
 
 def test_adapter_management(qwen3_dir, adapters, references):

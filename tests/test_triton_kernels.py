@@ -1019,6 +1019,39 @@ def test_moe_kernels_equal_the_per_expert_loop(num_tokens, num_experts, top_k, h
     assert choices.shape == (top_k, *ref.shape) and rel_err(choices.float().sum(0).cpu(), ref) < TOL
 
 
+@pytest.mark.parametrize("num_tokens, num_slots, rank", [(1, 2, 8), (37, 3, 8), (100, 1, 16), (300, 4, 4)])
+def test_moe_kernels_with_lora_equal_the_per_expert_loop(num_tokens, num_slots, rank):
+    """With adapters on the experts (ExpertLoRA), fused_moe adds each token's own slot's products to its experts'
+    gate, up and down, as the per-expert loop's torch formula does: tokens of every slot and of none (-1), slots
+    x rank not a power of two (3 x 8), and each size of block (1, 37 and 300 tokens)."""
+    import numpy as np
+    from nanovllm.distributed import SINGLE
+    from nanovllm.kernels.triton_moe import ExpertLoRA, fused_moe
+    from nanovllm.layers.moe import Experts, route
+    from nanovllm.lora.layers import LoRAExperts, LoRASlots
+    num_experts, top_k, hidden, intermediate = 8, 2, 72, 40
+    gen = torch.Generator().manual_seed(num_tokens)
+    experts = Experts(num_experts, hidden, intermediate, SINGLE)
+    experts.w13.data = torch.randn(num_experts, 2 * intermediate, hidden, generator=gen) / hidden ** 0.5
+    experts.w2.data = torch.randn(num_experts, hidden, intermediate, generator=gen) / intermediate ** 0.5
+    slots = LoRASlots(num_slots, num_tokens, torch.float32, torch.device("cpu"))
+    slots.set_tokens(np.random.default_rng(num_tokens).integers(-1, num_slots, num_tokens))
+    experts.lora = LoRAExperts(slots, experts, rank)
+    for name, buffer in experts.lora.named_buffers():
+        buffer.copy_(torch.randn(buffer.shape, generator=gen) / (buffer.shape[-1] if name[0] == "a" else rank) ** 0.5)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    ref = experts.per_expert(x, *route(logits, top_k, True))
+    dev = dict(device=DEVICE, dtype=DTYPE)
+    lora = ExpertLoRA(*(t.to(**dev) for t in (experts.lora.a13, experts.lora.b13, experts.lora.a2, experts.lora.b2)),
+                      slots.token_slots.to(DEVICE))
+    out = fused_moe(x.to(**dev), logits.to(**dev), experts.w13.to(**dev), experts.w2.to(**dev), top_k, True,
+                    lora=lora)
+    assert rel_err(out.cpu(), ref) < TOL
+    experts.lora = None   # (the adapters' share of the output is not negligible)
+    assert rel_err(out.cpu(), experts.per_expert(x, *route(logits, top_k, True))) > 10 * TOL
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the experts hand the norm their choices on CUDA only")
 @pytest.mark.parametrize("num_tokens", [1, 37])
 def test_moe_layer_as_choices_into_the_norm(num_tokens):

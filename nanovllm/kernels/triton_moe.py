@@ -26,6 +26,11 @@ product (each program reading the gate rows and the up rows of its features, and
 SiLU(gate) x up), then the down product scaled by the routing weights, give one output row per
 assignment; a token's output is the sum of its top_k rows.
 
+With LoRA adapters (ExpertLoRA) each product first runs on the adapters' A matrices, stacked as an expert's
+weight of every slot's rows (the shrink: each row's products with all slots' A, the rank's few columns a slot);
+the product with the base weight then adds, for each row, its own slot's columns of that times the expert's B
+of that slot (the other slots' columns masked to zero), before the activation and the routing weight.
+
 Triton does not specialise these kernels on the token, assignment and block counts (`do_not_specialize`):
 they only bound masks, and a step whose count start-up did not meet (not a multiple of 16, say) would
 otherwise compile a variant of its own while it runs (perf_notes row 83).
@@ -38,6 +43,17 @@ import triton.language as tl
 
 from nanovllm.kernels.compile_ahead import launch
 from nanovllm.kernels.triton_fused import silu_mul
+
+
+class ExpertLoRA(NamedTuple):
+    """The LoRA adapters of a layer's experts (lora/layers.py's LoRAExperts): a13 [experts, 2 (gate, up), slots,
+    rank, hidden], b13 [experts, 2, slots, rank, intermediate], a2 [experts, slots, rank, intermediate], b2
+    [experts, slots, rank, hidden]; token_slots [tokens] each token's slot, -1 for none."""
+    a13: torch.Tensor
+    b13: torch.Tensor
+    a2: torch.Tensor
+    b2: torch.Tensor
+    token_slots: torch.Tensor
 
 
 class Tiles(NamedTuple):
@@ -263,10 +279,12 @@ def _place(flat_ids: torch.Tensor, counts: torch.Tensor, rank: torch.Tensor,
 
 
 @triton.jit(do_not_specialize=["num_assignments"])
-def _moe_product_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, scale_ptr, N, K, num_assignments,
-                        stride_x, stride_we, stride_wn, stride_o, NUM_EXPERTS: tl.constexpr,
-                        ROWS_PER_X: tl.constexpr, SCALED: tl.constexpr, SILU_MUL: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _moe_product_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, scale_ptr, shrunk_ptr, lora_b_ptr,
+                        token_slots_ptr, N, K, num_assignments, stride_x, stride_we, stride_wn, stride_o,
+                        stride_shrunk, stride_lora_b, NUM_EXPERTS: tl.constexpr, ROWS_PER_X: tl.constexpr,
+                        SCALED: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, LORA: tl.constexpr, TOP_K: tl.constexpr, RANK: tl.constexpr,
+                        SLOT_ROWS: tl.constexpr, BLOCK_R: tl.constexpr):
     block, n_block = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + block)
     if expert >= NUM_EXPERTS:      # past the last used block
@@ -294,6 +312,17 @@ def _moe_product_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
             acc_up = tl.dot(x, up, acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if LORA:   # each row's own slot's shrink columns (RANK a slot) times the expert's B rows of that slot
+        slot = tl.load(token_slots_ptr + ids // TOP_K, mask=is_row, other=-1)
+        offs_r = tl.arange(0, BLOCK_R)
+        mine = is_row[:, None] & (offs_r[None, :] // RANK == slot[:, None])   # (never past SLOT_ROWS, nor for -1)
+        shrunk_ptrs = shrunk_ptr + ids[:, None].to(tl.int64) * stride_shrunk + offs_r[None, :]
+        b_ptrs = lora_b_ptr + expert.to(tl.int64) * stride_lora_b + offs_r[:, None] * N + offs_n[None, :]
+        b_ok = (offs_r < SLOT_ROWS)[:, None] & n_ok[None, :]
+        acc = tl.dot(tl.load(shrunk_ptrs, mask=mine, other=0.0), tl.load(b_ptrs, mask=b_ok, other=0.0), acc)
+        if SILU_MUL:   # (the up projection's: the shrink's next SLOT_ROWS columns, B's next SLOT_ROWS rows)
+            acc_up = tl.dot(tl.load(shrunk_ptrs + SLOT_ROWS, mask=mine, other=0.0),
+                            tl.load(b_ptrs + SLOT_ROWS * N, mask=b_ok, other=0.0), acc_up)
     out_dtype = out_ptr.dtype.element_ty
     if SILU_MUL:                   # each product rounded first, as the two-kernel path rounds them
         acc = silu_mul(acc.to(out_dtype), acc_up.to(out_dtype))
@@ -305,11 +334,14 @@ def _moe_product_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
 
 def moe_product(x: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
                 num_assignments: int, rows_per_x: int, block_m: int, scale: torch.Tensor | None = None,
-                silu_mul: bool = False, tiles: Tiles | None = None) -> torch.Tensor:
+                silu_mul: bool = False, tiles: Tiles | None = None,
+                lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """x: [num_assignments // rows_per_x, K]; w: [num_experts, N, K] -> [num_assignments, N], row a
     = x[a // rows_per_x] @ w[expert of a].T (times scale[a] if given). silu_mul: w's rows hold
     gate | up, and the output is silu(gate) * up: [num_assignments, N / 2]. tiles: TILES's for
-    block_m (FEW_TILES for a few assignments) unless given."""
+    block_m (FEW_TILES for a few assignments) unless given. lora: (shrunk [num_assignments, (2 with silu_mul)
+    x slots x rank], b [num_experts, (2,) slots, rank, N (/ 2)], token_slots, top_k): each row's own slot's
+    part of shrunk times that slot's b is added to the product (to gate and up each, with silu_mul)."""
     gate_up_tiles, down_tiles = FEW_TILES if num_assignments <= FEW_ASSIGNMENTS else TILES[block_m]
     tiles = tiles or (gate_up_tiles if silu_mul else down_tiles)
     num_experts, n, k = w.shape
@@ -317,26 +349,40 @@ def moe_product(x: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, bloc
     assert x.shape[1] == k and x.stride(1) == 1 and w.stride(2) == 1
     out = torch.empty(num_assignments, n, dtype=x.dtype, device=x.device)
     out_n = tiles.block_n // 2 if silu_mul else tiles.block_n
+    shrunk, lora_b, token_slots, top_k = lora or (out, out, out, 1)
+    rank = lora_b.shape[-2] if lora else 1
+    slot_rows = lora_b[0].numel() // n // (2 if silu_mul else 1) if lora else 1   # slots x rank
     launch(_moe_product_kernel, (block_expert.numel(), triton.cdiv(n, out_n)),
-           x, w, out, sorted_ids, block_expert, scale if scale is not None else out, n, k, num_assignments,
-           x.stride(0), w.stride(0), w.stride(1), out.stride(0), NUM_EXPERTS=num_experts, ROWS_PER_X=rows_per_x,
-           SCALED=scale is not None, SILU_MUL=silu_mul, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
-           BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+           x, w, out, sorted_ids, block_expert, scale if scale is not None else out, shrunk, lora_b, token_slots,
+           n, k, num_assignments, x.stride(0), w.stride(0), w.stride(1), out.stride(0), shrunk.stride(0),
+           lora_b.stride(0), NUM_EXPERTS=num_experts, ROWS_PER_X=rows_per_x, SCALED=scale is not None,
+           SILU_MUL=silu_mul, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, LORA=lora is not None,
+           TOP_K=top_k, RANK=rank, SLOT_ROWS=slot_rows, BLOCK_R=max(16, triton.next_power_of_2(slot_rows)),
+           num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-              renormalize: bool, sum_choices: bool = True) -> torch.Tensor:
+              renormalize: bool, sum_choices: bool = True, lora: ExpertLoRA | None = None) -> torch.Tensor:
     """x: [T, hidden]; router_logits: [T, E]; w13: [E, 2 I, hidden] (gate | up rows); w2: [E, hidden, I]
     -> [T, hidden]: routed as `route(router_logits, top_k, renormalize)` says, the sum over a token's
     choices of weight x down(silu(gate) * up). Without sum_choices, the terms of that sum:
-    [top_k, T, hidden] (a strided view), for the next RMSNorm to add up."""
+    [top_k, T, hidden] (a strided view), for the next RMSNorm to add up. lora: each token's adapter's
+    products join each of its experts' gate, up and down (the merged weights' result)."""
     num_tokens = x.shape[0]
     num_assignments = num_tokens * top_k
-    block_m = block_m_for(num_assignments, w13.shape[0])
+    num_experts = w13.shape[0]
+    block_m = block_m_for(num_assignments, num_experts)
     weights, _, sorted_ids, block_expert = route_and_group(router_logits, top_k, renormalize, block_m)
-    act = moe_product(x, w13, sorted_ids, block_expert, num_assignments, top_k, block_m, silu_mul=True)  # [A, I]
-    down = moe_product(act, w2, sorted_ids, block_expert, num_assignments, 1, block_m,
-                       scale=weights.view(-1))                                                           # [A, hidden]
+    grouping = (sorted_ids, block_expert, num_assignments)
+    lora13 = lora2 = None
+    if lora is not None:   # the shrinks: every slot's A rows, as an expert's weight
+        shrunk = moe_product(x, lora.a13.view(num_experts, -1, x.shape[1]), *grouping, top_k, block_m)
+        lora13 = (shrunk, lora.b13, lora.token_slots, top_k)
+    act = moe_product(x, w13, *grouping, top_k, block_m, silu_mul=True, lora=lora13)                  # [A, I]
+    if lora is not None:
+        shrunk = moe_product(act, lora.a2.view(num_experts, -1, act.shape[1]), *grouping, 1, block_m)
+        lora2 = (shrunk, lora.b2, lora.token_slots, top_k)
+    down = moe_product(act, w2, *grouping, 1, block_m, scale=weights.view(-1), lora=lora2)           # [A, hidden]
     choices = down.view(num_tokens, top_k, -1)
     return choices.sum(1) if sum_choices else choices.transpose(0, 1)   # (summed in float32, rounded once)

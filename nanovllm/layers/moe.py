@@ -49,6 +49,7 @@ class Experts(nn.Module):
         self.w13.shard_ids = [(e, part) for e in range(num_experts) for part in ("gate", "up")]
         self.w2.shard_ids = [(e, "down") for e in range(num_experts)]
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
+        self.lora = None   # with LoRA adapters: lora/layers.py's LoRAExperts, whose products join each expert's
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]):
         expert, part = shard_id
@@ -65,7 +66,9 @@ class Experts(nn.Module):
         (with to_norm on CUDA: each choice's weighted output, Partials of [top_k, T, hidden])."""
         if x.is_cuda:
             from nanovllm.kernels.triton_moe import fused_moe
-            out = fused_moe(x, router_logits, self.w13, self.w2, top_k, renormalize, sum_choices=not self.to_norm)
+            lora = None if self.lora is None else self.lora.weights(len(x))
+            out = fused_moe(x, router_logits, self.w13, self.w2, top_k, renormalize, sum_choices=not self.to_norm,
+                            lora=lora)
             if self.to_norm:
                 return Partials(out)
         else:
@@ -78,8 +81,14 @@ class Experts(nn.Module):
         out = torch.zeros_like(x)
         for expert in ids.unique().tolist():
             tokens, slot = (ids == expert).nonzero(as_tuple=True)
-            gate, up = F.linear(x[tokens], self.w13[expert]).chunk(2, -1)
-            y = F.linear(F.silu(gate) * up, self.w2[expert])
+            gate_up = F.linear(x[tokens], self.w13[expert])
+            if self.lora is not None:
+                gate_up = self.lora.add_to(gate_up, x[tokens], expert, tokens, down=False)
+            gate, up = gate_up.chunk(2, -1)
+            act = F.silu(gate) * up
+            y = F.linear(act, self.w2[expert])
+            if self.lora is not None:
+                y = self.lora.add_to(y, act, expert, tokens, down=True)
             out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(x.dtype))
         return out
 

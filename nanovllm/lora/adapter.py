@@ -7,6 +7,9 @@ lora_alpha / r (lora_alpha / sqrt(r) with use_rslora). The LM head (`base_model.
 is such a projection too, hidden -> vocabulary; the token embedding's pair is `...embed_tokens.lora_embedding_A`
 [r, vocab] and `lora_embedding_B` [hidden, r], which is the same formula with x a token's one-hot row: its
 embedding gains scaling * A.T[token] @ B.T.
+
+In a mixture-of-experts layer the MLP's projections are each expert's (`...layers.3.mlp.experts.7.gate_proj`)
+and, in Qwen2-MoE, the shared expert's (`...mlp.shared_expert.gate_proj`); the router is not adapted.
 """
 import json
 import math
@@ -23,8 +26,8 @@ from nanovllm.lora.request import LoRARequest
 from nanovllm.model.qwen3 import head_dim_of
 
 # A projection's LoRA tensor, as PEFT names it (".default" where an adapter was saved under its name).
-TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
-                         r"\.lora_([AB])(?:\.default)?\.weight$")
+TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\."
+                         r"((?:experts\.\d+\.|shared_expert\.)?\w+)\.lora_([AB])(?:\.default)?\.weight$")
 # The token embedding's and the LM head's (vLLM's "embedding modules")
 MODEL_TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?(?:model\.(embed_tokens)\.lora_embedding_|(lm_head)\.lora_)"
                                r"([AB])(?:\.default)?(?:\.weight)?$")
@@ -45,13 +48,36 @@ class LoRAAdapter:
 
 def projection_shapes(hf: PretrainedConfig) -> dict[str, tuple[int, int]]:
     """target -> (in_features, out_features) of the base model's projection, before sharding (the embedding's
-    inputs are the vocabulary's one-hot rows)."""
+    inputs are the vocabulary's one-hot rows). A mixture of experts' targets are "expert_" and "shared_expert_"
+    and the MLP target (see target_shape)."""
     head_dim = head_dim_of(hf)
     q, kv, hidden = hf.num_attention_heads * head_dim, hf.num_key_value_heads * head_dim, hf.hidden_size
-    inter = hf.intermediate_size
-    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
-            "embed_tokens": (hf.vocab_size, hidden), "lm_head": (hidden, hf.vocab_size)}
+    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+              "embed_tokens": (hf.vocab_size, hidden), "lm_head": (hidden, hf.vocab_size)}
+    for prefix, key in (("", "intermediate_size"), ("expert_", "moe_intermediate_size"),
+                        ("shared_expert_", "shared_expert_intermediate_size")):
+        inter = getattr(hf, key, None)
+        if inter:
+            shapes |= {prefix + "gate_proj": (hidden, inter), prefix + "up_proj": (hidden, inter),
+                       prefix + "down_proj": (inter, hidden)}
+    return shapes
+
+
+def target_shape(shapes: dict[str, tuple[int, int]], target: str) -> tuple[int, int]:
+    """projection_shapes' entry for a target as layer_targets names it ("experts.7.gate_proj": "expert_gate_proj",
+    "shared_expert.gate_proj": "shared_expert_gate_proj")."""
+    return shapes[re.sub(r"^experts\.\d+\.", "expert_", target).replace(".", "_")]
+
+
+def layer_targets(hf: PretrainedConfig, layer: int) -> list[str]:
+    """The targets an adapter may have in decoder layer `layer`: the attention projections, then the MLP's, or
+    in a mixture-of-experts layer each expert's ("experts.<e>.gate_proj", ...) and the shared expert's
+    ("shared_expert.gate_proj", ...) if the model has one."""
+    if not is_moe_layer(hf, layer):
+        return [*ATTENTION_TARGETS, *MLP_TARGETS]
+    experts = [f"experts.{e}.{t}" for e in range(hf.num_experts) for t in MLP_TARGETS]
+    shared = [f"shared_expert.{t}" for t in MLP_TARGETS] if getattr(hf, "shared_expert_intermediate_size", 0) else []
+    return [*ATTENTION_TARGETS, *experts, *shared]
 
 
 def peft_names(layer: int | None, target: str) -> tuple[str, str]:
@@ -101,6 +127,7 @@ def read_adapter(request: LoRARequest, hf: PretrainedConfig, max_lora_rank: int,
     tensors = _load_tensors(path, where)
     shapes = projection_shapes(hf)
     parts: dict[tuple[int | None, str], dict[str, torch.Tensor]] = {}
+    allowed: dict[int, set[str]] = {}   # layer -> its targets
     for name, tensor in tensors.items():
         match, model_match = TENSOR_NAME.match(name), MODEL_TENSOR_NAME.match(name)
         if model_match is not None:
@@ -111,13 +138,14 @@ def read_adapter(request: LoRARequest, hf: PretrainedConfig, max_lora_rank: int,
                              f"the LM head; nanovllm adapts those only.")
         else:
             layer, block, target, ab = int(match[1]), match[2], match[3], match[4]
-            allowed = ATTENTION_TARGETS if block == "self_attn" else MLP_TARGETS
-            if target not in allowed or layer >= hf.num_hidden_layers:
+            if layer >= hf.num_hidden_layers or (block == "self_attn") != (target in ATTENTION_TARGETS):
                 raise ValueError(f"{where}: tensor {name!r} names no projection of the base model.")
-            if block == "mlp" and is_moe_layer(hf, layer):
-                raise ValueError(f"{where}: tensor {name!r}: layer {layer}'s MLP is a mixture of experts; LoRA on "
-                                 f"experts is not supported.")
-        in_features, out_features = shapes[target]
+            if target not in allowed.setdefault(layer, set(layer_targets(hf, layer))):
+                if target in MLP_TARGETS:
+                    raise ValueError(f"{where}: tensor {name!r}: layer {layer}'s MLP is a mixture of experts; name "
+                                     f"its experts' projections (mlp.experts.<e>.{target}).")
+                raise ValueError(f"{where}: tensor {name!r} names no projection of the base model.")
+        in_features, out_features = target_shape(shapes, target)
         expected = (rank, in_features) if ab == "A" else (out_features, rank)
         if tuple(tensor.shape) != expected:
             raise ValueError(f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}.")

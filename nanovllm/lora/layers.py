@@ -27,7 +27,7 @@ from torch import nn
 from nanovllm.engine.upload import upload
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.linear import LinearBase, MergedColumnParallelLinear, RowParallelLinear
-from nanovllm.layers.mlp import GatedMLP
+from nanovllm.layers.moe import SparseMoeBlock
 from nanovllm.lora.adapter import LoRAAdapter
 
 # Our fused projection -> the adapter targets of its parts, in order
@@ -123,12 +123,13 @@ class SlotWeights(nn.Module):
 class LoRALinear(SlotWeights):
     """The slots' A and B of one projection (this rank's shard), whose delta(x) add_to() adds to its output."""
 
-    def __init__(self, slots: LoRASlots, linear: LinearBase, name: str, max_rank: int):
+    def __init__(self, slots: LoRASlots, linear: LinearBase, name: str, max_rank: int, prefix: str = ""):
+        """prefix: of the adapter's target names (a shared expert's "shared_expert.")."""
         out_features, in_features = linear.weight.shape
         parts = len(PARTS[name])
         super().__init__(slots, (parts, max_rank, in_features), (parts, max_rank, out_features), linear.weight.dtype,
                          linear.weight.device)
-        self.name, self.targets = name, PARTS[name]
+        self.name, self.targets = name, [prefix + target for target in PARTS[name]]
         self.row_parallel = isinstance(linear, RowParallelLinear)
         self.tp_rank, self.tp_size = linear.tp_rank, linear.tp_size
         # this rank's output columns of each part
@@ -182,6 +183,67 @@ class LoRALinear(SlotWeights):
             start, size = self.columns[part]
             self.a[slot, part, :adapter.rank].copy_(a)
             self.b[slot, part, :adapter.rank, start:start + size].copy_((b.float() * adapter.scaling).t())
+
+
+class LoRAExperts(nn.Module):
+    """The slots' A and B of every expert of a mixture-of-experts layer (layers/moe.py's Experts), this rank's
+    shard, by expert and then by slot as the MoE kernels read them (kernels/triton_moe.py's ExpertLoRA):
+
+        a13: [experts, 2, slots, max_rank, hidden]    b13: [experts, 2, slots, max_rank, intermediate]
+        a2:  [experts, slots, max_rank, intermediate]  b2:  [experts, slots, max_rank, hidden]
+
+    (2: the gate and up projections). An expert's gate | up output gains its tokens' slots' products of
+    x before the activation, its down output theirs of the activation before the routing weight, as the
+    merged weights would give."""
+
+    def __init__(self, slots: LoRASlots, experts: nn.Module, max_rank: int):
+        super().__init__()
+        self.slots, self.max_rank = slots, max_rank
+        self.tp_rank, self.tp_size = experts.tp.rank, experts.tp.size
+        num_experts, hidden, inter = experts.w2.shape
+        shapes = {"a13": (num_experts, 2, slots.max_loras, max_rank, hidden),
+                  "b13": (num_experts, 2, slots.max_loras, max_rank, inter),
+                  "a2": (num_experts, slots.max_loras, max_rank, inter),
+                  "b2": (num_experts, slots.max_loras, max_rank, hidden)}
+        for name, shape in shapes.items():
+            self.register_buffer(name, torch.zeros(shape, dtype=experts.w2.dtype, device=experts.w2.device),
+                                 persistent=False)
+
+    def weights(self, num_tokens: int):
+        """The MoE kernels' view, for a step of num_tokens tokens."""
+        from nanovllm.kernels.triton_moe import ExpertLoRA
+        return ExpertLoRA(self.a13, self.b13, self.a2, self.b2, self.slots.token_slots[:num_tokens])
+
+    def add_to(self, y: torch.Tensor, x: torch.Tensor, expert: int, tokens: torch.Tensor, down: bool):
+        """The torch path (layers/moe.py's per-expert loop): y += the products of expert's rows x of the step's
+        tokens `tokens`, in place: gate | up's (y [n, 2 intermediate]) or, with down, the down projection's."""
+        mask = self.slots.one_hot(self.slots.token_slots[tokens], x.dtype)
+        if down:
+            return torch_formula(y, x, self.a2[expert], self.b2[expert], mask)
+        for part, columns in enumerate(y.chunk(2, -1)):
+            torch_formula(columns, x, self.a13[expert, part], self.b13[expert, part], mask)
+        return y
+
+    def load(self, slot: int, layer: int, adapter: LoRAAdapter):
+        """Write adapter's weights for the experts of `layer` into slot (zero where it has none)."""
+        for name in ("a13", "b13"):
+            getattr(self, name)[:, :, slot].zero_()
+        for name in ("a2", "b2"):
+            getattr(self, name)[:, slot].zero_()
+        rank, scaling = adapter.rank, adapter.scaling
+        for expert in range(self.a2.shape[0]):
+            for part, target in enumerate(("gate_proj", "up_proj", "down_proj")):
+                weights = adapter.weights.get((layer, f"experts.{expert}.{target}"))
+                if weights is None:
+                    continue
+                a, b = weights
+                if part < 2:   # gate, up: this rank's rows of the intermediate features, in B
+                    self.a13[expert, part, slot, :rank].copy_(a)
+                    b = b.chunk(self.tp_size, 0)[self.tp_rank]
+                    self.b13[expert, part, slot, :rank].copy_((b.float() * scaling).t())
+                else:          # down: its columns of them, in A (each rank's part of the product is summed after)
+                    self.a2[expert, slot, :rank].copy_(a.chunk(self.tp_size, 1)[self.tp_rank])
+                    self.b2[expert, slot, :rank].copy_((b.float() * scaling).t())
 
 
 class LoRAEmbedding(SlotWeights):
@@ -243,19 +305,24 @@ class LoRAHead(SlotWeights):
 
 
 class LoRAModel:
-    """The adapted modules of a model: attention's q/k/v and o, a dense MLP's gate/up and down, the token
-    embedding and the LM head (a pooling model has none: an adapter's LM-head weights go unused there)."""
+    """The adapted modules of a model: attention's q/k/v and o, a dense MLP's gate/up and down (a mixture of
+    experts': each expert's, and the shared expert's), the token embedding and the LM head (a pooling model has none: an adapter's LM-head weights go unused there)."""
 
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_tokens: int):
         first = next(model.parameters())
         self.slots = LoRASlots(max_loras, max_tokens, first.dtype, first.device)
         self.projections: list[tuple[int, LoRALinear]] = []
         for index, layer in enumerate(model.model.layers):
-            modules = [("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj)]
-            if isinstance(layer.mlp, GatedMLP):
-                modules += [("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)]
-            for name, linear in modules:
-                linear.lora = LoRALinear(self.slots, linear, name, max_rank)
+            modules = [("qkv_proj", layer.self_attn.qkv_proj, ""), ("o_proj", layer.self_attn.o_proj, "")]
+            mlp, prefix = layer.mlp, ""
+            if isinstance(mlp, SparseMoeBlock):
+                mlp.experts.lora = LoRAExperts(self.slots, mlp.experts, max_rank)
+                self.projections.append((index, mlp.experts.lora))
+                mlp, prefix = mlp.shared_expert, "shared_expert."
+            if mlp is not None:
+                modules += [("gate_up_proj", mlp.gate_up_proj, prefix), ("down_proj", mlp.down_proj, prefix)]
+            for name, linear, prefix in modules:
+                linear.lora = LoRALinear(self.slots, linear, name, max_rank, prefix)
                 self.projections.append((index, linear.lora))
         embedding = model.model.embed_tokens
         embedding.lora = LoRAEmbedding(self.slots, embedding, max_rank)
