@@ -177,12 +177,12 @@ def test_llama_adapter_with_attention_biases(llama_dir, tmp_path):
     assert tokens(outputs) == hf_greedy(merged, PROMPTS[:4], GREEDY.max_tokens)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
-def test_moe_model_adapts_its_experts(arch, request, tmp_path):
+@pytest.mark.parametrize("arch, tp", [("qwen3_moe", 1), ("qwen2_moe", 1), ("qwen2_moe", 2)])
+def test_moe_model_adapts_its_experts(arch, tp, request, tmp_path):
     """A mixture-of-experts model: an adapter on every expert's projections (and, in Qwen2-MoE, the shared
     expert's) beside the attention's matches the merged weights, mixed in a batch with an attention-only one
-    and the base model. A plain MLP target on an MoE layer (layer 0; layer 1 of Qwen3-MoE's is dense) is a
-    ValueError naming the tensor."""
+    and the base model, also with two tensor-parallel ranks (each adds its shard's part). A plain MLP target on
+    an MoE layer (layer 0; layer 1 of Qwen3-MoE's is dense) is a ValueError naming the tensor."""
     model_dir = request.getfixturevalue(f"{arch}_dir")
     experts = write_adapter(tmp_path / "experts", model_dir)
     attention = write_adapter(tmp_path / "attention", model_dir, targets=ATTENTION_TARGETS, rank=4, seed=2)
@@ -193,7 +193,7 @@ def test_moe_model_adapts_its_experts(arch, request, tmp_path):
                                                                       f"{name}.lora_B.weight": torch.zeros(128, 4)},
               f"{mlp}/adapter_model.safetensors")
     requests = [LoRARequest("experts", 1, experts[0]), LoRARequest("attention", 2, attention[0]), None]
-    with LLM(model_dir, enable_lora=True, max_lora_rank=8, max_loras=2, **SMALL) as llm:
+    with LLM(model_dir, enable_lora=True, max_lora_rank=8, max_loras=2, tensor_parallel_size=tp, **SMALL) as llm:
         outputs = llm.generate(as_prompts(PROMPTS), GREEDY, use_tqdm=False,
                                lora_request=[requests[i % 3] for i in range(len(PROMPTS))])
         with pytest.raises(ValueError, match="layer 0's MLP is a mixture of experts; name its experts"):
