@@ -806,14 +806,16 @@ def test_moe_lora_logprobs_close_to_hf_merged(gpu_moe_dir, enforce_eager, tmp_pa
     llm.close()
 
 
-def test_moe_kernels_compile_at_start_up(gpu_moe_dir):
+@pytest.mark.parametrize("enable_lora", [False, True])
+def test_moe_kernels_compile_at_start_up(gpu_moe_dir, enable_lora):
     """Without decode graphs, start-up's dry passes alone give every step size its MoE variants:
     4 experts, 2 a token, take 16-row blocks up to 32 tokens (a few assignments' tiles up to 8, one
-    routing program up to 16), 32-row blocks for 33-64 tokens, 128-row ones above (perf_notes 8a)."""
+    routing program up to 16), 32-row blocks for 33-64 tokens, 128-row ones above (perf_notes 8a);
+    with LoRA, the products with the adapters' products in them and the shrinks."""
     from nanovllm.kernels import triton_moe
     variants = forget_variants(triton_moe._route_and_place_kernel, triton_moe._route_kernel,
                                triton_moe._place_kernel, triton_moe._moe_product_kernel)
-    llm = LLM(gpu_moe_dir[1], dtype="bfloat16", max_model_len=1024, enforce_eager=True)
+    llm = LLM(gpu_moe_dir[1], dtype="bfloat16", max_model_len=1024, enforce_eager=True, enable_lora=enable_lora)
     at_start_up = variants()
     sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     for num_prompts, length in [(1, 5), (6, 5), (12, 5), (20, 1), (1, 40), (1, 100)]:
