@@ -121,10 +121,12 @@ def make_workload(args, on_cpu: bool):
 
 def lora_adapters(model: str, num: int, rank: int) -> list[str]:
     """num random PEFT adapters of rank `rank` on every attention and MLP projection of model (a directory
-    with its config.json), written once into the temp directory -> their directories."""
+    with its config.json; in a mixture of experts, every expert's), written once into the temp directory ->
+    their directories."""
     import torch
     from transformers import AutoConfig
-    from nanovllm.lora.adapter import ATTENTION_TARGETS, MLP_TARGETS, peft_names, projection_shapes, save_adapter
+    from nanovllm.lora.adapter import (ATTENTION_TARGETS, MLP_TARGETS, layer_targets, peft_names, projection_shapes,
+                                       save_adapter, target_shape)
     hf = AutoConfig.from_pretrained(model)
     shapes, targets = projection_shapes(hf), ATTENTION_TARGETS + MLP_TARGETS
     paths = []
@@ -137,8 +139,8 @@ def lora_adapters(model: str, num: int, rank: int) -> list[str]:
         g = torch.Generator().manual_seed(i)
         tensors = {}
         for layer in range(hf.num_hidden_layers):
-            for target in targets:
-                in_features, out_features = shapes[target]
+            for target in layer_targets(hf, layer):
+                in_features, out_features = target_shape(shapes, target)
                 a_name, b_name = peft_names(layer, target)
                 tensors[a_name] = (torch.randn(rank, in_features, generator=g) * 0.01).bfloat16()
                 tensors[b_name] = (torch.randn(out_features, rank, generator=g) * 0.01).bfloat16()
