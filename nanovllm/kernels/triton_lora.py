@@ -85,19 +85,23 @@ def _expand_kernel(shrunk_ptr, b_ptr, tokens_ptr, y_ptr, out_ptr, ids_ptr, M, N,
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = offs_m < M, offs_n < n_out
     slots = tl.load(tokens_ptr + 2 * offs_m, mask=m_ok, other=-1)   # (uploaded before the step's kernels)
-    if PDL:   # this program's columns of its slots' B, into L2 while the kernel before finishes
+    rows = tl.load(tokens_ptr + 2 * offs_m + 1, mask=m_ok, other=0)
+    top = tl.max(slots)   # (the tile's last slot; at batch 1 its only one)
+    if PDL:   # before waiting for the kernel before: the top slot's first B tile into registers, the rest of
+        # this program's columns of its slots' B into L2
+        b_top, b_top_up = _b_tiles(b_ptr, tl.maximum(top, 0), tl.arange(0, BLOCK_R), offs_n, n_ok & (top >= 0),
+                                   ROWS, N, n_out, SILU_MUL)
         cols = tl.minimum(tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N // LINE) * LINE, n_out - 1)
         for s in range(NUM_SLOTS):
             if tl.max((slots == s).to(tl.int32)) > 0:
-                for r in range(0, ROWS, BLOCK_R):
+                for r in range(tl.where(s == top, BLOCK_R, 0), ROWS, BLOCK_R):   # (the top's first: held)
                     b_rows = s * ROWS + tl.minimum(r + tl.arange(0, BLOCK_R), ROWS - 1)
                     pdl.prefetch_l2(b_ptr + b_rows[:, None] * N + cols[None, :])
                     if SILU_MUL:
                         pdl.prefetch_l2(b_ptr + b_rows[:, None] * N + n_out + cols[None, :])
     pdl.begin(PDL)
     # (a block of base-model tokens leaves y as it is, unless their activations are to be written: slots >= -1)
-    if tl.max(slots) >= (-1 if SILU_MUL else 0):
-        rows = tl.load(tokens_ptr + 2 * offs_m + 1, mask=m_ok, other=0)
+    if top >= (-1 if SILU_MUL else 0):
         y_ptrs = y_ptr + rows[:, None] * stride_y + offs_n[None, :]
         # (nor does a base-model token's row, unless its activation is to be written)
         y_ok = (((slots >= 0) | SILU_MUL) & m_ok)[:, None] & n_ok[None, :]
@@ -123,13 +127,17 @@ def _expand_kernel(shrunk_ptr, b_ptr, tokens_ptr, y_ptr, out_ptr, ids_ptr, M, N,
             shrunk = shrunk.to(b_ptr.dtype.element_ty)
             for s in range(NUM_SLOTS):
                 if tl.max((slots == s).to(tl.int32)) > 0:
-                    b_ptrs = b_ptr + (s * ROWS + offs_r)[:, None] * N + offs_n[None, :]
-                    b_ok = r_ok[:, None] & n_ok[None, :]
+                    if PDL:
+                        if (s == top) & (r == 0):
+                            b, b_up = b_top, b_top_up
+                        else:
+                            b, b_up = _b_tiles(b_ptr, s, offs_r, offs_n, n_ok, ROWS, N, n_out, SILU_MUL)
+                    else:
+                        b, b_up = _b_tiles(b_ptr, s, offs_r, offs_n, n_ok, ROWS, N, n_out, SILU_MUL)
                     mine = tl.where((slots == s)[:, None], shrunk, 0.0)
-                    acc = tl.dot(mine, tl.load(b_ptrs, mask=b_ok, other=0.0), acc, input_precision=PRECISION)
+                    acc = tl.dot(mine, b, acc, input_precision=PRECISION)
                     if SILU_MUL:
-                        acc_up = tl.dot(mine, tl.load(b_ptrs + n_out, mask=b_ok, other=0.0), acc_up,
-                                        input_precision=PRECISION)
+                        acc_up = tl.dot(mine, b_up, acc_up, input_precision=PRECISION)
         y = (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty)
         if SILU_MUL:
             up = tl.load(y_ptrs + n_out, mask=y_ok, other=0.0)
@@ -137,6 +145,19 @@ def _expand_kernel(shrunk_ptr, b_ptr, tokens_ptr, y_ptr, out_ptr, ids_ptr, M, N,
             tl.store(out_ptr + rows[:, None] * stride_o + offs_n[None, :], silu_mul(y, up), mask=y_ok)
         else:
             tl.store(y_ptrs, y, mask=y_ok)
+
+
+@triton.jit
+def _b_tiles(b_ptr, s, offs_r, offs_n, n_ok, ROWS, N, n_out, SILU_MUL: tl.constexpr):
+    """Slot s's B rows offs_r, columns offs_n, and (with SILU_MUL) the up columns as many places on (else the
+    same tile again)."""
+    ptrs = b_ptr + (s * ROWS + offs_r)[:, None] * N + offs_n[None, :]
+    ok = (offs_r < ROWS)[:, None] & n_ok[None, :]
+    b = tl.load(ptrs, mask=ok, other=0.0)
+    b_up = b
+    if SILU_MUL:
+        b_up = tl.load(ptrs + n_out, mask=ok, other=0.0)
+    return b, b_up
 
 
 def precision(dtype: torch.dtype) -> str:
@@ -211,5 +232,6 @@ def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, b: torch.Tensor, tokens: 
            tokens if ids is None else ids, m, n, rows, splits, 0 if ids is None else shrunk.shape[1], shrunk.stride(1),
            shrunk.stride(0), y.stride(0), out.stride(0), NUM_SLOTS=num_slots, BLOCK_M=block_m, BLOCK_R=rows_block(rows),
            BLOCK_N=BLOCK_N, SPLITS_BLOCK=triton.next_power_of_2(splits), SILU_MUL=silu_mul, GATHER=ids is not None,
-           PRECISION=precision(b.dtype), LINE=128 // b.element_size(), **pdl.launch_options(m))
+           PRECISION=precision(b.dtype), LINE=128 // b.element_size(), num_warps=8 if m <= pdl.MAX_ROWS else 4,
+           **pdl.launch_options(m))   # (8 warps: the B tile held through the wait, without spills)
     return out
