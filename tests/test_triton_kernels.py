@@ -1019,11 +1019,13 @@ def test_moe_kernels_equal_the_per_expert_loop(num_tokens, num_experts, top_k, h
     assert choices.shape == (top_k, *ref.shape) and rel_err(choices.float().sum(0).cpu(), ref) < TOL
 
 
-@pytest.mark.parametrize("num_tokens, num_slots, rank", [(1, 2, 8), (37, 3, 8), (100, 1, 16), (300, 4, 4)])
+@pytest.mark.parametrize("num_tokens, num_slots, rank", [(1, 2, 8), (37, 3, 8), (100, 1, 16), (300, 4, 4),
+                                                         (20, 3, 128)])
 def test_moe_kernels_with_lora_equal_the_per_expert_loop(num_tokens, num_slots, rank):
     """With adapters on the experts (ExpertLoRA), fused_moe adds each token's own slot's products to its experts'
     gate, up and down, as the per-expert loop's torch formula does: tokens of every slot and of none (-1), slots
-    x rank not a power of two (3 x 8), and each size of block (1, 37 and 300 tokens)."""
+    x rank not a power of two (3 x 8), each size of block (1, 37 and 300 tokens), and a rank the products take
+    in two parts (128: MAX_BLOCK_R rows of B at a time)."""
     import numpy as np
     from nanovllm.distributed import SINGLE
     from nanovllm.kernels.triton_moe import ExpertLoRA, fused_moe

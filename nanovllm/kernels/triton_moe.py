@@ -74,6 +74,13 @@ TILES = {16: (Tiles(64, 128, 4, 3), Tiles(128, 64, 4, 3)),
 # (1 token of top-8: 8 experts x 2,048 / 128 = 128 programs on 132 SMs): narrower, deeper tiles.
 # The fastest at 1 token, and within 1.5% of the fastest at 2 (16 assignments; perf_notes row 78).
 FEW_ASSIGNMENTS = 16
+MAX_BLOCK_R = 64   # of a LoRA slot's rank, the rows of B a product's program multiplies at once
+
+
+def shrink_tiles(block_m: int, n: int) -> Tiles:
+    """The LoRA shrinks' tiles (n: their few output columns, slots x rank (x 2)): as narrow as n, and at
+    blocks of up to 32 rows (decode steps) long steps along K, whose loop is what the step waits for."""
+    return Tiles(min(64, max(16, triton.next_power_of_2(n))), 256 if block_m <= 32 else 64, 4, 3)
 FEW_TILES = (Tiles(64, 128, 4, 4), Tiles(64, 64, 4, 4))
 
 
@@ -283,8 +290,8 @@ def _moe_product_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
                         token_slots_ptr, N, K, num_assignments, stride_x, stride_we, stride_wn, stride_o,
                         stride_shrunk, stride_lora_b, NUM_EXPERTS: tl.constexpr, ROWS_PER_X: tl.constexpr,
                         SCALED: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, LORA: tl.constexpr, TOP_K: tl.constexpr, RANK: tl.constexpr,
-                        SLOT_ROWS: tl.constexpr, BLOCK_R: tl.constexpr):
+                        BLOCK_K: tl.constexpr, LORA: tl.constexpr, TOP_K: tl.constexpr, NUM_SLOTS: tl.constexpr,
+                        RANK: tl.constexpr, BLOCK_R: tl.constexpr):
     block, n_block = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + block)
     if expert >= NUM_EXPERTS:      # past the last used block
@@ -312,17 +319,25 @@ def _moe_product_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
             acc_up = tl.dot(x, up, acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if LORA:   # each row's own slot's shrink columns (RANK a slot) times the expert's B rows of that slot
+    if LORA:   # each row's own slot's shrink columns (RANK a slot) times the expert's B rows of that slot,
+        # for the slots the block's rows use, BLOCK_R of a slot's rows at a time
         slot = tl.load(token_slots_ptr + ids // TOP_K, mask=is_row, other=-1)
         offs_r = tl.arange(0, BLOCK_R)
-        mine = is_row[:, None] & (offs_r[None, :] // RANK == slot[:, None])   # (never past SLOT_ROWS, nor for -1)
-        shrunk_ptrs = shrunk_ptr + ids[:, None].to(tl.int64) * stride_shrunk + offs_r[None, :]
-        b_ptrs = lora_b_ptr + expert.to(tl.int64) * stride_lora_b + offs_r[:, None] * N + offs_n[None, :]
-        b_ok = (offs_r < SLOT_ROWS)[:, None] & n_ok[None, :]
-        acc = tl.dot(tl.load(shrunk_ptrs, mask=mine, other=0.0), tl.load(b_ptrs, mask=b_ok, other=0.0), acc)
-        if SILU_MUL:   # (the up projection's: the shrink's next SLOT_ROWS columns, B's next SLOT_ROWS rows)
-            acc_up = tl.dot(tl.load(shrunk_ptrs + SLOT_ROWS, mask=mine, other=0.0),
-                            tl.load(b_ptrs + SLOT_ROWS * N, mask=b_ok, other=0.0), acc_up)
+        SLOT_ROWS: tl.constexpr = NUM_SLOTS * RANK   # (with SILU_MUL the gate's, then the up's as many)
+        for s in range(NUM_SLOTS):
+            mine = slot == s
+            if tl.max(mine.to(tl.int32)) > 0:
+                for r in range(0, RANK, BLOCK_R):
+                    r_ok = offs_r < RANK - r
+                    cols = s * RANK + r + offs_r
+                    shrunk_ptrs = shrunk_ptr + ids[:, None].to(tl.int64) * stride_shrunk + cols[None, :]
+                    b_ptrs = lora_b_ptr + expert.to(tl.int64) * stride_lora_b + cols[:, None] * N + offs_n[None, :]
+                    part_ok, b_ok = mine[:, None] & r_ok[None, :], r_ok[:, None] & n_ok[None, :]
+                    acc = tl.dot(tl.load(shrunk_ptrs, mask=part_ok, other=0.0),
+                                 tl.load(b_ptrs, mask=b_ok, other=0.0), acc)
+                    if SILU_MUL:
+                        acc_up = tl.dot(tl.load(shrunk_ptrs + SLOT_ROWS, mask=part_ok, other=0.0),
+                                        tl.load(b_ptrs + SLOT_ROWS * N, mask=b_ok, other=0.0), acc_up)
     out_dtype = out_ptr.dtype.element_ty
     if SILU_MUL:                   # each product rounded first, as the two-kernel path rounds them
         acc = silu_mul(acc.to(out_dtype), acc_up.to(out_dtype))
@@ -350,14 +365,14 @@ def moe_product(x: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, bloc
     out = torch.empty(num_assignments, n, dtype=x.dtype, device=x.device)
     out_n = tiles.block_n // 2 if silu_mul else tiles.block_n
     shrunk, lora_b, token_slots, top_k = lora or (out, out, out, 1)
-    rank = lora_b.shape[-2] if lora else 1
-    slot_rows = lora_b[0].numel() // n // (2 if silu_mul else 1) if lora else 1   # slots x rank
+    num_slots, rank = lora_b.shape[-3:-1] if lora else (1, 1)
     launch(_moe_product_kernel, (block_expert.numel(), triton.cdiv(n, out_n)),
            x, w, out, sorted_ids, block_expert, scale if scale is not None else out, shrunk, lora_b, token_slots,
            n, k, num_assignments, x.stride(0), w.stride(0), w.stride(1), out.stride(0), shrunk.stride(0),
            lora_b.stride(0), NUM_EXPERTS=num_experts, ROWS_PER_X=rows_per_x, SCALED=scale is not None,
            SILU_MUL=silu_mul, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, LORA=lora is not None,
-           TOP_K=top_k, RANK=rank, SLOT_ROWS=slot_rows, BLOCK_R=max(16, triton.next_power_of_2(slot_rows)),
+           TOP_K=top_k, NUM_SLOTS=num_slots, RANK=rank,
+           BLOCK_R=min(MAX_BLOCK_R, max(16, triton.next_power_of_2(rank))),
            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
@@ -377,11 +392,13 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     grouping = (sorted_ids, block_expert, num_assignments)
     lora13 = lora2 = None
     if lora is not None:   # the shrinks: every slot's A rows, as an expert's weight
-        shrunk = moe_product(x, lora.a13.view(num_experts, -1, x.shape[1]), *grouping, top_k, block_m)
+        a13 = lora.a13.view(num_experts, -1, x.shape[1])
+        shrunk = moe_product(x, a13, *grouping, top_k, block_m, tiles=shrink_tiles(block_m, a13.shape[1]))
         lora13 = (shrunk, lora.b13, lora.token_slots, top_k)
     act = moe_product(x, w13, *grouping, top_k, block_m, silu_mul=True, lora=lora13)                  # [A, I]
     if lora is not None:
-        shrunk = moe_product(act, lora.a2.view(num_experts, -1, act.shape[1]), *grouping, 1, block_m)
+        a2 = lora.a2.view(num_experts, -1, act.shape[1])
+        shrunk = moe_product(act, a2, *grouping, 1, block_m, tiles=shrink_tiles(block_m, a2.shape[1]))
         lora2 = (shrunk, lora.b2, lora.token_slots, top_k)
     down = moe_product(act, w2, *grouping, 1, block_m, scale=weights.view(-1), lora=lora2)           # [A, hidden]
     choices = down.view(num_tokens, top_k, -1)
