@@ -182,7 +182,8 @@ def test_moe_model_adapts_its_experts(arch, tp, request, tmp_path):
     """A mixture-of-experts model: an adapter on every expert's projections (and, in Qwen2-MoE, the shared
     expert's) beside the attention's matches the merged weights, mixed in a batch with an attention-only one
     and the base model, also with two tensor-parallel ranks (each adds its shard's part). A plain MLP target on
-    an MoE layer (layer 0; layer 1 of Qwen3-MoE's is dense) is a ValueError naming the tensor."""
+    an MoE layer (layer 0; layer 1 of Qwen3-MoE's is dense), or an expert the layer does not have, is a
+    ValueError naming the tensor."""
     model_dir = request.getfixturevalue(f"{arch}_dir")
     experts = write_adapter(tmp_path / "experts", model_dir)
     attention = write_adapter(tmp_path / "attention", model_dir, targets=ATTENTION_TARGETS, rank=4, seed=2)
@@ -198,6 +199,11 @@ def test_moe_model_adapts_its_experts(arch, tp, request, tmp_path):
                                lora_request=[requests[i % 3] for i in range(len(PROMPTS))])
         with pytest.raises(ValueError, match="layer 0's MLP is a mixture of experts; name its experts"):
             llm.generate(as_prompts(PROMPTS[:1]), GREEDY, use_tqdm=False, lora_request=LoRARequest("mlp", 3, str(mlp)))
+        name = "base_model.model.model.layers.0.mlp.experts.4.up_proj.lora_B.weight"   # (experts 0-3)
+        save_file(load_file(f"{attention[0]}/adapter_model.safetensors") | {name: torch.zeros(32, 4)},
+                  f"{mlp}/adapter_model.safetensors")
+        with pytest.raises(ValueError, match=f"tensor '{name}' names no projection of the base model"):
+            llm.generate(as_prompts(PROMPTS[:1]), GREEDY, use_tqdm=False, lora_request=LoRARequest("mlp4", 4, str(mlp)))
     for i, path in enumerate((experts[1], attention[1], model_dir)):
         assert tokens(outputs)[i::3] == hf_greedy(path, PROMPTS[i::3], GREEDY.max_tokens)
 
@@ -260,6 +266,12 @@ def test_bad_adapters_are_value_errors_and_the_engine_goes_on(qwen3_dir, adapter
         (LoRARequest("vocab", 5, variant("vocab", extra={
             "base_model.model.lm_head.lora_B.weight": torch.zeros(1000, 8)})),
          r"lm_head.lora_B.weight' has shape \(1000, 8\), expected \(\d+, 8\)"),
+        (LoRARequest("expert", 5, variant("expert", extra={
+            "base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_A.weight": torch.zeros(8, 64)})),
+         r"tensor '.*layers.0.mlp.experts.0.gate_proj.lora_A.weight' names no projection of the base model"),
+        (LoRARequest("block", 5, variant("block", extra={
+            "base_model.model.model.layers.0.self_attn.gate_proj.lora_A.weight": torch.zeros(8, 64)})),
+         "self_attn.gate_proj.lora_A.weight' names no projection of the base model"),
         (LoRARequest("shape", 5, variant("shape", extra={
             "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 65)})),
          r"has shape \(8, 65\), expected \(8, 64\)"),
