@@ -74,6 +74,7 @@ TILES = {16: (Tiles(64, 128, 4, 3), Tiles(128, 64, 4, 3)),
 # (1 token of top-8: 8 experts x 2,048 / 128 = 128 programs on 132 SMs): narrower, deeper tiles.
 # The fastest at 1 token, and within 1.5% of the fastest at 2 (16 assignments; perf_notes row 78).
 FEW_ASSIGNMENTS = 16
+FEW_TILES = (Tiles(64, 128, 4, 4), Tiles(64, 64, 4, 4))
 MAX_BLOCK_R = 64   # of a LoRA slot's rank, the rows of B a product's program multiplies at once
 
 
@@ -81,7 +82,6 @@ def shrink_tiles(block_m: int, n: int) -> Tiles:
     """The LoRA shrinks' tiles (n: their few output columns, slots x rank (x 2)): as narrow as n, and at
     blocks of up to 32 rows (decode steps) long steps along K, whose loop is what the step waits for."""
     return Tiles(min(64, max(16, triton.next_power_of_2(n))), 256 if block_m <= 32 else 64, 4, 3)
-FEW_TILES = (Tiles(64, 128, 4, 4), Tiles(64, 64, 4, 4))
 
 
 def block_m_for(num_assignments: int, num_experts: int) -> int:

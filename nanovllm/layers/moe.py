@@ -81,9 +81,10 @@ class Experts(nn.Module):
         out = torch.zeros_like(x)
         for expert in ids.unique().tolist():
             tokens, slot = (ids == expert).nonzero(as_tuple=True)
-            gate_up = F.linear(x[tokens], self.w13[expert])
+            rows = x[tokens]
+            gate_up = F.linear(rows, self.w13[expert])
             if self.lora is not None:
-                gate_up = self.lora.add_to(gate_up, x[tokens], expert, tokens, down=False)
+                gate_up = self.lora.add_to(gate_up, rows, expert, tokens, down=False)
             gate, up = gate_up.chunk(2, -1)
             act = F.silu(gate) * up
             y = F.linear(act, self.w2[expert])
