@@ -198,7 +198,7 @@ class LoRAExperts(nn.Module):
 
     def __init__(self, slots: LoRASlots, experts: nn.Module, max_rank: int):
         super().__init__()
-        self.slots, self.max_rank = slots, max_rank
+        self.slots = slots
         self.tp_rank, self.tp_size = experts.tp.rank, experts.tp.size
         num_experts, hidden, inter = experts.w2.shape
         shapes = {"a13": (num_experts, 2, slots.max_loras, max_rank, hidden),
@@ -312,7 +312,7 @@ class LoRAModel:
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_tokens: int):
         first = next(model.parameters())
         self.slots = LoRASlots(max_loras, max_tokens, first.dtype, first.device)
-        self.projections: list[tuple[int, LoRALinear]] = []
+        self.projections: list[tuple[int, LoRALinear | LoRAExperts]] = []
         for index, layer in enumerate(model.model.layers):
             modules = [("qkv_proj", layer.self_attn.qkv_proj, ""), ("o_proj", layer.self_attn.o_proj, "")]
             mlp, prefix = layer.mlp, ""
