@@ -128,6 +128,8 @@ class Config:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_dtype: str = "auto"                # "auto" (the model's dtype), "float16" or "bfloat16"
+    # The modules that take adapters (lora/adapter.py's LORA_MODULES, by vLLM's names); None: all
+    lora_target_modules: list[str] | None = None
     # Speculative decoding by n-gram prompt lookup (engine/speculative.py): vLLM's SpeculativeConfig for
     # method "ngram", or a dict of its fields; spec_method / spec_model / spec_tokens are vLLM's flags for
     # its method, model and num_speculative_tokens.
@@ -376,6 +378,12 @@ class Config:
               f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
         check(self.lora_dtype in ("auto", "float16", "bfloat16"),
               f"lora_dtype must be 'auto', 'float16' or 'bfloat16', got {self.lora_dtype!r}.")
+        if self.lora_target_modules is not None:
+            from nanovllm.lora.adapter import LORA_MODULES
+            modules = self.lora_target_modules
+            check(isinstance(modules, (list, tuple)) and modules and all(m in LORA_MODULES for m in modules),
+                  f"lora_target_modules must be a non-empty list of {', '.join(LORA_MODULES)}, got {modules!r:.120}.")
+            self.lora_target_modules = list(modules)
         check(self.runner in ("auto", "generate", "pooling"),
               f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}.")
         check(self.convert in ("auto", "none", "embed", "classify"),

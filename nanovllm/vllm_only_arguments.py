@@ -70,7 +70,7 @@ IDLE_ARGUMENTS = {
              jit_monitor_mode="warn", jit_monitor_verbose=False),
     **_group("LoRA on every attention and MLP projection (each expert's, in PEFT's per-expert names), the "
              "embedding and the LM head of text-only models",
-             lora_target_modules=None, default_mm_loras=None, enable_tower_connector_lora=False,
+             default_mm_loras=None, enable_tower_connector_lora=False,
              enable_mixed_moe_lora_format=False, enable_moe_shared_loras=False),
 }
 

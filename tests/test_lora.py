@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-from conftest import as_prompts, hf_greedy, make_prompts
+from conftest import as_prompts, hf_greedy, log_lines, make_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.lora.adapter import (ATTENTION_TARGETS, MLP_TARGETS, MODEL_TARGETS, layer_targets, peft_names,
                                    projection_shapes, save_adapter, target_shape)
@@ -206,6 +206,37 @@ def test_moe_model_adapts_its_experts(arch, tp, request, tmp_path):
             llm.generate(as_prompts(PROMPTS[:1]), GREEDY, use_tqdm=False, lora_request=LoRARequest("mlp4", 4, str(mlp)))
     for i, path in enumerate((experts[1], attention[1], model_dir)):
         assert tokens(outputs)[i::3] == hf_greedy(path, PROMPTS[i::3], GREEDY.max_tokens)
+
+
+def test_lora_target_modules_adapt_only_those_modules(qwen3_dir, adapters, references, tmp_path):
+    """lora_target_modules=["qkv_proj", "o_proj"] (vLLM's): only attention takes adapters (no LoRA layers
+    elsewhere), an adapter on every module runs as its attention weights alone (a warning names what is left
+    out), one with none of those modules is a ValueError, and a module name not of LORA_MODULES too."""
+    full = adapters[0][0]
+    attention = tmp_path / "attention"
+    shutil.copytree(full, attention)
+    tensors = load_file(f"{full}/adapter_model.safetensors")
+    save_file({k: v for k, v in tensors.items() if "self_attn" in k}, f"{attention}/adapter_model.safetensors")
+    mlp = tmp_path / "mlp"
+    shutil.copytree(full, mlp)
+    save_file({k: v for k, v in tensors.items() if ".mlp." in k}, f"{mlp}/adapter_model.safetensors")
+    with LLM(qwen3_dir, enable_lora=True, max_lora_rank=8, **SMALL) as llm:
+        expected = tokens(llm.generate(as_prompts(PROMPTS), GREEDY, use_tqdm=False,
+                                       lora_request=LoRARequest("attention", 1, str(attention))))
+    assert expected != references[0] and expected != references[1]
+    with LLM(qwen3_dir, enable_lora=True, max_lora_rank=8, lora_target_modules=["qkv_proj", "o_proj"], **SMALL) as llm:
+        layer = llm.llm_engine.model_runner.model.model.layers[0]
+        assert layer.self_attn.qkv_proj.lora is not None and layer.mlp.gate_up_proj.lora is None
+        with log_lines("nanovllm.lora.adapter") as lines:
+            outputs = llm.generate(as_prompts(PROMPTS), GREEDY, use_tqdm=False,
+                                   lora_request=LoRARequest("full", 1, full))
+        assert any("weights for down_proj, embed_tokens, gate_up_proj, lm_head are left out" in line for line in lines)
+        assert tokens(outputs) == expected
+        with pytest.raises(ValueError, match=r"adapts down_proj, gate_up_proj, none of lora_target_modules"):
+            llm.generate(as_prompts(PROMPTS[:1]), GREEDY, use_tqdm=False, lora_request=LoRARequest("mlp", 2, str(mlp)))
+        assert tokens(llm.generate(as_prompts(PROMPTS), GREEDY, use_tqdm=False)) == references[0]
+    with pytest.raises(ValueError, match="lora_target_modules must be a non-empty list of qkv_proj, o_proj"):
+        LLM(qwen3_dir, enable_lora=True, lora_target_modules=["q_proj"], **SMALL)
 
 
 def test_adapter_management(qwen3_dir, adapters, references):

@@ -133,9 +133,9 @@ class ModelRunner:
         self.lora = self.adapters = self.lora_slot_table = None
         if config.enable_lora:   # (lora/layers.py) the projections' slots, written from each step's inputs
             self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank,
-                                  max(config.max_num_batched_tokens, self.max_decode_rows))
+                                  max(config.max_num_batched_tokens, self.max_decode_rows), config.lora_target_modules)
             self.adapters = AdapterCache(hf, config.max_lora_rank, config.max_cpu_loras, config.download_dir,
-                                         config.hf_token)
+                                         config.hf_token, config.lora_target_modules)
             self.lora_slot_table = SlotTable(config.max_loras) if tp.rank == 0 else None
         samples = tp.rank == 0 and not self.pooling
         self.sampler = (Sampler(torch.Generator(device=self.device).manual_seed(config.seed), config.logprobs_mode)

@@ -22,8 +22,11 @@ from safetensors.torch import load_file, save_file
 from transformers import PretrainedConfig
 
 from nanovllm.layers.moe import is_moe_layer
+from nanovllm.logger import init_logger
 from nanovllm.lora.request import LoRARequest
 from nanovllm.model.qwen3 import head_dim_of
+
+logger = init_logger(__name__)
 
 # A projection's LoRA tensor, as PEFT names it (".default" where an adapter was saved under its name).
 TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\."
@@ -34,6 +37,18 @@ MODEL_TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?(?:model\.(embed_token
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 MODEL_TARGETS = ("embed_tokens", "lm_head")
+# The modules that take adapters, by vLLM's names (its lora_target_modules), and the targets each serves
+LORA_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts", "embed_tokens", "lm_head")
+
+
+def module_of(target: str) -> str:
+    """The module (of LORA_MODULES) that an adapter's target is part of: "q_proj" -> "qkv_proj", "up_proj" (a
+    shared expert's too) -> "gate_up_proj", "experts.7.down_proj" -> "experts"."""
+    if target.startswith("experts."):
+        return "experts"
+    name = target.removeprefix("shared_expert.")
+    return {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+            "up_proj": "gate_up_proj"}.get(name, name)
 
 
 @dataclass
@@ -100,9 +115,11 @@ def save_adapter(path: str, tensors: dict[str, torch.Tensor], rank: int, alpha: 
                    "bias": "none", "modules_to_save": None, "use_rslora": False, "use_dora": False} | config, f)
 
 
-def read_adapter(request: LoRARequest, hf: PretrainedConfig, max_lora_rank: int, path: str) -> LoRAAdapter:
+def read_adapter(request: LoRARequest, hf: PretrainedConfig, max_lora_rank: int, path: str,
+                 target_modules: list[str] | None = None) -> LoRAAdapter:
     """request's adapter from the directory `path` (request.lora_path resolved) -> LoRAAdapter, or a
-    ValueError that names the request and what is wrong."""
+    ValueError that names the request and what is wrong. target_modules (lora_target_modules): the
+    adapter's weights for other modules are left out, with a warning (all of them: a ValueError)."""
     where = f"LoRA adapter {request.lora_name!r} ({request.lora_path})"
     config_file = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(config_file):
@@ -160,6 +177,15 @@ def read_adapter(request: LoRARequest, hf: PretrainedConfig, max_lora_rank: int,
         weights[layer, target] = (ab["A"], ab["B"])
     if not weights:
         raise ValueError(f"{where}: the adapter holds no LoRA tensors.")
+    if target_modules is not None:
+        left_out = sorted({module_of(target) for _, target in weights} - set(target_modules))
+        weights = {key: pair for key, pair in weights.items() if module_of(key[1]) in target_modules}
+        if not weights:
+            raise ValueError(f"{where}: the adapter adapts {', '.join(left_out)}, none of lora_target_modules "
+                             f"{target_modules}.")
+        if left_out:
+            logger.warning("%s: its weights for %s are left out (lora_target_modules=%s).", where,
+                           ", ".join(left_out), target_modules)
     return LoRAAdapter(request, rank, scaling, weights)
 
 
@@ -178,8 +204,9 @@ class AdapterCache:
     dropped first; pinned ones stay. Each rank keeps its own."""
 
     def __init__(self, hf: PretrainedConfig, max_lora_rank: int, capacity: int, download_dir: str | None = None,
-                 token: str | bool | None = None):
+                 token: str | bool | None = None, target_modules: list[str] | None = None):
         self.hf, self.max_lora_rank, self.capacity = hf, max_lora_rank, capacity
+        self.target_modules = target_modules
         self.download_dir, self.token = download_dir, token
         self.adapters: dict[int, LoRAAdapter] = {}   # in order of use, the latest last
         self.pinned: set[int] = set()
@@ -195,7 +222,8 @@ class AdapterCache:
                              f"({adapter.request.lora_path}); LoRARequest {request.lora_name!r} "
                              f"({request.lora_path}) needs an id of its own.")
         if adapter is None:
-            adapter = read_adapter(request, self.hf, self.max_lora_rank, self._local_path(request))
+            adapter = read_adapter(request, self.hf, self.max_lora_rank, self._local_path(request),
+                                   self.target_modules)
             unpinned = [i for i in self.adapters if i not in self.pinned]
             while len(self.adapters) >= self.capacity and unpinned:
                 del self.adapters[unpinned.pop(0)]

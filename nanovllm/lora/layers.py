@@ -28,7 +28,7 @@ from nanovllm.engine.upload import upload
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.linear import LinearBase, MergedColumnParallelLinear, RowParallelLinear
 from nanovllm.layers.moe import SparseMoeBlock
-from nanovllm.lora.adapter import LoRAAdapter
+from nanovllm.lora.adapter import LORA_MODULES, LoRAAdapter
 
 # Our fused projection -> the adapter targets of its parts, in order
 PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
@@ -309,26 +309,33 @@ class LoRAModel:
     experts': each expert's, and the shared expert's), the token embedding and the LM head (a pooling model has
     none: an adapter's LM-head weights go unused there)."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_tokens: int):
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_tokens: int,
+                 target_modules: list[str] | None = None):
+        """target_modules (lora_target_modules): only these modules (of adapter.LORA_MODULES) take adapters."""
         first = next(model.parameters())
         self.slots = LoRASlots(max_loras, max_tokens, first.dtype, first.device)
         self.projections: list[tuple[int, LoRALinear | LoRAExperts]] = []
+        chosen = set(target_modules or LORA_MODULES)
         for index, layer in enumerate(model.model.layers):
             modules = [("qkv_proj", layer.self_attn.qkv_proj, ""), ("o_proj", layer.self_attn.o_proj, "")]
             mlp, prefix = layer.mlp, ""
             if isinstance(mlp, SparseMoeBlock):
-                mlp.experts.lora = LoRAExperts(self.slots, mlp.experts, max_rank)
-                self.projections.append((index, mlp.experts.lora))
+                if "experts" in chosen:
+                    mlp.experts.lora = LoRAExperts(self.slots, mlp.experts, max_rank)
+                    self.projections.append((index, mlp.experts.lora))
                 mlp, prefix = mlp.shared_expert, "shared_expert."
             if mlp is not None:
                 modules += [("gate_up_proj", mlp.gate_up_proj, prefix), ("down_proj", mlp.down_proj, prefix)]
             for name, linear, prefix in modules:
-                linear.lora = LoRALinear(self.slots, linear, name, max_rank, prefix)
-                self.projections.append((index, linear.lora))
+                if name in chosen:
+                    linear.lora = LoRALinear(self.slots, linear, name, max_rank, prefix)
+                    self.projections.append((index, linear.lora))
+        self.model_modules = []
         embedding = model.model.embed_tokens
-        embedding.lora = LoRAEmbedding(self.slots, embedding, max_rank)
-        self.model_modules = [embedding.lora]
-        if model.lm_head is not None:
+        if "embed_tokens" in chosen:
+            embedding.lora = LoRAEmbedding(self.slots, embedding, max_rank)
+            self.model_modules.append(embedding.lora)
+        if model.lm_head is not None and "lm_head" in chosen:
             model.lm_head.lora = LoRAHead(self.slots, model.lm_head, max_rank)
             self.model_modules.append(model.lm_head.lora)
 
