@@ -10,7 +10,8 @@ output kinds, priorities and cache salts), requests it must refuse, aborts and s
 modes "keep" and "abort") between step() calls. Every fourth seed samples its rows with a top_k
 above 16 on the sampler's sorted path (SORTED_PATH_TOP_K_MAX). Two seeds in five enable LoRA
 (random_lora_config, drawn apart so that the other draws stay as they were): 1 or 2 slots, three
-adapters and the base model drawn per request. Checked:
+adapters and the base model drawn per request, and in one of those four some modules only
+(lora_target_modules). Checked:
 - a bad request (out-of-vocabulary id, a prompt too long, an unfinished request's id, ...) is a
   ValueError and changes nothing else;
 - every request that is not aborted is reported finished exactly once, and the engine counts as
@@ -162,6 +163,9 @@ def random_lora_config(seed: int) -> tuple[dict, random.Random, list[LoRARequest
         return {}, rng, []
     config = dict(enable_lora=True, max_loras=rng.choice([1, 2]), max_lora_rank=8, max_cpu_loras=rng.choice([None, 3]))
     config["max_cpu_loras"] = config["max_cpu_loras"] or config["max_loras"]
+    if rng.random() < 0.25:   # adapters on some modules only (each adapter keeps some: q/v and o are in)
+        others = ["gate_up_proj", "down_proj", "experts", "embed_tokens", "lm_head"]
+        config["lora_target_modules"] = ["qkv_proj", "o_proj", *rng.sample(others, rng.randint(0, len(others)))]
     return config, rng, [LoRARequest(f"lora{i}", i + 1, path) for i, path in enumerate(ADAPTERS)]
 
 
