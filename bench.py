@@ -17,6 +17,7 @@
     python bench.py --workload default,latency # several workloads, one engine start-up
     python bench.py --repeat 3                 # three timed runs of each workload, one start-up
     python bench.py --num-loras 4              # request i with random LoRA adapter i % 4 (rank 16), either engine
+    python bench.py --num-loras 4 --lora-target-modules qkv_proj o_proj   # the adapters on attention only
 
 Without CUDA it runs a small workload on the CPU path and says so.
 """
@@ -227,6 +228,9 @@ def main():
     p.add_argument("--num-loras", type=int, default=0,
                    help="LoRA: requests take turns among this many random adapters (max_loras; 0: none)")
     p.add_argument("--lora-rank", type=int, default=16, help="the adapters' rank (max_lora_rank), with --num-loras")
+    p.add_argument("--lora-target-modules", nargs="+", default=None,
+                   help="with --num-loras: LLM(lora_target_modules=...), the modules that take the adapters (vLLM's "
+                        "names, e.g. qkv_proj o_proj; the adapters' weights for others are left out)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="also print one JSON line with the results")
     args = p.parse_args()
@@ -243,6 +247,8 @@ def main():
         p.error(f"--n: must be at least 1, got {args.n}")
     if args.num_loras < 0 or (args.num_loras and pooling):
         p.error(f"--num-loras: a non-negative count for the generative workloads, got {args.num_loras}")
+    if args.lora_target_modules and not args.num_loras:
+        p.error("--lora-target-modules: only with --num-loras")
 
     if args.engine == "vllm" and args.attention_backend != "auto":
         p.error("--attention-backend: nanovllm's setting; leave it at auto with --engine vllm")
@@ -276,6 +282,8 @@ def main():
         kwargs["runner"] = "pooling"
     if args.num_loras:
         kwargs |= dict(enable_lora=True, max_loras=args.num_loras, max_lora_rank=args.lora_rank)
+        if args.lora_target_modules:
+            kwargs["lora_target_modules"] = args.lora_target_modules
     if workloads == ["classify"] and args.model in PRESETS:   # the preset as a one-label classifier (dummy head)
         architecture = "Qwen3MoeForSequenceClassification" if "num_experts" in PRESETS[args.model] \
             else "Qwen3ForSequenceClassification"
@@ -393,6 +401,7 @@ def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float, run: i
     options = filters | request_options(args)
     options |= {} if args.logprobs_mode is None else dict(logprobs_mode=args.logprobs_mode)
     options |= dict(num_loras=args.num_loras, lora_rank=args.lora_rank) if args.num_loras else {}
+    options |= dict(lora_target_modules=",".join(args.lora_target_modules)) if args.lora_target_modules else {}
     workload = args.workload + "".join(f" {k}={v}" for k, v in options.items())
     result = dict(engine=args.engine, model=args.model, workload=workload, tp=args.tp,
                   custom_all_reduce=args.custom_all_reduce, kv_cache_dtype=args.kv_cache_dtype, num_requests=len(prompts),

@@ -133,9 +133,16 @@ def test_bench_runs_requests_with_lora_adapters():
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.splitlines()[-1])
     assert (result["workload"], result["output_tokens"]) == ("default num_loras=2 lora_rank=8", 48)
-    bad = subprocess.run([sys.executable, "bench.py", "--num-loras", "-1"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60)
-    assert bad.returncode == 2 and "--num-loras: a non-negative count" in bad.stderr
+    proc = subprocess.run([sys.executable, "bench.py", "--num-loras", "2", "--lora-rank", "8", "--lora-target-modules",
+                           "qkv_proj", "o_proj", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "left out (lora_target_modules=['qkv_proj', 'o_proj'])" in proc.stderr
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["workload"] == "default num_loras=2 lora_rank=8 lora_target_modules=qkv_proj,o_proj"
+    for flags, message in ((["--num-loras", "-1"], "--num-loras: a non-negative count"),
+                           (["--lora-target-modules", "o_proj"], "--lora-target-modules: only with --num-loras")):
+        bad = subprocess.run([sys.executable, "bench.py", *flags], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and message in bad.stderr
 
 
 def test_profile_run_takes_bench_flags():
