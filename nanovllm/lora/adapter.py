@@ -37,7 +37,7 @@ MODEL_TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?(?:model\.(embed_token
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 MODEL_TARGETS = ("embed_tokens", "lm_head")
-# The modules that take adapters, by vLLM's names (its lora_target_modules), and the targets each serves
+# The modules that take adapters, by vLLM's names (its lora_target_modules; module_of: an adapter target's)
 LORA_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts", "embed_tokens", "lm_head")
 
 
