@@ -168,6 +168,34 @@ def add_workload_arguments(p: argparse.ArgumentParser):
     p.add_argument("--max-num-seqs", type=int, default=None, help="max_num_seqs (default: the engine's own)")
 
 
+def add_lora_arguments(p: argparse.ArgumentParser):
+    """The requests' LoRA adapters (bench.py's flags, shared with the tools in tests/ that run its workload;
+    lora_engine_args and lora_requests read them)."""
+    p.add_argument("--num-loras", type=int, default=0,
+                   help="LoRA: requests take turns among this many random adapters (max_loras; 0: none)")
+    p.add_argument("--lora-rank", type=int, default=16, help="the adapters' rank (max_lora_rank), with --num-loras")
+    p.add_argument("--lora-target-modules", nargs="+", default=None,
+                   help="with --num-loras: LLM(lora_target_modules=...), the modules that take the adapters (vLLM's "
+                        "names, e.g. qkv_proj o_proj; the adapters' weights for others are left out)")
+
+
+def lora_engine_args(args) -> dict:
+    """The engine arguments of --num-loras and --lora-target-modules (none without --num-loras)."""
+    if not args.num_loras:
+        return {}
+    kwargs = dict(enable_lora=True, max_loras=args.num_loras, max_lora_rank=args.lora_rank)
+    return kwargs | (dict(lora_target_modules=args.lora_target_modules) if args.lora_target_modules else {})
+
+
+def lora_requests(LoRARequest, model: str, args) -> list:
+    """--num-loras' random adapters of model, as requests of the engine's LoRARequest class (lora_plan hands them
+    out to the prompts); none without --num-loras."""
+    if not args.num_loras:
+        return []
+    return [LoRARequest(f"bench-lora-{i}", i + 1, path)
+            for i, path in enumerate(lora_adapters(model, args.num_loras, args.lora_rank))]
+
+
 def add_request_arguments(p: argparse.ArgumentParser):
     """The requests' sampling and logprobs options, and the tokenizer that detokenizes them (bench.py's
     flags, shared with the tools in tests/ that run its workload)."""
@@ -225,12 +253,7 @@ def main():
                    help='LLM(speculative_config=...), JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 3}\' (n-gram drafts)')
     add_request_arguments(p)
-    p.add_argument("--num-loras", type=int, default=0,
-                   help="LoRA: requests take turns among this many random adapters (max_loras; 0: none)")
-    p.add_argument("--lora-rank", type=int, default=16, help="the adapters' rank (max_lora_rank), with --num-loras")
-    p.add_argument("--lora-target-modules", nargs="+", default=None,
-                   help="with --num-loras: LLM(lora_target_modules=...), the modules that take the adapters (vLLM's "
-                        "names, e.g. qkv_proj o_proj; the adapters' weights for others are left out)")
+    add_lora_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="also print one JSON line with the results")
     args = p.parse_args()
@@ -280,10 +303,7 @@ def main():
         kwargs["load_format"] = "dummy"
     if pooling:
         kwargs["runner"] = "pooling"
-    if args.num_loras:
-        kwargs |= dict(enable_lora=True, max_loras=args.num_loras, max_lora_rank=args.lora_rank)
-        if args.lora_target_modules:
-            kwargs["lora_target_modules"] = args.lora_target_modules
+    kwargs |= lora_engine_args(args)
     if workloads == ["classify"] and args.model in PRESETS:   # the preset as a one-label classifier (dummy head)
         architecture = "Qwen3MoeForSequenceClassification" if "num_experts" in PRESETS[args.model] \
             else "Qwen3ForSequenceClassification"
@@ -298,8 +318,7 @@ def main():
     else:
         from nanovllm import LLM, SamplingParams
         from nanovllm.lora.request import LoRARequest
-    args.loras = [LoRARequest(f"bench-lora-{i}", i + 1, path)
-                  for i, path in enumerate(lora_adapters(model, args.num_loras, args.lora_rank))]
+    args.loras = lora_requests(LoRARequest, model, args)
 
     start = time.perf_counter()
     llm = LLM(model, **kwargs)
@@ -327,7 +346,7 @@ def warm_up(llm, SamplingParams, args):
 
 def lora_plan(args, num_prompts: int) -> list | None:
     """With --num-loras: request i's adapter, i % num_loras."""
-    loras = getattr(args, "loras", None)   # (tests/profile_run.py's arguments have none)
+    loras = getattr(args, "loras", None)   # (set by whoever made the engine: bench.py's main, profile_run's)
     return [loras[i % len(loras)] for i in range(num_prompts)] if loras else None
 
 

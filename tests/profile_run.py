@@ -11,8 +11,9 @@
     PYTHONPATH=. python3 tests/profile_run.py [--model qwen3-0.6b] [--workload default] [--tp 2] [--profile-steps 200]
         [--max-num-seqs 512] [--top-k 20 --top-p 0.95] [--presence-penalty 0.5 ...] [--runs 2] [--no-profile] [--pause 5]
         [--n 8] [--logprobs 20 [--flat-logprobs]] [--prompt-logprobs 1] [--tokenizer synthetic]
-        [--cprofile | --cprofile-steps 3 8] [--speculative-config JSON] [--num-loras 4 [--lora-rank 16]]
-        (bench.py's workload and request flags, and this tool's own)
+        [--cprofile | --cprofile-steps 3 8] [--speculative-config JSON]
+        [--num-loras 4 [--lora-rank 16] [--lora-target-modules qkv_proj o_proj]]
+        (bench.py's workload, request and LoRA flags, and this tool's own)
         [--num-seqs 128 --min-input-len 6000 --max-input-len 8000 --min-output-len 16 --max-output-len 64
          --max-model-len 8192]     (the long-prompt workload; the default workload's lengths otherwise)
 """
@@ -30,8 +31,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import (add_request_arguments, add_workload_arguments, lora_adapters, lora_plan, make_workload, preset_dir,
-                   request_options, sampling_filters, tokenizer_options, warm_up)
+from bench import (add_lora_arguments, add_request_arguments, add_workload_arguments, lora_engine_args, lora_plan,
+                   lora_requests, make_workload, preset_dir, request_options, sampling_filters, tokenizer_options,
+                   warm_up)
 from nanovllm import LLM, SamplingParams
 from nanovllm.lora.request import LoRARequest
 from nanovllm.utils.heap import fewer_collections
@@ -118,6 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workload", default="default")
     add_workload_arguments(p)
     add_request_arguments(p)
+    add_lora_arguments(p)
     p.add_argument("--profile-steps", type=int, default=0,
                    help="profile only this many engine steps, from --profile-start on (0: the whole run). "
                         "Gathering the events of a whole Qwen3-8B TP=2 run took longer than 4 minutes")
@@ -134,8 +137,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cprofile-dump", metavar="DIR", help="save the --cprofile-steps' stats here (step<N>.prof)")
     p.add_argument("--speculative-config", type=json.loads, default=None,
                    help="LLM(speculative_config=...), JSON, as bench.py's")
-    p.add_argument("--num-loras", type=int, default=0, help="request i with random LoRA adapter i %% N, as bench.py's")
-    p.add_argument("--lora-rank", type=int, default=16, help="the adapters' rank, with --num-loras")
     p.add_argument("--pause", type=float, default=0.0, help="seconds the GPU sits idle before each host-view run "
                                                             "after the first (as before a process's first run)")
     args = p.parse_args(argv)
@@ -149,10 +150,8 @@ def main():
     engine_options = {} if args.logprobs_mode is None else dict(logprobs_mode=args.logprobs_mode)
     if args.speculative_config is not None:
         engine_options["speculative_config"] = args.speculative_config
-    if args.num_loras:
-        engine_options |= dict(enable_lora=True, max_loras=args.num_loras, max_lora_rank=args.lora_rank)
-        args.loras = [LoRARequest(f"bench-lora-{i}", i + 1, path) for i, path in
-                      enumerate(lora_adapters(preset_dir(args.model), args.num_loras, args.lora_rank))]
+    engine_options |= lora_engine_args(args)
+    args.loras = lora_requests(LoRARequest, preset_dir(args.model), args)
     llm = LLM(preset_dir(args.model), load_format="dummy", max_model_len=args.max_model_len,
               tensor_parallel_size=args.tp, max_num_seqs=args.max_num_seqs, **tokenizer_options(args.tokenizer),
               **engine_options)

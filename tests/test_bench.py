@@ -167,9 +167,10 @@ def test_profile_run_gives_each_request_its_adapter(qwen3_dir, tmp_path, monkeyp
     from nanovllm.lora.request import LoRARequest
     monkeypatch.setattr(bench.tempfile, "gettempdir", lambda: str(tmp_path))
     args = profile_run.parse_args(["--num-loras", "2", "--lora-rank", "8"])
-    args.loras = [LoRARequest(f"l{i}", i + 1, path) for i, path in enumerate(bench.lora_adapters(qwen3_dir, 2, 8))]
-    llm = LLM(qwen3_dir, device="cpu", dtype="float32", enforce_eager=True, enable_lora=True, max_loras=2,
-              max_lora_rank=8, max_model_len=64)
+    args.loras = bench.lora_requests(LoRARequest, qwen3_dir, args)   # (as profile_run's main makes them)
+    assert bench.lora_engine_args(args) == dict(enable_lora=True, max_loras=2, max_lora_rank=8)
+    llm = LLM(qwen3_dir, device="cpu", dtype="float32", enforce_eager=True, max_model_len=64,
+              **bench.lora_engine_args(args))
     try:
         _, finished = profile_run.run_steps(llm, [[1, 2, 3]] * 5, [(2, 0.0)] * 5, loras=bench.lora_plan(args, 5))
     finally:
