@@ -179,12 +179,17 @@ def split_k(m: int, rows: int, k: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(k, BLOCK_K), 2 * sms // programs, MAX_SPLITS))
 
 
+def k_per_split(k: int, splits: int) -> int:
+    """The K columns of one of `splits` slices, whole BLOCK_Ks (so the last slices may be fewer or none)."""
+    return triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
+
+
 def shrink_output(x: torch.Tensor, a: torch.Tensor, splits: int | None = None) -> torch.Tensor:
     """The float32 [splits, M, ROWS] buffer of lora_shrink's partial sums over `splits` slices of K (split_k's
     count unless given; fewer where K has fewer whole BLOCK_K columns)."""
     (m, k), rows = x.shape, a.shape[1]
-    k_per_split = triton.cdiv(triton.cdiv(k, splits or split_k(m, rows, k, x.device)), BLOCK_K) * BLOCK_K
-    return torch.empty(triton.cdiv(k, k_per_split), m, rows, dtype=torch.float32, device=x.device)
+    slice_k = k_per_split(k, splits or split_k(m, rows, k, x.device))
+    return torch.empty(triton.cdiv(k, slice_k), m, rows, dtype=torch.float32, device=x.device)
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, tokens: torch.Tensor, splits: int | None = None,
@@ -199,11 +204,11 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, tokens: torch.Tensor, splits: 
     assert tokens.is_contiguous()
     out = shrink_output(x, a, splits) if out is None else out
     splits = out.shape[0]
-    k_per_split = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
-    assert out.shape == (splits, m, rows) and triton.cdiv(k, k_per_split) == splits and out.is_contiguous()
+    slice_k = k_per_split(k, splits)
+    assert out.shape == (splits, m, rows) and triton.cdiv(k, slice_k) == splits and out.is_contiguous()
     block_r = rows_block(rows)
     launch(_shrink_kernel, (triton.cdiv(m, BLOCK_M), triton.cdiv(rows, block_r), splits), x, a, tokens, out, m, k,
-           rows, k_per_split, x.stride(0), out.stride(1), out.stride(0), NUM_SLOTS=num_slots, BLOCK_M=BLOCK_M,
+           rows, slice_k, x.stride(0), out.stride(1), out.stride(0), NUM_SLOTS=num_slots, BLOCK_M=BLOCK_M,
            BLOCK_R=block_r, BLOCK_K=BLOCK_K, PRECISION=precision(x.dtype), LINE=128 // a.element_size(),
            **pdl.launch_options(m))
     return out

@@ -318,14 +318,14 @@ class LoRAModel:
         chosen = set(target_modules or LORA_MODULES)
         for index, layer in enumerate(model.model.layers):
             modules = [("qkv_proj", layer.self_attn.qkv_proj, ""), ("o_proj", layer.self_attn.o_proj, "")]
-            mlp, prefix = layer.mlp, ""
+            mlp, mlp_prefix = layer.mlp, ""   # (a dense MLP, or a mixture of experts' shared expert, if any)
             if isinstance(mlp, SparseMoeBlock):
                 if "experts" in chosen:
                     mlp.experts.lora = LoRAExperts(self.slots, mlp.experts, max_rank)
                     self.projections.append((index, mlp.experts.lora))
-                mlp, prefix = mlp.shared_expert, "shared_expert."
+                mlp, mlp_prefix = mlp.shared_expert, "shared_expert."
             if mlp is not None:
-                modules += [("gate_up_proj", mlp.gate_up_proj, prefix), ("down_proj", mlp.down_proj, prefix)]
+                modules += [("gate_up_proj", mlp.gate_up_proj, mlp_prefix), ("down_proj", mlp.down_proj, mlp_prefix)]
             for name, linear, prefix in modules:
                 if name in chosen:
                     linear.lora = LoRALinear(self.slots, linear, name, max_rank, prefix)
