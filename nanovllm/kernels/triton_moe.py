@@ -33,7 +33,8 @@ of that slot (the other slots' columns masked to zero), before the activation an
 
 Triton does not specialise these kernels on the token, assignment and block counts (`do_not_specialize`):
 they only bound masks, and a step whose count start-up did not meet (not a multiple of 16, say) would
-otherwise compile a variant of its own while it runs (perf_notes row 83).
+otherwise compile a variant of its own while it runs (perf_notes row 83). Up to pdl.MAX_ROWS tokens (decode
+steps of small batches) the routing and the products are PDL launches, as the dense layers' kernels are.
 """
 from typing import NamedTuple
 
@@ -41,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels import pdl
 from nanovllm.kernels.compile_ahead import launch
 from nanovllm.kernels.triton_fused import silu_mul
 
@@ -170,11 +172,12 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, rank_ptr, num_to
 def _route_and_place_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, block_expert_ptr, num_tokens,
                             num_blocks, stride_l, NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr,
                             TOP_K: tl.constexpr, CHOICES: tl.constexpr, RENORMALIZE: tl.constexpr,
-                            TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+                            TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Up to TOKENS tokens in one program: `_route_kernel` and `_place_kernel` without atomics.
     Each expert's count and each assignment's place in its run come from comparisons of every
     assignment with every expert and every other assignment, so a run is in assignment order, as
     `group_by_expert` places it."""
+    pdl.begin(PDL)
     tokens = tl.arange(0, TOKENS)
     ids = _route(logits_ptr, weights_ptr, ids_ptr, ids_ptr, ids_ptr, tokens, num_tokens, stride_l,
                  NUM_EXPERTS, EXPERTS, TOP_K, CHOICES, RENORMALIZE, COUNT=False)
@@ -210,7 +213,8 @@ def route_and_group(router_logits: torch.Tensor, top_k: int, renormalize: bool, 
         sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
         block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
         launch(_route_and_place_kernel, (1,), router_logits, weights, ids, sorted_ids, block_expert, num_tokens,
-               num_blocks, router_logits.stride(0), **shape, BLOCK_M=block_m, CHUNK=GROUP_CHUNK, num_warps=8)
+               num_blocks, router_logits.stride(0), **shape, BLOCK_M=block_m, CHUNK=GROUP_CHUNK, num_warps=8,
+               **pdl.launch_options(num_tokens))
         return weights, ids, sorted_ids, block_expert
     counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
     rank = torch.empty(num_tokens * top_k, dtype=torch.int32, device=device)
@@ -291,7 +295,8 @@ def _moe_product_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
                         stride_shrunk, stride_lora_b, NUM_EXPERTS: tl.constexpr, ROWS_PER_X: tl.constexpr,
                         SCALED: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, LORA: tl.constexpr, TOP_K: tl.constexpr, NUM_SLOTS: tl.constexpr,
-                        RANK: tl.constexpr, BLOCK_R: tl.constexpr):
+                        RANK: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)   # (nothing to read before it: which expert's weights a block needs is the routing's output)
     block, n_block = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + block)
     if expert >= NUM_EXPERTS:      # past the last used block
@@ -350,13 +355,15 @@ def _moe_product_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
 def moe_product(x: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
                 num_assignments: int, rows_per_x: int, block_m: int, scale: torch.Tensor | None = None,
                 silu_mul: bool = False, tiles: Tiles | None = None,
-                lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+                lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None,
+                num_tokens: int | None = None) -> torch.Tensor:
     """x: [num_assignments // rows_per_x, K]; w: [num_experts, N, K] -> [num_assignments, N], row a
     = x[a // rows_per_x] @ w[expert of a].T (times scale[a] if given). silu_mul: w's rows hold
     gate | up, and the output is silu(gate) * up: [num_assignments, N / 2]. tiles: TILES's for
     block_m (FEW_TILES for a few assignments) unless given. lora: (shrunk [num_assignments, (2 with silu_mul)
     x slots x rank], b [num_experts, (2,) slots, rank, N (/ 2)], token_slots, top_k): each row's own slot's
-    part of shrunk times that slot's b is added to the product (to gate and up each, with silu_mul)."""
+    part of shrunk times that slot's b is added to the product (to gate and up each, with silu_mul). num_tokens:
+    the step's tokens, which decide a PDL launch (pdl.launch_options); num_assignments // rows_per_x if not given."""
     gate_up_tiles, down_tiles = FEW_TILES if num_assignments <= FEW_ASSIGNMENTS else TILES[block_m]
     tiles = tiles or (gate_up_tiles if silu_mul else down_tiles)
     num_experts, n, k = w.shape
@@ -373,7 +380,8 @@ def moe_product(x: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, bloc
            SILU_MUL=silu_mul, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, LORA=lora is not None,
            TOP_K=top_k, NUM_SLOTS=num_slots, RANK=rank,
            BLOCK_R=min(MAX_BLOCK_R, max(16, triton.next_power_of_2(rank))),
-           num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+           num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+           **pdl.launch_options(num_tokens or num_assignments // rows_per_x))
     return out
 
 
@@ -398,8 +406,10 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     act = moe_product(x, w13, *grouping, top_k, block_m, silu_mul=True, lora=lora13)                  # [A, I]
     if lora is not None:
         a2 = lora.a2.view(num_experts, -1, act.shape[1])
-        shrunk = moe_product(act, a2, *grouping, 1, block_m, tiles=shrink_tiles(block_m, a2.shape[1]))
+        shrunk = moe_product(act, a2, *grouping, 1, block_m, tiles=shrink_tiles(block_m, a2.shape[1]),
+                             num_tokens=num_tokens)
         lora2 = (shrunk, lora.b2, lora.token_slots, top_k)
-    down = moe_product(act, w2, *grouping, 1, block_m, scale=weights.view(-1), lora=lora2)           # [A, hidden]
+    down = moe_product(act, w2, *grouping, 1, block_m, scale=weights.view(-1), lora=lora2,
+                       num_tokens=num_tokens)                                                    # [A, hidden]
     choices = down.view(num_tokens, top_k, -1)
     return choices.sum(1) if sum_choices else choices.transpose(0, 1)   # (summed in float32, rounded once)
