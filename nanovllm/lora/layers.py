@@ -225,27 +225,29 @@ class LoRAExperts(nn.Module):
         return y
 
     def load(self, slot: int, layer: int, adapter: LoRAAdapter):
-        """Write adapter's weights for the experts of `layer` into slot (zero where it has none): gathered on the
-        host first, so that each buffer takes one copy (not one a matrix: ~37k for Qwen3-30B-A3B's 48 layers)."""
-        into = {"a13": self.a13[:, :, slot], "b13": self.b13[:, :, slot],
-                "a2": self.a2[:, slot], "b2": self.b2[:, slot]}
-        host = {name: torch.zeros(view.shape, dtype=view.dtype) for name, view in into.items()}
-        rank, scaling = adapter.rank, adapter.scaling
-        for expert in range(self.a2.shape[0]):
-            for part, target in enumerate(("gate_proj", "up_proj", "down_proj")):
-                weights = adapter.weights.get((layer, f"experts.{expert}.{target}"))
-                if weights is None:
-                    continue
-                a, b = weights
-                if part < 2:   # gate, up: this rank's rows of the intermediate features, in B
-                    host["a13"][expert, part, :rank] = a
-                    b = b.chunk(self.tp_size, 0)[self.tp_rank]
-                    host["b13"][expert, part, :rank] = (b.float() * scaling).t()
-                else:          # down: its columns of them, in A (each rank's part of the product is summed after)
-                    host["a2"][expert, :rank] = a.chunk(self.tp_size, 1)[self.tp_rank]
-                    host["b2"][expert, :rank] = (b.float() * scaling).t()
-        for name, view in into.items():
-            view.copy_(host[name])
+        """Write adapter's weights for the experts of `layer` into slot (zero where it has none): a projection's
+        experts stacked on the host, then one copy and one write (not a copy a matrix: ~37k for Qwen3-30B-A3B)."""
+        for name in ("a13", "b13"):
+            getattr(self, name)[:, :, slot].zero_()
+        for name in ("a2", "b2"):
+            getattr(self, name)[:, slot].zero_()
+        rank, scaling, device, dtype = adapter.rank, adapter.scaling, self.a2.device, self.a2.dtype
+        for part, target in enumerate(("gate_proj", "up_proj", "down_proj")):
+            found = {expert: adapter.weights.get((layer, f"experts.{expert}.{target}"))
+                     for expert in range(self.a2.shape[0])}
+            found = {expert: weights for expert, weights in found.items() if weights is not None}
+            if not found:
+                continue
+            experts = torch.tensor(list(found), device=device)
+            a = torch.stack([a for a, _ in found.values()]).to(device, dtype)              # [n, rank, in]
+            b = torch.stack([b for _, b in found.values()]).to(device).float() * scaling   # [n, out, rank]
+            b = b.to(dtype).transpose(1, 2)                                                 # [n, rank, out]
+            if part < 2:   # gate, up: this rank's rows of the intermediate features, in B
+                self.a13[experts, part, slot, :rank] = a
+                self.b13[experts, part, slot, :rank] = b.chunk(self.tp_size, 2)[self.tp_rank]
+            else:          # down: its columns of them, in A (each rank's part of the product is summed after)
+                self.a2[experts, slot, :rank] = a.chunk(self.tp_size, 2)[self.tp_rank]
+                self.b2[experts, slot, :rank] = b
 
 
 class LoRAEmbedding(SlotWeights):
