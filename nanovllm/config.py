@@ -256,6 +256,9 @@ class Config:
         if self.runner_type == "pooling" and self.speculative_config is not None:
             raise ValueError(f"speculative_config is for generative models; a pooling model (runner='pooling') "
                              f"computes prompts only, got {self.speculative_config!r:.120}.")
+        if self.runner_type == "pooling" and self.enable_lora and set(self.lora_target_modules or ()) == {"lm_head"}:
+            raise ValueError(f"lora_target_modules {self.lora_target_modules}: a pooling model (runner='pooling') has "
+                             f"no LM head to adapt.")
         self._validate_tensor_parallel()
         self.torch_dtype = self._resolve_dtype()
         if self.enable_lora and self.lora_dtype not in ("auto", str(self.torch_dtype).removeprefix("torch.")):

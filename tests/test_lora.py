@@ -232,7 +232,8 @@ def test_lora_target_modules_adapt_only_those_modules(qwen3_dir, adapters, refer
                                    lora_request=LoRARequest("full", 1, full))
         assert any("weights for down_proj, embed_tokens, gate_up_proj, lm_head are left out" in line for line in lines)
         assert tokens(outputs) == expected
-        with pytest.raises(ValueError, match=r"adapts down_proj, gate_up_proj, none of lora_target_modules"):
+        with pytest.raises(ValueError, match=r"adapts down_proj, gate_up_proj, none of the modules this engine adapts "
+                                             r"\(qkv_proj, o_proj\)"):
             llm.generate(as_prompts(PROMPTS[:1]), GREEDY, use_tqdm=False, lora_request=LoRARequest("mlp", 2, str(mlp)))
         assert tokens(llm.generate(as_prompts(PROMPTS), GREEDY, use_tqdm=False)) == references[0]
     with pytest.raises(ValueError, match="lora_target_modules must be a non-empty list of qkv_proj, o_proj"):
@@ -335,7 +336,8 @@ def test_bad_adapters_are_value_errors_and_the_engine_goes_on(qwen3_dir, adapter
 
 def test_beam_search_and_embeddings_with_an_adapter_match_the_merged_model(qwen3_dir, adapters):
     """beam_search and a pooling model's embed take lora_request too: the results of an engine that loads the
-    checkpoint with the adapter merged in."""
+    checkpoint with the adapter merged in (a pooling model leaves the adapter's LM-head weights out, with a
+    warning)."""
     from nanovllm import BeamSearchParams
     adapter, merged = adapters[0]
     a = LoRARequest("a", 1, adapter)
@@ -348,7 +350,12 @@ def test_beam_search_and_embeddings_with_an_adapter_match_the_merged_model(qwen3
         expected = llm.beam_search(as_prompts(PROMPTS[:2]), params)
     assert [[s.tokens for s in b.sequences] for b in beams] == [[s.tokens for s in b.sequences] for b in expected]
     with LLM(qwen3_dir, runner="pooling", enable_lora=True, max_lora_rank=8, **SMALL) as llm:
-        got = llm.embed(as_prompts(PROMPTS), use_tqdm=False, lora_request=[a, None] * 4)
+        with log_lines("nanovllm.lora.adapter") as lines:   # (no LM head to adapt)
+            got = llm.embed(as_prompts(PROMPTS), use_tqdm=False, lora_request=[a, None] * 4)
+    assert any("its weights for lm_head are left out (this engine adapts qkv_proj, o_proj, gate_up_proj, down_proj, "
+               "experts, embed_tokens)" in line for line in lines)
+    with pytest.raises(ValueError, match=r"lora_target_modules \['lm_head'\]: a pooling model"):
+        LLM(qwen3_dir, runner="pooling", enable_lora=True, lora_target_modules=["lm_head"], **SMALL)
     with LLM(merged, runner="pooling", **SMALL) as llm:
         adapted = llm.embed(as_prompts(PROMPTS), use_tqdm=False)
     with LLM(qwen3_dir, runner="pooling", **SMALL) as llm:

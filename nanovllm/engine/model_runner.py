@@ -34,7 +34,7 @@ from nanovllm.layers.sampler import Sampler
 from nanovllm.layers.sampling_metadata import SamplerOutput, SamplingMetadata
 from nanovllm.engine.profiler import ProfilerConfig, RankProfiler
 from nanovllm.logger import init_logger
-from nanovllm.lora.adapter import AdapterCache
+from nanovllm.lora.adapter import LORA_MODULES, AdapterCache
 from nanovllm.lora.layers import LoRAModel, SlotTable
 from nanovllm.model.loader import init_dummy_weights, load_model
 from nanovllm.model.qwen3 import QwenForCausalLM
@@ -132,10 +132,13 @@ class ModelRunner:
                                    min(config.max_num_seqs * self.decode_query_len, MAX_GRAPH_BATCH_SIZE))
         self.lora = self.adapters = self.lora_slot_table = None
         if config.enable_lora:   # (lora/layers.py) the projections' slots, written from each step's inputs
+            modules = config.lora_target_modules or list(LORA_MODULES)
+            if self.pooling:   # no LM head (a classifier made of its rows keeps them as loaded)
+                modules = [module for module in modules if module != "lm_head"]
             self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank,
-                                  max(config.max_num_batched_tokens, self.max_decode_rows), config.lora_target_modules)
+                                  max(config.max_num_batched_tokens, self.max_decode_rows), modules)
             self.adapters = AdapterCache(hf, config.max_lora_rank, config.max_cpu_loras, config.download_dir,
-                                         config.hf_token, config.lora_target_modules)
+                                         config.hf_token, modules)
             self.lora_slot_table = SlotTable(config.max_loras) if tp.rank == 0 else None
         samples = tp.rank == 0 and not self.pooling
         self.sampler = (Sampler(torch.Generator(device=self.device).manual_seed(config.seed), config.logprobs_mode)

@@ -118,8 +118,9 @@ def save_adapter(path: str, tensors: dict[str, torch.Tensor], rank: int, alpha: 
 def read_adapter(request: LoRARequest, hf: PretrainedConfig, max_lora_rank: int, path: str,
                  target_modules: list[str] | None = None) -> LoRAAdapter:
     """request's adapter from the directory `path` (request.lora_path resolved) -> LoRAAdapter, or a
-    ValueError that names the request and what is wrong. target_modules (lora_target_modules): the
-    adapter's weights for other modules are left out, with a warning (all of them: a ValueError)."""
+    ValueError that names the request and what is wrong. target_modules (lora_target_modules, less lm_head in a
+    pooling model): the adapter's weights for other modules are left out, with a warning (all of them: a
+    ValueError)."""
     where = f"LoRA adapter {request.lora_name!r} ({request.lora_path})"
     config_file = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(config_file):
@@ -181,11 +182,11 @@ def read_adapter(request: LoRARequest, hf: PretrainedConfig, max_lora_rank: int,
         left_out = sorted({module_of(target) for _, target in weights} - set(target_modules))
         weights = {key: pair for key, pair in weights.items() if module_of(key[1]) in target_modules}
         if not weights:
-            raise ValueError(f"{where}: the adapter adapts {', '.join(left_out)}, none of lora_target_modules "
-                             f"{target_modules}.")
+            raise ValueError(f"{where}: the adapter adapts {', '.join(left_out)}, none of the modules this engine "
+                             f"adapts ({', '.join(target_modules)}).")
         if left_out:
-            logger.warning("%s: its weights for %s are left out (lora_target_modules=%s).", where,
-                           ", ".join(left_out), target_modules)
+            logger.warning("%s: its weights for %s are left out (this engine adapts %s).", where,
+                           ", ".join(left_out), ", ".join(target_modules))
     return LoRAAdapter(request, rank, scaling, weights)
 
 

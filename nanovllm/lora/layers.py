@@ -311,7 +311,8 @@ class LoRAHead(SlotWeights):
 class LoRAModel:
     """The adapted modules of a model: attention's q/k/v and o, a dense MLP's gate/up and down (a mixture of
     experts': each expert's, and the shared expert's), the token embedding and the LM head (a pooling model has
-    none: an adapter's LM-head weights go unused there)."""
+    none: the runner leaves "lm_head" out of its target modules, so that its adapters' LM-head weights are left out
+    with a warning)."""
 
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_tokens: int,
                  target_modules: list[str] | None = None):
