@@ -226,7 +226,8 @@ class LoRAExperts(nn.Module):
 
     def load(self, slot: int, layer: int, adapter: LoRAAdapter):
         """Write adapter's weights for the experts of `layer` into slot (zero where it has none): a projection's
-        experts stacked on the host, then one copy and one write (not a copy a matrix: ~37k for Qwen3-30B-A3B)."""
+        experts' A (and B) stacked on the host, moved and written at once (not a copy a matrix: ~37k for
+        Qwen3-30B-A3B's 48 layers, 1.77 s an adapter against 0.40 s on an H100)."""
         for name in ("a13", "b13"):
             getattr(self, name)[:, :, slot].zero_()
         for name in ("a2", "b2"):
