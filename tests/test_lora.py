@@ -13,8 +13,9 @@ from transformers import AutoConfig
 
 from conftest import as_prompts, hf_greedy, log_lines, make_prompts
 from nanovllm import LLM, SamplingParams
+from nanovllm.layers.moe import is_moe_layer
 from nanovllm.lora.adapter import (ATTENTION_TARGETS, MLP_TARGETS, MODEL_TARGETS, layer_targets, peft_names,
-                                   projection_shapes, save_adapter, target_shape)
+                                   projection_shapes, read_adapter, save_adapter, target_shape)
 from nanovllm.lora.request import LoRARequest
 
 ALL_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
@@ -175,6 +176,85 @@ def test_llama_adapter_with_attention_biases(llama_dir, tmp_path):
         outputs = llm.generate(as_prompts(PROMPTS[:4]), GREEDY, use_tqdm=False,
                                lora_request=LoRARequest("a", 3, adapter))
     assert tokens(outputs) == hf_greedy(merged, PROMPTS[:4], GREEDY.max_tokens)
+
+
+def write_fused_experts_adapter(path, model_dir: str, rank: int = 4, alpha: int = 12,
+                                seed: int = 3) -> tuple[str, str]:
+    """A random adapter as PEFT saves one trained on transformers v5's fused experts (LoraConfig.target_parameters
+    ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]: one pair a fused parameter, down_proj's under the experts
+    module's name, gate_up_proj's under its base_layer), and path/merged: the checkpoint with expert e's delta
+    scaling * B[:, e::experts] @ A[e r: e r + r] merged into its gate and up rows and its down projection."""
+    hf = AutoConfig.from_pretrained(model_dir)
+    num_experts, hidden, inter = hf.num_experts, hf.hidden_size, hf.moe_intermediate_size
+    g = torch.Generator().manual_seed(seed)
+    weights, tensors = load_file(f"{model_dir}/model.safetensors"), {}
+    for layer in [layer for layer in range(hf.num_hidden_layers) if is_moe_layer(hf, layer)]:
+        for nesting, parts, in_features, out_features in (("base_layer.", ("gate_proj", "up_proj"), hidden, 2 * inter),
+                                                          ("", ("down_proj",), inter, hidden)):
+            a = torch.randn(rank * num_experts, in_features, generator=g) * 0.1
+            b = torch.randn(out_features, rank * num_experts, generator=g) * 0.1
+            name = f"base_model.model.model.layers.{layer}.mlp.experts.{nesting}lora_"
+            tensors[f"{name}A.weight"], tensors[f"{name}B.weight"] = a, b
+            for e in range(num_experts):
+                delta = alpha / rank * b[:, e::num_experts] @ a[e * rank:(e + 1) * rank]
+                for part, rows in zip(parts, delta.chunk(len(parts))):
+                    weights[f"model.layers.{layer}.mlp.experts.{e}.{part}.weight"] += rows
+    adapter, merged = path / "adapter", path / "merged"
+    save_adapter(str(adapter), tensors, rank, alpha, [],
+                 target_parameters=["mlp.experts.down_proj", "mlp.experts.gate_up_proj"])
+    shutil.copytree(model_dir, merged)
+    save_file(weights, f"{merged}/model.safetensors", metadata={"format": "pt"})
+    return str(adapter), str(merged)
+
+
+def test_fused_experts_adapter_matches_the_merged_model(qwen3_moe_dir, tmp_path):
+    """An adapter trained on transformers v5's fused experts (PEFT's target_parameters) runs as its per-expert
+    pairs: the merged weights' tokens (test_fused_experts_layout_is_peft_s checks the layout against PEFT itself).
+    A pair of neither fused parameter's shapes, the experts adapted in both forms, or a pair on a dense layer is a
+    ValueError."""
+    adapter, merged = write_fused_experts_adapter(tmp_path / "fused", qwen3_moe_dir)
+    with LLM(qwen3_moe_dir, enable_lora=True, max_lora_rank=8, **SMALL) as llm:
+        outputs = llm.generate(as_prompts(PROMPTS[:4]), GREEDY, use_tqdm=False,
+                               lora_request=LoRARequest("fused", 1, adapter))
+        tensors = load_file(f"{adapter}/adapter_model.safetensors")
+        name = "base_model.model.model.layers.0.mlp.experts.lora_A.weight"
+        bad = tmp_path / "bad"
+        shutil.copytree(adapter, bad)
+        save_file(tensors | {name: tensors[name][:, :16].contiguous()}, f"{bad}/adapter_model.safetensors")
+        with pytest.raises(ValueError, match=r"layer 0's fused experts pair \(mlp.experts.lora_A / lora_B\) has "
+                                             r"shapes \(16, 16\) and \(64, 16\)"):
+            llm.generate(as_prompts(PROMPTS[:1]), GREEDY, use_tqdm=False, lora_request=LoRARequest("bad", 2, str(bad)))
+        twice = "base_model.model.model.layers.0.mlp.experts.0.down_proj.lora_"
+        save_file(tensors | {f"{twice}A.weight": torch.zeros(4, 32), f"{twice}B.weight": torch.zeros(64, 4)},
+                  f"{bad}/adapter_model.safetensors")
+        with pytest.raises(ValueError, match="layer 0's experts are adapted twice"):
+            llm.generate(as_prompts(PROMPTS[:1]), GREEDY, use_tqdm=False, lora_request=LoRARequest("two", 3, str(bad)))
+        dense = {name.replace("layers.0.", "layers.1."): tensor for name, tensor in tensors.items()}   # (a dense MLP)
+        save_file(dense, f"{bad}/adapter_model.safetensors")
+        with pytest.raises(ValueError, match="layer 1 of the base model is not a mixture of experts"):
+            llm.generate(as_prompts(PROMPTS[:1]), GREEDY, use_tqdm=False, lora_request=LoRARequest("one", 4, str(bad)))
+    assert tokens(outputs) == hf_greedy(merged, PROMPTS[:4], GREEDY.max_tokens)
+
+
+def test_fused_experts_layout_is_peft_s(qwen3_moe_dir, tmp_path):
+    """With PEFT installed (not a test dependency; skipped without it): an adapter PEFT saves from transformers v5's
+    fused experts (random, not zero-initialised) reads into per-expert pairs whose deltas are PEFT's own
+    get_delta_weight, expert by expert, for gate_up_proj and down_proj (PEFT 0.22: equal to float32 rounding)."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+    hf = AutoConfig.from_pretrained(qwen3_moe_dir)
+    config = peft.LoraConfig(r=2, lora_alpha=6, target_modules=["q_proj"], lora_dropout=0.0, init_lora_weights=False,
+                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(qwen3_moe_dir), config)
+    model.save_pretrained(tmp_path)
+    adapter = read_adapter(LoRARequest("peft", 1, str(tmp_path)), hf, 8, str(tmp_path))
+    experts = model.base_model.model.model.layers[0].mlp.experts
+    deltas = {w.parameter_name: w.get_delta_weight("default") for w in (experts, experts.base_layer)}
+    for e in range(hf.num_experts):
+        pairs = [adapter.weights[0, f"experts.{e}.{target}"] for target in MLP_TARGETS]
+        gate_up, down = torch.cat([b @ a for a, b in pairs[:2]]), pairs[2][1] @ pairs[2][0]
+        torch.testing.assert_close(adapter.scaling * gate_up, deltas["gate_up_proj"][e], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(adapter.scaling * down, deltas["down_proj"][e], atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("arch, tp", [("qwen3_moe", 1), ("qwen2_moe", 1), ("qwen2_moe", 2)])

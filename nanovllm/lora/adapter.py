@@ -9,7 +9,12 @@ is such a projection too, hidden -> vocabulary; the token embedding's pair is `.
 embedding gains scaling * A.T[token] @ B.T.
 
 In a mixture-of-experts layer the MLP's projections are each expert's (`...layers.3.mlp.experts.7.gate_proj`)
-and, in Qwen2-MoE, the shared expert's (`...mlp.shared_expert.gate_proj`); the router is not adapted.
+and, in Qwen2-MoE, the shared expert's (`...mlp.shared_expert.gate_proj`); the router is not adapted. An adapter
+trained on transformers v5's fused experts (PEFT's `target_parameters`, e.g. `mlp.experts.gate_up_proj`, whose
+parameter is [experts, 2 x intermediate, hidden]) has one pair for all experts of a fused parameter instead,
+under the experts module's name (`...mlp.experts.lora_A.weight`, the next parameter's under `experts.base_layer.`:
+PEFT nests its wrappers): A [r x experts, in], expert e's rows e r .. e r + r - 1, and B [out, r x experts],
+expert e's columns e, e + experts, ... (`split_fused_experts` turns them into the per-expert pairs).
 """
 import json
 import math
@@ -31,6 +36,9 @@ logger = init_logger(__name__)
 # A projection's LoRA tensor, as PEFT names it (".default" where an adapter was saved under its name).
 TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\."
                          r"((?:experts\.\d+\.|shared_expert\.)?\w+)\.lora_([AB])(?:\.default)?\.weight$")
+# A fused experts parameter's LoRA tensor (transformers v5, PEFT's target_parameters), its parameter told by its shape
+FUSED_EXPERTS_NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.mlp\.experts\.((?:base_layer\.)*)"
+                                r"lora_([AB])(?:\.default)?\.weight$")
 # The token embedding's and the LM head's (vLLM's "embedding modules")
 MODEL_TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?(?:model\.(embed_tokens)\.lora_embedding_|(lm_head)\.lora_)"
                                r"([AB])(?:\.default)?(?:\.weight)?$")
@@ -105,6 +113,44 @@ def peft_names(layer: int | None, target: str) -> tuple[str, str]:
     return f"base_model.model.{name}.lora_A.weight", f"base_model.model.{name}.lora_B.weight"
 
 
+def split_fused_experts(tensors: dict[str, torch.Tensor], hf: PretrainedConfig, rank: int,
+                        where: str) -> dict[str, torch.Tensor]:
+    """tensors with each fused experts pair (FUSED_EXPERTS_NAME) replaced by its experts' pairs under their
+    per-expert names: gate_up_proj's A [r x experts, hidden] and B [2 x intermediate, r x experts] give each
+    expert's gate_proj and up_proj (B's first and second halves of rows, the same A), down_proj's A [r x experts,
+    intermediate] and B [hidden, r x experts] its down_proj. ValueError for a pair that is neither."""
+    fused: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for name in [name for name in tensors if FUSED_EXPERTS_NAME.match(name)]:
+        match = FUSED_EXPERTS_NAME.match(name)
+        fused.setdefault((match[1], match[2]), {})[match[3]] = tensors.pop(name)
+    num_experts, hidden = getattr(hf, "num_experts", 0), hf.hidden_size
+    inter = getattr(hf, "moe_intermediate_size", 0)
+    for (layer, nesting), pair in fused.items():
+        what = f"layer {layer}'s fused experts pair (mlp.experts.{nesting}lora_A / lora_B)"
+        if set(pair) != {"A", "B"}:
+            raise ValueError(f"{where}: {what} has no lora_{({'A', 'B'} - set(pair)).pop()} tensor.")
+        if int(layer) >= hf.num_hidden_layers or not is_moe_layer(hf, int(layer)):
+            raise ValueError(f"{where}: {what}: layer {layer} of the base model is not a mixture of experts.")
+        a, b = pair["A"], pair["B"]
+        columns = rank * num_experts
+        targets = {((columns, hidden), (2 * inter, columns)): ("gate_proj", "up_proj"),
+                   ((columns, inter), (hidden, columns)): ("down_proj",)}.get((tuple(a.shape), tuple(b.shape)))
+        if targets is None:
+            raise ValueError(f"{where}: {what} has shapes {tuple(a.shape)} and {tuple(b.shape)}; at r={rank} a fused "
+                             f"gate_up_proj's are ({columns}, {hidden}) and ({2 * inter}, {columns}), a fused "
+                             f"down_proj's ({columns}, {inter}) and ({hidden}, {columns}).")
+        a = a.reshape(num_experts, rank, -1)                          # [experts, r, in]
+        b = b.reshape(b.shape[0], rank, num_experts).permute(2, 0, 1)  # [experts, out, r]
+        for expert in range(num_experts):
+            for target, rows in zip(targets, b[expert].chunk(len(targets))):
+                a_name, b_name = peft_names(int(layer), f"experts.{expert}.{target}")
+                if a_name in tensors:
+                    raise ValueError(f"{where}: layer {layer}'s experts are adapted twice: by {what} and by "
+                                     f"{a_name!r}.")
+                tensors[a_name], tensors[b_name] = a[expert], rows.contiguous()
+    return tensors
+
+
 def save_adapter(path: str, tensors: dict[str, torch.Tensor], rank: int, alpha: int, targets: list[str], **config):
     """An adapter's two files as PEFT writes them, into the directory path (for tests and benchmarks: the engine
     only reads adapters). config: more adapter_config.json keys."""
@@ -142,7 +188,7 @@ def read_adapter(request: LoRARequest, hf: PretrainedConfig, max_lora_rank: int,
     alpha = config.get("lora_alpha", rank)
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora", False) else alpha / rank
 
-    tensors = _load_tensors(path, where)
+    tensors = split_fused_experts(_load_tensors(path, where), hf, rank, where)
     shapes = projection_shapes(hf)
     parts: dict[tuple[int | None, str], dict[str, torch.Tensor]] = {}
     allowed: dict[int, set[str]] = {}   # layer -> its targets
