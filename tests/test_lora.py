@@ -236,16 +236,18 @@ def test_fused_experts_adapter_matches_the_merged_model(qwen3_moe_dir, tmp_path)
     assert tokens(outputs) == hf_greedy(merged, PROMPTS[:4], GREEDY.max_tokens)
 
 
-def test_fused_experts_layout_is_peft_s(qwen3_moe_dir, tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_fused_experts_layout_is_peft_s(arch, request, tmp_path):
     """With PEFT installed (not a test dependency; skipped without it): an adapter PEFT saves from transformers v5's
     fused experts (random, not zero-initialised) reads into per-expert pairs whose deltas are PEFT's own
     get_delta_weight, expert by expert, for gate_up_proj and down_proj (PEFT 0.22: equal to float32 rounding)."""
     peft = pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
-    hf = AutoConfig.from_pretrained(qwen3_moe_dir)
+    model_dir = request.getfixturevalue(f"{arch}_dir")
+    hf = AutoConfig.from_pretrained(model_dir)
     config = peft.LoraConfig(r=2, lora_alpha=6, target_modules=["q_proj"], lora_dropout=0.0, init_lora_weights=False,
                              target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(qwen3_moe_dir), config)
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), config)
     model.save_pretrained(tmp_path)
     adapter = read_adapter(LoRARequest("peft", 1, str(tmp_path)), hf, 8, str(tmp_path))
     experts = model.base_model.model.model.layers[0].mlp.experts
