@@ -68,8 +68,8 @@ IDLE_ARGUMENTS = {
              kv_cache_metrics_sample=0.01, cudagraph_metrics=False, enable_layerwise_nvtx_tracing=False,
              enable_mfu_metrics=False, enable_logging_iteration_details=False, aggregate_engine_logging=False,
              jit_monitor_mode="warn", jit_monitor_verbose=False),
-    **_group("LoRA on every attention and MLP projection (each expert's, in PEFT's per-expert names), the "
-             "embedding and the LM head of text-only models",
+    **_group("LoRA on every attention and MLP projection (each expert's, in PEFT's per-expert names or its fused "
+             "experts' pairs), the embedding and the LM head of text-only models",
              default_mm_loras=None, enable_tower_connector_lora=False,
              enable_mixed_moe_lora_format=False, enable_moe_shared_loras=False),
 }

@@ -113,18 +113,17 @@ def peft_names(layer: int | None, target: str) -> tuple[str, str]:
     return f"base_model.model.{name}.lora_A.weight", f"base_model.model.{name}.lora_B.weight"
 
 
-def split_fused_experts(tensors: dict[str, torch.Tensor], hf: PretrainedConfig, rank: int,
-                        where: str) -> dict[str, torch.Tensor]:
+def split_fused_experts(tensors: dict[str, torch.Tensor], hf: PretrainedConfig, shapes: dict[str, tuple[int, int]],
+                        rank: int, where: str) -> dict[str, torch.Tensor]:
     """tensors with each fused experts pair (FUSED_EXPERTS_NAME) replaced by its experts' pairs under their
     per-expert names: gate_up_proj's A [r x experts, hidden] and B [2 x intermediate, r x experts] give each
     expert's gate_proj and up_proj (B's first and second halves of rows, the same A), down_proj's A [r x experts,
-    intermediate] and B [hidden, r x experts] its down_proj. ValueError for a pair that is neither."""
+    intermediate] and B [hidden, r x experts] its down_proj (shapes: projection_shapes'). ValueError for a pair
+    that is neither."""
     fused: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     for name in [name for name in tensors if FUSED_EXPERTS_NAME.match(name)]:
         match = FUSED_EXPERTS_NAME.match(name)
         fused.setdefault((match[1], match[2]), {})[match[3]] = tensors.pop(name)
-    num_experts, hidden = getattr(hf, "num_experts", 0), hf.hidden_size
-    inter = getattr(hf, "moe_intermediate_size", 0)
     for (layer, nesting), pair in fused.items():
         what = f"layer {layer}'s fused experts pair (mlp.experts.{nesting}lora_A / lora_B)"
         if set(pair) != {"A", "B"}:
@@ -132,6 +131,7 @@ def split_fused_experts(tensors: dict[str, torch.Tensor], hf: PretrainedConfig, 
         if int(layer) >= hf.num_hidden_layers or not is_moe_layer(hf, int(layer)):
             raise ValueError(f"{where}: {what}: layer {layer} of the base model is not a mixture of experts.")
         a, b = pair["A"], pair["B"]
+        num_experts, (hidden, inter) = hf.num_experts, shapes["expert_gate_proj"]
         columns = rank * num_experts
         targets = {((columns, hidden), (2 * inter, columns)): ("gate_proj", "up_proj"),
                    ((columns, inter), (hidden, columns)): ("down_proj",)}.get((tuple(a.shape), tuple(b.shape)))
@@ -188,8 +188,8 @@ def read_adapter(request: LoRARequest, hf: PretrainedConfig, max_lora_rank: int,
     alpha = config.get("lora_alpha", rank)
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora", False) else alpha / rank
 
-    tensors = split_fused_experts(_load_tensors(path, where), hf, rank, where)
     shapes = projection_shapes(hf)
+    tensors = split_fused_experts(_load_tensors(path, where), hf, shapes, rank, where)
     parts: dict[tuple[int | None, str], dict[str, torch.Tensor]] = {}
     allowed: dict[int, set[str]] = {}   # layer -> its targets
     for name, tensor in tensors.items():

@@ -234,9 +234,8 @@ class LoRAExperts(nn.Module):
             getattr(self, name)[:, slot].zero_()
         rank, scaling, device, dtype = adapter.rank, adapter.scaling, self.a2.device, self.a2.dtype
         for part, target in enumerate(("gate_proj", "up_proj", "down_proj")):
-            found = {expert: adapter.weights.get((layer, f"experts.{expert}.{target}"))
-                     for expert in range(self.a2.shape[0])}
-            found = {expert: weights for expert, weights in found.items() if weights is not None}
+            found = {expert: weights for expert in range(self.a2.shape[0])
+                     if (weights := adapter.weights.get((layer, f"experts.{expert}.{target}"))) is not None}
             if not found:
                 continue
             experts = torch.tensor(list(found), device=device)
