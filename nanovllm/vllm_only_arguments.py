@@ -68,10 +68,8 @@ IDLE_ARGUMENTS = {
              kv_cache_metrics_sample=0.01, cudagraph_metrics=False, enable_layerwise_nvtx_tracing=False,
              enable_mfu_metrics=False, enable_logging_iteration_details=False, aggregate_engine_logging=False,
              jit_monitor_mode="warn", jit_monitor_verbose=False),
-    **_group("LoRA on every attention and MLP projection (each expert's, in PEFT's per-expert names or its fused "
-             "experts' pairs), the embedding and the LM head of text-only models",
-             default_mm_loras=None, enable_tower_connector_lora=False,
-             enable_mixed_moe_lora_format=False, enable_moe_shared_loras=False),
+    **_group("LoRA on every attention and MLP projection, the embedding and the LM head of text-only models",
+             default_mm_loras=None, enable_tower_connector_lora=False),
 }
 
 # vLLM's settings that leave nanovllm's outputs as they are, accepted at any value and not used:
@@ -81,8 +79,11 @@ IGNORED_ARGUMENTS = {
              safetensors_load_strategy=None, safetensors_prefetch_num_threads=8,
              safetensors_prefetch_block_size=16 * 1024 * 1024, use_tqdm_on_load=True, pt_load_map_location="cpu",
              ignore_patterns=["original/**/*"]),
-    **_group("the adapters' products are plain torch products on each rank's shard", fully_sharded_loras=False,
+    **_group("each rank adds its shard's part of the adapters' products", fully_sharded_loras=False,
              specialize_active_lora=False),
+    **_group("an MoE adapter is read in any of its layouts (PEFT's per-expert pairs, its fused experts' pairs, "
+             "vLLM's shared-outer stacks), whatever the engine's settings", enable_mixed_moe_lora_format=False,
+             enable_moe_shared_loras=False),
     **_group("the prefix cache hashes with xxhash and compares a hit's tokens", prefix_caching_hash_algo="sha256"),
     **_group("shared prefixes are read once a run where that pays (engine/shared_prefix.py)",
              disable_cascade_attn=True),

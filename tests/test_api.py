@@ -1350,7 +1350,7 @@ def test_vllm_engine_arguments_that_mean_our_behaviour_are_accepted(qwen3_dir):
                   **{name: idle for name, (idle, _) in IDLE_ARGUMENTS.items()})
     assert len(lines) == len(IGNORED_ARGUMENTS) and all(" is not used: " in line for line in lines)
     assert any(line.startswith("fully_sharded_loras=<object object at ") and line.endswith(
-        " is not used: the adapters' products are plain torch products on each rank's shard.") for line in lines)
+        " is not used: each rank adds its shard's part of the adapters' products.") for line in lines)
     # vLLM's compile and CUDA-graph settings, as its examples pass them
     with log_lines("nanovllm.config") as lines:
         LLM(qwen3_dir, num_kvcache_blocks=4, compilation_config={"cudagraph_capture_sizes": [1, 2, 4]},

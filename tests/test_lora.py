@@ -236,6 +236,62 @@ def test_fused_experts_adapter_matches_the_merged_model(qwen3_moe_dir, tmp_path)
     assert tokens(outputs) == hf_greedy(merged, PROMPTS[:4], GREEDY.max_tokens)
 
 
+def write_stacked_experts_adapter(path, model_dir: str, rank: int = 4, alpha: int = 8,
+                                  seed: int = 4) -> tuple[str, str]:
+    """A random adapter in vLLM's shared-outer layout (its enable_moe_shared_loras): per MoE layer
+    mlp.experts.w1 (gate), w3 (up) and w2 (down), each an A [experts, r, in] and a B [experts, out, r] stack, where
+    gate's and up's A and down's B have one entry that every expert shares; and path/merged: the checkpoint with
+    expert e's scaling * B[e] @ A[e or 0] merged in."""
+    hf = AutoConfig.from_pretrained(model_dir)
+    num_experts, hidden, inter = hf.num_experts, hf.hidden_size, hf.moe_intermediate_size
+    g = torch.Generator().manual_seed(seed)
+    weights, tensors = load_file(f"{model_dir}/model.safetensors"), {}
+    for layer in [layer for layer in range(hf.num_hidden_layers) if is_moe_layer(hf, layer)]:
+        for stack, part, a_entries, b_entries, in_features, out_features in (
+                ("w1", "gate_proj", 1, num_experts, hidden, inter), ("w3", "up_proj", 1, num_experts, hidden, inter),
+                ("w2", "down_proj", num_experts, 1, inter, hidden)):
+            a = torch.randn(a_entries, rank, in_features, generator=g) * 0.1
+            b = torch.randn(b_entries, out_features, rank, generator=g) * 0.1
+            name = f"base_model.model.model.layers.{layer}.mlp.experts.{stack}.lora_"
+            tensors[f"{name}A.weight"], tensors[f"{name}B.weight"] = a, b
+            for e in range(num_experts):
+                weights[f"model.layers.{layer}.mlp.experts.{e}.{part}.weight"] += (
+                    alpha / rank * b[e % b_entries] @ a[e % a_entries])
+    adapter, merged = path / "adapter", path / "merged"
+    save_adapter(str(adapter), tensors, rank, alpha, ["experts.w1", "experts.w2", "experts.w3"])
+    shutil.copytree(model_dir, merged)
+    save_file(weights, f"{merged}/model.safetensors", metadata={"format": "pt"})
+    return str(adapter), str(merged)
+
+
+def test_every_moe_adapter_layout_runs_in_one_engine(qwen3_moe_dir, tmp_path):
+    """vLLM's shared-outer layout (stacked experts, some factors shared), the fused experts' pairs and the base
+    model mixed in a batch: each its merged weights' tokens. vLLM's enable_mixed_moe_lora_format and
+    enable_moe_shared_loras are accepted (every layout is read whatever they are), and so is a LoRARequest's
+    is_3d_lora_weight. A stack of other shapes, or missing a half, is a ValueError naming it."""
+    stacked, stacked_merged = write_stacked_experts_adapter(tmp_path / "stacked", qwen3_moe_dir)
+    fused, fused_merged = write_fused_experts_adapter(tmp_path / "fused", qwen3_moe_dir)
+    requests = [LoRARequest("stacked", 1, stacked), LoRARequest("fused", 2, fused, is_3d_lora_weight=True), None]
+    with LLM(qwen3_moe_dir, enable_lora=True, max_lora_rank=8, max_loras=2, enable_mixed_moe_lora_format=True,
+             enable_moe_shared_loras=True, **SMALL) as llm:
+        outputs = llm.generate(as_prompts(PROMPTS[:6]), GREEDY, use_tqdm=False,
+                               lora_request=[requests[i % 3] for i in range(6)])
+        tensors = load_file(f"{stacked}/adapter_model.safetensors")
+        name = "base_model.model.model.layers.0.mlp.experts.w2.lora_B.weight"
+        bad = tmp_path / "bad"
+        shutil.copytree(stacked, bad)
+        save_file(tensors | {name: torch.zeros(2, 64, 4)}, f"{bad}/adapter_model.safetensors")
+        with pytest.raises(ValueError, match=r"layer 0's stacked experts pair mlp.experts.w2 \(lora_A / lora_B\) "
+                                             r"has shapes \(4, 4, 32\) and \(2, 64, 4\); at r=4 a down_proj's are "
+                                             r"\(4 or 1, 4, 32\) and \(4 or 1, 64, 4\)"):
+            llm.generate(as_prompts(PROMPTS[:1]), GREEDY, use_tqdm=False, lora_request=LoRARequest("bad", 3, str(bad)))
+        save_file({k: v for k, v in tensors.items() if k != name}, f"{bad}/adapter_model.safetensors")
+        with pytest.raises(ValueError, match=r"mlp.experts.w2 \(lora_A / lora_B\) has no lora_B tensor"):
+            llm.generate(as_prompts(PROMPTS[:1]), GREEDY, use_tqdm=False, lora_request=LoRARequest("half", 4, str(bad)))
+    for i, path in enumerate((stacked_merged, fused_merged, qwen3_moe_dir)):
+        assert tokens(outputs)[i::3] == hf_greedy(path, PROMPTS[i:6:3], GREEDY.max_tokens)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
 def test_fused_experts_layout_is_peft_s(arch, request, tmp_path):
     """With PEFT installed (not a test dependency; skipped without it): an adapter PEFT saves from transformers v5's

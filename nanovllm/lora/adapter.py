@@ -14,7 +14,10 @@ trained on transformers v5's fused experts (PEFT's `target_parameters`, e.g. `ml
 parameter is [experts, 2 x intermediate, hidden]) has one pair for all experts of a fused parameter instead,
 under the experts module's name (`...mlp.experts.lora_A.weight`, the next parameter's under `experts.base_layer.`:
 PEFT nests its wrappers): A [r x experts, in], expert e's rows e r .. e r + r - 1, and B [out, r x experts],
-expert e's columns e, e + experts, ... (`split_fused_experts` turns them into the per-expert pairs).
+expert e's columns e, e + experts, ... (`split_fused_experts` turns them into the per-expert pairs). vLLM's
+"shared-outer" layout (its enable_moe_shared_loras) stacks each projection's experts instead: `mlp.experts.w1`
+(gate), `w3` (up) and `w2` (down), each an A [experts, r, in] and a B [experts, out, r], where a factor that all
+experts share has one entry (vLLM's have gate's and up's A and down's B shared; `split_stacked_experts` reads any).
 """
 import json
 import math
@@ -39,6 +42,10 @@ TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_
 # A fused experts parameter's LoRA tensor (transformers v5, PEFT's target_parameters), its parameter told by its shape
 FUSED_EXPERTS_NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.mlp\.experts\.((?:base_layer\.)*)"
                                 r"lora_([AB])(?:\.default)?\.weight$")
+# A stacked experts factor (vLLM's shared-outer layout): w1 gate_proj, w2 down_proj, w3 up_proj
+STACKED_EXPERTS_NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.mlp\.experts\.(w[123])\."
+                                  r"lora_([AB])(?:\.default)?\.weight$")
+STACKED_TARGETS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 # The token embedding's and the LM head's (vLLM's "embedding modules")
 MODEL_TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?(?:model\.(embed_tokens)\.lora_embedding_|(lm_head)\.lora_)"
                                r"([AB])(?:\.default)?(?:\.weight)?$")
@@ -113,6 +120,36 @@ def peft_names(layer: int | None, target: str) -> tuple[str, str]:
     return f"base_model.model.{name}.lora_A.weight", f"base_model.model.{name}.lora_B.weight"
 
 
+def _pop_expert_pairs(tensors: dict[str, torch.Tensor], pattern: re.Pattern, hf: PretrainedConfig, where: str,
+                      describe) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, str]]:
+    """The tensors whose names match pattern (groups: layer, a key, A or B), taken out of tensors ->
+    {(layer, key): (A, B, the pair described)}; describe(layer, key) names a pair in errors. ValueError for a
+    pair missing a half or on a layer that is not a mixture of experts."""
+    halves: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for name in [name for name in tensors if pattern.match(name)]:
+        match = pattern.match(name)
+        halves.setdefault((match[1], match[2]), {})[match[3]] = tensors.pop(name)
+    pairs = {}
+    for (layer, key), pair in halves.items():
+        what = describe(layer, key)
+        if set(pair) != {"A", "B"}:
+            raise ValueError(f"{where}: {what} has no lora_{({'A', 'B'} - set(pair)).pop()} tensor.")
+        if int(layer) >= hf.num_hidden_layers or not is_moe_layer(hf, int(layer)):
+            raise ValueError(f"{where}: {what}: layer {layer} of the base model is not a mixture of experts.")
+        pairs[int(layer), key] = (pair["A"], pair["B"], what)
+    return pairs
+
+
+def _add_expert_pair(tensors: dict[str, torch.Tensor], layer: int, target: str, a: torch.Tensor, b: torch.Tensor,
+                     what: str, where: str):
+    """tensors[target's PEFT names] = a, b (target: "experts.<e>.<projection>"), unless the adapter has them
+    already (a ValueError: the experts adapted in two layouts)."""
+    a_name, b_name = peft_names(layer, target)
+    if a_name in tensors:
+        raise ValueError(f"{where}: layer {layer}'s experts are adapted twice: by {what} and by {a_name!r}.")
+    tensors[a_name], tensors[b_name] = a.contiguous(), b.contiguous()
+
+
 def split_fused_experts(tensors: dict[str, torch.Tensor], hf: PretrainedConfig, shapes: dict[str, tuple[int, int]],
                         rank: int, where: str) -> dict[str, torch.Tensor]:
     """tensors with each fused experts pair (FUSED_EXPERTS_NAME) replaced by its experts' pairs under their
@@ -120,17 +157,9 @@ def split_fused_experts(tensors: dict[str, torch.Tensor], hf: PretrainedConfig, 
     expert's gate_proj and up_proj (B's first and second halves of rows, the same A), down_proj's A [r x experts,
     intermediate] and B [hidden, r x experts] its down_proj (shapes: projection_shapes'). ValueError for a pair
     that is neither."""
-    fused: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
-    for name in [name for name in tensors if FUSED_EXPERTS_NAME.match(name)]:
-        match = FUSED_EXPERTS_NAME.match(name)
-        fused.setdefault((match[1], match[2]), {})[match[3]] = tensors.pop(name)
-    for (layer, nesting), pair in fused.items():
-        what = f"layer {layer}'s fused experts pair (mlp.experts.{nesting}lora_A / lora_B)"
-        if set(pair) != {"A", "B"}:
-            raise ValueError(f"{where}: {what} has no lora_{({'A', 'B'} - set(pair)).pop()} tensor.")
-        if int(layer) >= hf.num_hidden_layers or not is_moe_layer(hf, int(layer)):
-            raise ValueError(f"{where}: {what}: layer {layer} of the base model is not a mixture of experts.")
-        a, b = pair["A"], pair["B"]
+    pairs = _pop_expert_pairs(tensors, FUSED_EXPERTS_NAME, hf, where, lambda layer, nesting:
+                              f"layer {layer}'s fused experts pair (mlp.experts.{nesting}lora_A / lora_B)")
+    for (layer, _), (a, b, what) in pairs.items():   # (on a mixture of experts only: hf.num_experts)
         num_experts, (hidden, inter) = hf.num_experts, shapes["expert_gate_proj"]
         columns = rank * num_experts
         targets = {((columns, hidden), (2 * inter, columns)): ("gate_proj", "up_proj"),
@@ -143,11 +172,28 @@ def split_fused_experts(tensors: dict[str, torch.Tensor], hf: PretrainedConfig, 
         b = b.reshape(b.shape[0], rank, num_experts).permute(2, 0, 1)  # [experts, out, r]
         for expert in range(num_experts):
             for target, rows in zip(targets, b[expert].chunk(len(targets))):
-                a_name, b_name = peft_names(int(layer), f"experts.{expert}.{target}")
-                if a_name in tensors:
-                    raise ValueError(f"{where}: layer {layer}'s experts are adapted twice: by {what} and by "
-                                     f"{a_name!r}.")
-                tensors[a_name], tensors[b_name] = a[expert], rows.contiguous()
+                _add_expert_pair(tensors, layer, f"experts.{expert}.{target}", a[expert], rows, what, where)
+    return tensors
+
+
+def split_stacked_experts(tensors: dict[str, torch.Tensor], hf: PretrainedConfig,
+                          shapes: dict[str, tuple[int, int]], rank: int, where: str) -> dict[str, torch.Tensor]:
+    """tensors with each stacked experts pair (STACKED_EXPERTS_NAME, vLLM's shared-outer layout) replaced by its
+    experts' pairs under their per-expert names: expert e's A is A[e] and its B is B[e], or the one entry of a
+    factor all experts share. ValueError for other shapes."""
+    pairs = _pop_expert_pairs(tensors, STACKED_EXPERTS_NAME, hf, where, lambda layer, stack:
+                              f"layer {layer}'s stacked experts pair mlp.experts.{stack} (lora_A / lora_B)")
+    for (layer, stack), (a, b, what) in pairs.items():
+        num_experts, target = hf.num_experts, STACKED_TARGETS[stack]
+        in_features, out_features = shapes["expert_" + target]
+        if (a.dim() != 3 or b.dim() != 3 or tuple(a.shape[1:]) != (rank, in_features)
+                or tuple(b.shape[1:]) != (out_features, rank) or {len(a), len(b)} - {1, num_experts}):
+            raise ValueError(f"{where}: {what} has shapes {tuple(a.shape)} and {tuple(b.shape)}; at r={rank} a "
+                             f"{target}'s are ({num_experts} or 1, {rank}, {in_features}) and ({num_experts} or 1, "
+                             f"{out_features}, {rank}).")
+        for expert in range(num_experts):
+            _add_expert_pair(tensors, layer, f"experts.{expert}.{target}", a[expert % len(a)], b[expert % len(b)],
+                             what, where)
     return tensors
 
 
@@ -189,7 +235,9 @@ def read_adapter(request: LoRARequest, hf: PretrainedConfig, max_lora_rank: int,
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora", False) else alpha / rank
 
     shapes = projection_shapes(hf)
-    tensors = split_fused_experts(_load_tensors(path, where), hf, shapes, rank, where)
+    tensors = _load_tensors(path, where)
+    for split in (split_fused_experts, split_stacked_experts):
+        tensors = split(tensors, hf, shapes, rank, where)
     parts: dict[tuple[int | None, str], dict[str, torch.Tensor]] = {}
     allowed: dict[int, set[str]] = {}   # layer -> its targets
     for name, tensor in tensors.items():

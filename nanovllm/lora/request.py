@@ -15,6 +15,7 @@ class LoRARequest:
     base_model_name: str | None = None
     tensorizer_config_dict: dict | None = None
     load_inplace: bool = False
+    is_3d_lora_weight: bool = False      # vLLM's MoE layout switch; the layout is read from the tensors' names
 
     def __post_init__(self):
         if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
