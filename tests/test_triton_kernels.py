@@ -1019,19 +1019,21 @@ def test_moe_kernels_equal_the_per_expert_loop(num_tokens, num_experts, top_k, h
     assert choices.shape == (top_k, *ref.shape) and rel_err(choices.float().sum(0).cpu(), ref) < TOL
 
 
-@pytest.mark.parametrize("num_tokens, num_slots, rank", [(1, 2, 8), (37, 3, 8), (100, 1, 16), (300, 4, 4),
-                                                         (20, 3, 128)])
-def test_moe_kernels_with_lora_equal_the_per_expert_loop(num_tokens, num_slots, rank):
+@pytest.mark.parametrize("num_tokens, num_slots, rank, hidden, intermediate",
+                         [(1, 2, 8, 72, 40), (2, 1, 16, 600, 300), (37, 3, 8, 72, 40), (100, 1, 16, 72, 40),
+                          (300, 4, 4, 72, 40), (20, 3, 128, 72, 40)])
+def test_moe_kernels_with_lora_equal_the_per_expert_loop(num_tokens, num_slots, rank, hidden, intermediate):
     """With adapters on the experts (ExpertLoRA), fused_moe adds each token's own slot's products to its experts'
     gate, up and down, as the per-expert loop's torch formula does: tokens of every slot and of none (-1), slots
-    x rank not a power of two (3 x 8), each size of block (1, 37 and 300 tokens), and a rank the products take
-    in two parts (128: MAX_BLOCK_R rows of B at a time)."""
+    x rank not a power of two (3 x 8), each size of block (1, 37 and 300 tokens), a rank the products take
+    in two parts (128: MAX_BLOCK_R rows of B at a time), and shrinks split along K (2 tokens: 4 assignments, 600
+    hidden and 300 intermediate features are 3 and 2 slices, the last partial)."""
     import numpy as np
     from nanovllm.distributed import SINGLE
     from nanovllm.kernels.triton_moe import ExpertLoRA, fused_moe
     from nanovllm.layers.moe import Experts, route
     from nanovllm.lora.layers import LoRAExperts, LoRASlots
-    num_experts, top_k, hidden, intermediate = 8, 2, 72, 40
+    num_experts, top_k = 8, 2
     gen = torch.Generator().manual_seed(num_tokens)
     experts = Experts(num_experts, hidden, intermediate, SINGLE)
     experts.w13.data = torch.randn(num_experts, 2 * intermediate, hidden, generator=gen) / hidden ** 0.5

@@ -86,6 +86,12 @@ def shrink_tiles(block_m: int, n: int) -> Tiles:
     return Tiles(min(64, max(16, triton.next_power_of_2(n))), 256 if block_m <= 32 else 64, 4, 3)
 
 
+def shrink_splits(num_assignments: int, k: int, tiles: Tiles) -> int:
+    """The slices of K a LoRA shrink runs in: at a few assignments (a program a used expert) one K step each, so
+    that its programs' serial loads become parallel ones (perf_notes row 154); otherwise 1."""
+    return triton.cdiv(k, tiles.block_k) if num_assignments <= FEW_ASSIGNMENTS else 1
+
+
 def block_m_for(num_assignments: int, num_experts: int) -> int:
     """Rows per block (a key of TILES): the MMA's smallest width when experts get a few rows each
     (decode), 128 when they get more than 32 (prompts), even though a run's last block is then
@@ -289,15 +295,16 @@ def _place(flat_ids: torch.Tensor, counts: torch.Tensor, rank: torch.Tensor,
     return sorted_ids, block_expert
 
 
-@triton.jit(do_not_specialize=["num_assignments"])
+@triton.jit(do_not_specialize=["num_assignments", "stride_split", "stride_shrunk_split"])
 def _moe_product_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, scale_ptr, shrunk_ptr, lora_b_ptr,
                         token_slots_ptr, N, K, num_assignments, stride_x, stride_we, stride_wn, stride_o,
-                        stride_shrunk, stride_lora_b, NUM_EXPERTS: tl.constexpr, ROWS_PER_X: tl.constexpr,
-                        SCALED: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, LORA: tl.constexpr, TOP_K: tl.constexpr, NUM_SLOTS: tl.constexpr,
-                        RANK: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+                        stride_split, stride_shrunk, stride_shrunk_split, stride_lora_b, NUM_EXPERTS: tl.constexpr,
+                        ROWS_PER_X: tl.constexpr, SCALED: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, LORA: tl.constexpr,
+                        TOP_K: tl.constexpr, NUM_SLOTS: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
+                        SHRUNK_SPLITS: tl.constexpr, PDL: tl.constexpr):
     pdl.begin(PDL)   # (nothing to read before it: which expert's weights a block needs is the routing's output)
-    block, n_block = tl.program_id(0), tl.program_id(1)
+    block, n_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     expert = tl.load(block_expert_ptr + block)
     if expert >= NUM_EXPERTS:      # past the last used block
         return
@@ -308,14 +315,18 @@ def _moe_product_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
     # them: BLOCK_N / 2 gate rows and the up rows of the same features.
     OUT_N: tl.constexpr = BLOCK_N // 2 if SILU_MUL else BLOCK_N
     offs_n = n_block * OUT_N + tl.arange(0, OUT_N)
+    k_start, k_end = 0, K
+    if SPLIT_K > 1:   # the program's slice of K: the split-th of SPLIT_K runs of BLOCK_K-long steps
+        k_start = split * tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+        k_end = tl.minimum(K, k_start + tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
-    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_x + offs_k[None, :]                         # [M, K]
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [K, N]
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_x + (k_start + offs_k)[None, :]                  # [M, K]
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + (k_start + offs_k)[:, None]
     acc = tl.zeros((BLOCK_M, OUT_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, OUT_N), tl.float32)
-    for k in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k
+    for k in range(k_start, k_end, BLOCK_K):
+        k_ok = offs_k < k_end - k
         x = tl.load(x_ptrs, mask=is_row[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(x, w, acc)
@@ -324,8 +335,8 @@ def _moe_product_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
             acc_up = tl.dot(x, up, acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if LORA:   # each row's own slot's shrink columns (RANK a slot) times the expert's B rows of that slot,
-        # for the slots the block's rows use, BLOCK_R of a slot's rows at a time
+    if LORA:   # each row's own slot's shrink columns (RANK a slot; the sum of SHRUNK_SPLITS partials) times the
+        # expert's B rows of that slot, for the slots the block's rows use, BLOCK_R of a slot's rows at a time
         slot = tl.load(token_slots_ptr + ids // TOP_K, mask=is_row, other=-1)
         offs_r = tl.arange(0, BLOCK_R)
         SLOT_ROWS: tl.constexpr = NUM_SLOTS * RANK   # (with SILU_MUL the gate's, then the up's as many)
@@ -338,10 +349,11 @@ def _moe_product_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
                     shrunk_ptrs = shrunk_ptr + ids[:, None].to(tl.int64) * stride_shrunk + cols[None, :]
                     b_ptrs = lora_b_ptr + expert.to(tl.int64) * stride_lora_b + cols[:, None] * N + offs_n[None, :]
                     part_ok, b_ok = mine[:, None] & r_ok[None, :], r_ok[:, None] & n_ok[None, :]
-                    acc = tl.dot(tl.load(shrunk_ptrs, mask=part_ok, other=0.0),
+                    acc = tl.dot(_shrunk_part(shrunk_ptrs, part_ok, stride_shrunk_split, SHRUNK_SPLITS, x_ptr),
                                  tl.load(b_ptrs, mask=b_ok, other=0.0), acc)
                     if SILU_MUL:
-                        acc_up = tl.dot(tl.load(shrunk_ptrs + SLOT_ROWS, mask=part_ok, other=0.0),
+                        acc_up = tl.dot(_shrunk_part(shrunk_ptrs + SLOT_ROWS, part_ok, stride_shrunk_split,
+                                                     SHRUNK_SPLITS, x_ptr),
                                         tl.load(b_ptrs + SLOT_ROWS * N, mask=b_ok, other=0.0), acc_up)
     out_dtype = out_ptr.dtype.element_ty
     if SILU_MUL:                   # each product rounded first, as the two-kernel path rounds them
@@ -349,40 +361,55 @@ def _moe_product_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
     if SCALED:                     # by each assignment's routing weight
         acc *= tl.load(scale_ptr + ids, mask=is_row, other=0.0)[:, None]
     out_ptrs = out_ptr + ids[:, None].to(tl.int64) * stride_o + offs_n[None, :]
+    if SPLIT_K > 1:   # (float32 partials)
+        out_ptrs += split.to(tl.int64) * stride_split
     tl.store(out_ptrs, acc.to(out_dtype), mask=is_row[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _shrunk_part(ptrs, mask, stride_split, SPLITS: tl.constexpr, x_ptr):
+    """The shrink's columns at ptrs: the sum of its SPLITS partials (stride_split apart), rounded to x's dtype
+    (as the shrink's output is when it comes whole)."""
+    part = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    for s in range(1, SPLITS):
+        part += tl.load(ptrs + s * stride_split, mask=mask, other=0.0).to(tl.float32)
+    return part.to(x_ptr.dtype.element_ty)
 
 
 def moe_product(x: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
                 num_assignments: int, rows_per_x: int, block_m: int, scale: torch.Tensor | None = None,
                 silu_mul: bool = False, tiles: Tiles | None = None,
                 lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None,
-                num_tokens: int | None = None) -> torch.Tensor:
+                num_tokens: int | None = None, split_k: int = 1) -> torch.Tensor:
     """x: [num_assignments // rows_per_x, K]; w: [num_experts, N, K] -> [num_assignments, N], row a
     = x[a // rows_per_x] @ w[expert of a].T (times scale[a] if given). silu_mul: w's rows hold
     gate | up, and the output is silu(gate) * up: [num_assignments, N / 2]. tiles: TILES's for
     block_m (FEW_TILES for a few assignments) unless given. lora: (shrunk [num_assignments, (2 with silu_mul)
-    x slots x rank], b [num_experts, (2,) slots, rank, N (/ 2)], token_slots, top_k): each row's own slot's
-    part of shrunk times that slot's b is added to the product (to gate and up each, with silu_mul). num_tokens:
-    the step's tokens, which decide a PDL launch (pdl.launch_options); num_assignments // rows_per_x if not given."""
+    x slots x rank] or its split_k partials [splits, ...], b [num_experts, (2,) slots, rank, N (/ 2)], token_slots,
+    top_k): each row's own slot's part of shrunk times that slot's b is added to the product (to gate and up each,
+    with silu_mul). num_tokens: the step's tokens, which decide a PDL launch (pdl.launch_options); num_assignments
+    // rows_per_x if not given. split_k > 1 (for the LoRA shrinks): the product in that many slices of K, returned
+    as their float32 partials [split_k, num_assignments, N]."""
     gate_up_tiles, down_tiles = FEW_TILES if num_assignments <= FEW_ASSIGNMENTS else TILES[block_m]
     tiles = tiles or (gate_up_tiles if silu_mul else down_tiles)
     num_experts, n, k = w.shape
     n = n // 2 if silu_mul else n
     assert x.shape[1] == k and x.stride(1) == 1 and w.stride(2) == 1
-    out = torch.empty(num_assignments, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(split_k, num_assignments, n, dtype=torch.float32 if split_k > 1 else x.dtype, device=x.device)
     out_n = tiles.block_n // 2 if silu_mul else tiles.block_n
     shrunk, lora_b, token_slots, top_k = lora or (out, out, out, 1)
+    shrunk = shrunk if shrunk.dim() == 3 else shrunk[None]   # [splits, num_assignments, columns]
     num_slots, rank = lora_b.shape[-3:-1] if lora else (1, 1)
-    launch(_moe_product_kernel, (block_expert.numel(), triton.cdiv(n, out_n)),
+    launch(_moe_product_kernel, (block_expert.numel(), triton.cdiv(n, out_n), split_k),
            x, w, out, sorted_ids, block_expert, scale if scale is not None else out, shrunk, lora_b, token_slots,
-           n, k, num_assignments, x.stride(0), w.stride(0), w.stride(1), out.stride(0), shrunk.stride(0),
-           lora_b.stride(0), NUM_EXPERTS=num_experts, ROWS_PER_X=rows_per_x, SCALED=scale is not None,
-           SILU_MUL=silu_mul, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, LORA=lora is not None,
-           TOP_K=top_k, NUM_SLOTS=num_slots, RANK=rank,
-           BLOCK_R=min(MAX_BLOCK_R, max(16, triton.next_power_of_2(rank))),
+           n, k, num_assignments, x.stride(0), w.stride(0), w.stride(1), out.stride(1), out.stride(0),
+           shrunk.stride(1), shrunk.stride(0), lora_b.stride(0), NUM_EXPERTS=num_experts, ROWS_PER_X=rows_per_x,
+           SCALED=scale is not None, SILU_MUL=silu_mul, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
+           BLOCK_K=tiles.block_k, SPLIT_K=split_k, LORA=lora is not None, TOP_K=top_k, NUM_SLOTS=num_slots,
+           RANK=rank, BLOCK_R=min(MAX_BLOCK_R, max(16, triton.next_power_of_2(rank))), SHRUNK_SPLITS=len(shrunk),
            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
            **pdl.launch_options(num_tokens or num_assignments // rows_per_x))
-    return out
+    return out if split_k > 1 else out[0]
 
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
@@ -401,13 +428,16 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     lora13 = lora2 = None
     if lora is not None:   # the shrinks: every slot's A rows, as an expert's weight
         a13 = lora.a13.view(num_experts, -1, x.shape[1])
-        shrunk = moe_product(x, a13, *grouping, top_k, block_m, tiles=shrink_tiles(block_m, a13.shape[1]))
+        tiles = shrink_tiles(block_m, a13.shape[1])
+        shrunk = moe_product(x, a13, *grouping, top_k, block_m, tiles=tiles,
+                             split_k=shrink_splits(num_assignments, x.shape[1], tiles))
         lora13 = (shrunk, lora.b13, lora.token_slots, top_k)
     act = moe_product(x, w13, *grouping, top_k, block_m, silu_mul=True, lora=lora13)                  # [A, I]
     if lora is not None:
         a2 = lora.a2.view(num_experts, -1, act.shape[1])
-        shrunk = moe_product(act, a2, *grouping, 1, block_m, tiles=shrink_tiles(block_m, a2.shape[1]),
-                             num_tokens=num_tokens)
+        tiles = shrink_tiles(block_m, a2.shape[1])
+        shrunk = moe_product(act, a2, *grouping, 1, block_m, tiles=tiles, num_tokens=num_tokens,
+                             split_k=shrink_splits(num_assignments, act.shape[1], tiles))
         lora2 = (shrunk, lora.b2, lora.token_slots, top_k)
     down = moe_product(act, w2, *grouping, 1, block_m, scale=weights.view(-1), lora=lora2,
                        num_tokens=num_tokens)                                                    # [A, hidden]
