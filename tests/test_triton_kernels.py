@@ -1084,7 +1084,8 @@ def test_moe_layer_as_choices_into_the_norm(num_tokens):
 
 
 ROUTING_CASES = [(1, 8, 2, False, 16), (37, 128, 8, True, 16), (20, 60, 4, False, 2), (5, 4, 3, True, 4),
-                 (300, 6, 2, False, 64), (16, 128, 8, True, 16), (13, 60, 4, False, 2), (16, 6, 2, False, 64)]
+                 (300, 6, 2, False, 64), (16, 128, 8, True, 16), (13, 60, 4, False, 2), (16, 6, 2, False, 64),
+                 (1, 128, 8, True, 16), (2, 60, 4, False, 16), (3, 8, 2, True, 16)]   # (one program's 1, 2, 4 tokens)
 
 
 @pytest.mark.parametrize("single_program", [False, True])

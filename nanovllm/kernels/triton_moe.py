@@ -126,6 +126,8 @@ def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
 
 
 ROUTE_TOKENS = 16   # tokens a program of the routing kernel takes; up to this many, one program may do it all
+# The one program's warps for its tokens (a power of two): the fewest instructions a warp, compiled for sm_90
+ROUTE_WARPS = {1: 1, 2: 2, 4: 4, 8: 4, 16: 8}
 
 
 @triton.jit
@@ -218,9 +220,11 @@ def route_and_group(router_logits: torch.Tensor, top_k: int, renormalize: bool, 
         num_blocks = num_blocks_for(num_tokens * top_k, num_experts, block_m)
         sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
         block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+        # (sized for the step's tokens: at 1 token one warp, whose reductions need no barrier; perf_notes row 155)
+        tokens = triton.next_power_of_2(num_tokens)
         launch(_route_and_place_kernel, (1,), router_logits, weights, ids, sorted_ids, block_expert, num_tokens,
-               num_blocks, router_logits.stride(0), **shape, BLOCK_M=block_m, CHUNK=GROUP_CHUNK, num_warps=8,
-               **pdl.launch_options(num_tokens))
+               num_blocks, router_logits.stride(0), **(shape | dict(TOKENS=tokens)), BLOCK_M=block_m,
+               CHUNK=GROUP_CHUNK, num_warps=ROUTE_WARPS[tokens], **pdl.launch_options(num_tokens))
         return weights, ids, sorted_ids, block_expert
     counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
     rank = torch.empty(num_tokens * top_k, dtype=torch.int32, device=device)
