@@ -134,6 +134,9 @@ class Config:
     # method "ngram", or a dict of its fields; spec_method / spec_model / spec_tokens are vLLM's flags for
     # its method, model and num_speculative_tokens.
     speculative_config: object = None
+    # Custom logits processors (nanovllm/logits_processor.py, vLLM's): LogitsProcessor classes, or their names
+    # ("package.module.Class" or "package.module:Class"), one of each made by the engine
+    logits_processors: list[str | type] | None = None
     spec_method: str | None = None
     spec_model: str | None = None
     spec_tokens: int | None = None
@@ -256,6 +259,8 @@ class Config:
         if self.runner_type == "pooling" and self.speculative_config is not None:
             raise ValueError(f"speculative_config is for generative models; a pooling model (runner='pooling') "
                              f"computes prompts only, got {self.speculative_config!r:.120}.")
+        if self.logits_processors:
+            self._resolve_logits_processors()
         if self.runner_type == "pooling" and self.enable_lora and set(self.lora_target_modules or ()) == {"lm_head"}:
             raise ValueError(f"lora_target_modules {self.lora_target_modules}: a pooling model (runner='pooling') has "
                              f"no LM head to adapt.")
@@ -397,6 +402,21 @@ class Config:
                                                "split across tensor-parallel ranks like the dense MLP.")
         check(self.logprobs_mode in LOGPROBS_MODES,
               f"logprobs_mode must be one of {', '.join(map(repr, LOGPROBS_MODES))}, got {self.logprobs_mode!r}.")
+
+    def _resolve_logits_processors(self):
+        """logits_processors as classes; ValueError for an entry that is none, or where vLLM refuses them too."""
+        from nanovllm.logits_processor import resolve_processor
+        if not isinstance(self.logits_processors, (list, tuple)):
+            raise ValueError(f"logits_processors must be a list of LogitsProcessor classes or their names, "
+                             f"got {self.logits_processors!r:.80}.")
+        if self.runner_type == "pooling":
+            raise ValueError("logits_processors: pooling models (runner='pooling') do not support custom logits "
+                             "processors.")
+        if self.speculative_config is not None:
+            raise ValueError("logits_processors: custom logits processors are not supported when speculative "
+                             "decoding is enabled (speculative_config).")
+        self.logits_processors = [resolve_processor(entry, f"logits_processors[{i}]")
+                                  for i, entry in enumerate(self.logits_processors)]
 
     def _resolve_runner(self) -> str:
         """runner and convert "auto" resolved as vLLM resolves them -> "generate" or "pooling" (and

@@ -244,7 +244,9 @@ class SamplingParams:
                 raise ValueError(message)
 
         check(not self.logits_processors, f"logits_processors is not supported (per-request logits processors; "
-                                          f"vLLM V1 refuses them too), got {self.logits_processors!r:.80}.")
+                                          f"vLLM V1 refuses them too: wrap them in an AdapterLogitsProcessor, "
+                                          f"nanovllm.logits_processor, for LLM(logits_processors=[...])), got "
+                                          f"{self.logits_processors!r:.80}.")
         for name, (default, why) in UNSUPPORTED_FIELDS.items():
             value = getattr(self, name)
             check(value == default, f"{name} is not supported ({why}), got {value!r:.80}.")

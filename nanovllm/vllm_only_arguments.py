@@ -59,7 +59,6 @@ IDLE_ARGUMENTS = {
     **_group("the model is a local folder or a hub id with a config.json, run by nanovllm's own model code",
              model_weights="", hf_config_path=None, config_format="auto", code_revision=None,
              model_class_overrides=None, model_loader_extra_config=None, additional_config=None),
-    **_group("no custom logits processors", logits_processors=None),
     **_group("the reasoning parsers are engine/reasoning.py's", reasoning_parser_plugin=None),
     **_group("the tokenizer is loaded unless skip_tokenizer_init=True", tokens_only=False),
     **_group("memory is freed by sleep mode's own allocator (enable_sleep_mode)", enable_cumem_allocator=False),

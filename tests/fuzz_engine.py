@@ -11,7 +11,8 @@ modes "keep" and "abort") between step() calls. Every fourth seed samples its ro
 above 16 on the sampler's sorted path (SORTED_PATH_TOP_K_MAX). Two seeds in five enable LoRA
 (random_lora_config, drawn apart so that the other draws stay as they were): 1 or 2 slots, three
 adapters and the base model drawn per request, and in one of those four some modules only
-(lora_target_modules). Checked:
+(lora_target_modules). A third of the seeds without speculative decoding run a custom logits processor that
+checks the engine's persistent batch of sampling requests (BatchCheck). Checked:
 - a bad request (out-of-vocabulary id, a prompt too long, an unfinished request's id, ...) is a
   ValueError and changes nothing else;
 - every request that is not aborted is reported finished exactly once, and the engine counts as
@@ -56,6 +57,7 @@ import torch
 from nanovllm import LLM, EngineArgs, LLMEngine, PoolingParams, SamplingParams
 from nanovllm.engine.output_processor import DETOKENIZE_CONTEXT
 from nanovllm.layers import sampling_filters
+from nanovllm.logits_processor import BatchUpdate, LogitsProcessor, apply_dict_updates
 from nanovllm.lora.request import LoRARequest
 from nanovllm.sampling_params import BeamSearchParams, RequestOutputKind, StructuredOutputsParams
 
@@ -152,6 +154,36 @@ def random_config(rng: random.Random, **engine_kwargs) -> dict:
     return config
 
 
+class BatchCheck(LogitsProcessor):
+    """A custom logits processor that changes nothing and checks the engine's persistent batch: after each update
+    the batch is indices 0 .. batch_size - 1, each one request's, and apply gets that many rows."""
+
+    def __init__(self, vllm_config, device, is_pin_memory):
+        self.params: dict[int, SamplingParams] = {}
+        self.batch_size = 0
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def update_state(self, batch_update: BatchUpdate | None):
+        if batch_update is not None:
+            self.batch_size = batch_update.batch_size
+            apply_dict_updates(self.params, batch_update, lambda params, prompt_ids, output_ids: params)
+        assert sorted(self.params) == list(range(self.batch_size)), f"batch {sorted(self.params)}, {self.batch_size}"
+
+    def apply(self, logits):
+        assert logits.shape[0] == self.batch_size, f"{logits.shape[0]} rows for a batch of {self.batch_size}"
+        return logits
+
+
+def random_processors(seed: int, config: dict) -> dict:
+    """LLM(logits_processors=[BatchCheck]) in a third of the seeds without speculative decoding (which refuses
+    them), drawn from an RNG of its own."""
+    if "speculative_config" in config or random.Random(f"processors {seed}").random() >= 1 / 3:
+        return {}
+    return {"logits_processors": [BatchCheck]}
+
+
 ADAPTERS: list[str] = []   # the tiny model's LoRA adapters (main() writes three)
 
 
@@ -229,6 +261,7 @@ def run_seed(model: str, seed: int, **engine_kwargs) -> int:
     rng = random.Random(seed)
     lora_config, lora_rng, loras = random_lora_config(seed)
     config = random_config(rng, **engine_kwargs) | lora_config
+    config |= random_processors(seed, config)
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, **config))
     think = thinking_ids(engine.tokenizer, config)
     run = Run(config=config, eos_token_ids=engine.eos_token_ids)

@@ -386,8 +386,9 @@ class LLMEngine:
             done.extend(self._resolve(previous))
             previous = None
 
-        needs_previous = previous is not None and any(
-            seq.needs_output_ids_on_host and seq.num_pending_tokens for seq in sampling_seqs)
+        needs_previous = previous is not None and any(   # (custom logits processors read every output id)
+            (seq.needs_output_ids_on_host or self.config.logits_processors) and seq.num_pending_tokens
+            for seq in sampling_seqs)
         sampled, prompt_scores = self.model_runner.execute(
             out, sampling_seqs, pending, before_sampling=read_previous if needs_previous else None)
         self.scheduler.update_computed(out)

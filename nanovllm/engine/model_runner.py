@@ -13,6 +13,7 @@ from nanovllm.distributed import SINGLE, TPGroup
 from nanovllm.engine import kv_cache
 from nanovllm.engine.block_table_sync import BlockTableReceiver, BlockTableSender
 from nanovllm.engine.cuda_graph import DecodeGraphs, graph_buckets
+from nanovllm.engine.logits_processors import ProcessorBatch
 from nanovllm.engine.penalty_counts import PenaltyCounts
 from nanovllm.engine import piecewise_graphs
 from nanovllm.engine.prompt_logprobs import PromptScores, score_prompts
@@ -144,6 +145,8 @@ class ModelRunner:
         self.sampler = (Sampler(torch.Generator(device=self.device).manual_seed(config.seed), config.logprobs_mode)
                         if samples else None)
         self.penalty_counts = PenaltyCounts(self.vocab_size, self.device, config.max_num_seqs) if samples else None
+        self.logits_processors = (ProcessorBatch(config.logits_processors, config, self.device)
+                                  if samples and config.logits_processors else None)
         self.bitmask_filler = BitmaskFiller() if samples else None
         self.pooler = Pooler(config.pooler_config, self.model.score) if self.pooling and tp.rank == 0 else None
         self.last_sampled: torch.Tensor | None = None   # the latest step's sampled token ids, on the device
@@ -419,8 +422,11 @@ class ModelRunner:
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
         """The sampler's inputs: a row per sequence and per draft (engine/speculative.py)."""
-        return build_sampling_metadata(sampling_rows(seqs), self.vocab_size, self.eos_token_ids, self.device,
-                                       self.penalty_counts, self.bitmask_filler)
+        md = build_sampling_metadata(sampling_rows(seqs), self.vocab_size, self.eos_token_ids, self.device,
+                                     self.penalty_counts, self.bitmask_filler)
+        if self.logits_processors is not None:
+            md.processors = self.logits_processors.step(seqs)
+        return md
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, sampling_seqs: list[Sequence], pending: dict[int, int] | None = None,

@@ -20,6 +20,7 @@ are destroyed when it runs graphs (NCCL's abort waits for every graph that captu
 collectives to be destroyed; aborting under live graphs hung rank 0 on 2x H200). The abort also
 releases the symmetric-memory all-reduce's kernels that wait for the dead peer.
 """
+import copy
 import multiprocessing as mp
 import multiprocessing.connection
 import pickle
@@ -58,6 +59,8 @@ class TPWorkers:
         port = rendezvous.port
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
+        config = copy.copy(config)   # (rank 0 samples: the others need no logits processors, which may not pickle)
+        config.logits_processors = None
         for rank in range(1, size):
             parent_end, child_end = ctx.Pipe()
             proc = ctx.Process(target=worker_main, args=(config, eos_token_ids, rank, port, child_end),

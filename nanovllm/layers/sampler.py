@@ -176,6 +176,8 @@ class Sampler:
             scores = logits.to(torch.float32, copy=True) if as_logits else logits.float().log_softmax(-1)
         if md.edits_logits:
             logits = restrict_and_bias(logits.float(), md)
+            if md.processors is not None:   # LLM(logits_processors=...), before the penalties
+                logits = md.processors(logits)
             if md.penalty_rows is not None:
                 logits = apply_penalties(logits, md)
             if md.forced_rows is not None:   # last: whatever the other edits did, these rows take their token

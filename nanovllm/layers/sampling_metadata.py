@@ -1,6 +1,7 @@
 """The sampler's input and output for one batch: SamplingMetadata, each row's SamplingParams as
 tensors on the logits' device (built by engine/sampling_inputs.py), and SamplerOutput, the tokens
 drawn and, when asked, their logprobs."""
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,11 +58,13 @@ class SamplingMetadata:
     # [G, ceil(V / 32)] int32 (bit j of word w: token 32 w + j).
     grammar_rows: torch.Tensor | None = None
     grammar_bitmask: torch.Tensor | None = None
+    # LLM(logits_processors=...): logits [B, V] float32 -> the custom processors' logits (engine/logits_processors.py)
+    processors: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def edits_logits(self) -> bool:
         return any(t is not None for t in (self.allowed_rows, self.banned_rows, self.bias_rows, self.penalty_rows,
-                                           self.forced_rows))
+                                           self.forced_rows, self.processors))
 
 
 @dataclass
