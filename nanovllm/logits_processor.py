@@ -1,10 +1,11 @@
 """Custom logits processors, as vLLM's (`vllm.v1.sample.logits_processor`):
 `LLM(model, logits_processors=[MyProcessor])` (classes, or their names as "package.module.Class" or
 "package.module:Class") makes one of each at start-up, with (config, device, is_pin_memory); before each step
-that samples, `update_state` hears how the batch of sampling requests changed (a `BatchUpdate`, or None for no change), and `apply` gets that batch's logits, [batch_size,
-vocab] float32, one row per request at the index the updates gave it, and returns them (changed in place or new).
-A request's per-request options reach a processor through its `SamplingParams.extra_args`; `validate_params` may
-refuse them (a ValueError when the request is added).
+that samples, `update_state` hears how the batch of sampling requests changed (a `BatchUpdate`, or None for no
+change), and `apply` gets that batch's logits, [batch_size, vocab] float32, one row per request at the index the
+updates gave it, and returns them (changed in place or new). A request's per-request options reach a processor
+through its `SamplingParams.extra_args`; `validate_params` may refuse them (a ValueError when the request is
+added).
 
 The engine calls them on the raw logits after `allowed_token_ids`, `logit_bias`, bad words and `min_tokens`, before
 the penalties, the temperature and the filters (vLLM hands the processors that are argmax-invariant the logits after
