@@ -96,7 +96,7 @@ class InputProcessor:
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)   # a ValueError if it does not (cached if it does)
         for processor in cfg.logits_processors or ():   # (a ValueError for options it refuses)
-            processor.validate_params(params)
+            getattr(processor, "validate_params", lambda params: None)(params)
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words needs a tokenizer, but the engine has none (skip_tokenizer_init=True).")
         for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),
