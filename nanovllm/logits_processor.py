@@ -7,10 +7,12 @@ updates gave it, and returns them (changed in place or new). A request's per-req
 through its `SamplingParams.extra_args`; `validate_params` may refuse them (a ValueError when the request is
 added).
 
-The engine calls them on the raw logits after `allowed_token_ids`, `logit_bias`, bad words and `min_tokens`, before
-the penalties, the temperature and the filters (vLLM hands the processors that are argmax-invariant the logits after
-the temperature). The engine's argument is nanovllm's `Config` (`LLM()`'s arguments as fields: `max_num_seqs`, ...),
-where vLLM passes its `VllmConfig`. Not with speculative decoding or a pooling model (vLLM refuses both too).
+As in vLLM, those that may change the argmax (is_argmax_invariant() False) get the raw logits after
+`allowed_token_ids`, `logit_bias`, bad words and `min_tokens`, before the penalties; argmax-invariant ones get
+them after the penalties, divided by each row's temperature (1 for a greedy row; none run in a batch of greedy
+rows only), before the filters. The engine's argument is nanovllm's `Config` (`LLM()`'s arguments as fields:
+`max_num_seqs`, ...), where vLLM passes its `VllmConfig`. Not with speculative decoding or a pooling model (vLLM
+refuses both too).
 
 `AdapterLogitsProcessor` runs a per-request function (vLLM V0's form: `f(output_ids, logits_row)` or
 `f(prompt_ids, output_ids, logits_row)`) for each request its `new_req_logits_processor(params)` gives one.

@@ -111,6 +111,46 @@ def test_per_request_functions_see_their_outputs_grow(qwen3_dir):
                                                               use_tqdm=False)[0].outputs[0].token_ids)
 
 
+class Probe(LogitsProcessor):
+    """Records the logits it is handed (changing nothing); Varying may change the argmax, Invariant may not."""
+    seen: list
+
+    def __init__(self, vllm_config, device, is_pin_memory):
+        self.seen = []
+
+    def update_state(self, batch_update):
+        pass
+
+    def apply(self, logits):
+        self.seen.append(logits.clone())
+        return logits
+
+
+class Varying(Probe):
+    def is_argmax_invariant(self):
+        return False
+
+
+class Invariant(Probe):
+    def is_argmax_invariant(self):
+        return True
+
+
+def test_argmax_invariant_processors_see_the_tempered_logits(qwen3_dir):
+    """As in vLLM: processors that may change the argmax see the logits before the penalties and the temperature,
+    argmax-invariant ones the logits divided by each row's temperature (a greedy row's by 1), and none in a batch
+    of greedy rows only."""
+    with LLM(qwen3_dir, logits_processors=[Varying, Invariant], dtype="float32", num_kvcache_blocks=32) as llm:
+        params = [SamplingParams(temperature=0.25, seed=1, max_tokens=2), SamplingParams(temperature=0.0, max_tokens=2)]
+        llm.generate(as_prompts(PROMPTS[3:5]), params, use_tqdm=False)
+        varying, invariant = llm.llm_engine.model_runner.logits_processors.processors
+        assert len(varying.seen) == len(invariant.seen) == 2
+        for before, tempered in zip(varying.seen, invariant.seen):
+            torch.testing.assert_close(tempered, before / torch.tensor([[0.25], [1.0]]))
+        llm.generate(as_prompts(PROMPTS[3:5]), SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+        assert len(varying.seen) == 4 and len(invariant.seen) == 2
+
+
 def test_tensor_parallel_ranks_need_no_processor_classes(qwen3_dir):
     """With two ranks only rank 0 makes the processors: a class defined in a function (which does not pickle)
     works."""

@@ -38,16 +38,19 @@ class OutputTokens(SequenceABC):
 
 
 class ProcessorBatch:
-    """The processors (instances) and the persistent batch they see (seq_id -> index)."""
+    """The processors (instances, split as vLLM splits them by is_argmax_invariant) and the persistent batch they
+    see (seq_id -> index)."""
 
     def __init__(self, classes: list[type], config, device: torch.device):
         self.processors = [cls(config, device, device.type == "cuda") for cls in classes]
+        self.invariant = [p for p in self.processors if p.is_argmax_invariant()]
+        self.varying = [p for p in self.processors if not p.is_argmax_invariant()]
         self.index: dict[int, int] = {}   # seq_id -> its index in the batch
         self.order: list[int] = []        # index -> seq_id
 
-    def step(self, seqs: list[Sequence]):
+    def step(self, seqs: list[Sequence]) -> "StepProcessors":
         """Tell the processors how the batch changed to seqs (this step's sampling sequences, in the order of the
-        logits' rows) -> a function logits -> logits that runs them."""
+        logits' rows) -> the step's processors."""
         current = {seq.seq_id for seq in seqs}
         holes = sorted(i for seq_id, i in self.index.items() if seq_id not in current)
         for i in holes:
@@ -76,19 +79,41 @@ class ProcessorBatch:
         for processor in self.processors:
             processor.update_state(update)
         rows = [self.index[seq.seq_id] for seq in seqs]   # each logits row's index in the batch
-        if rows == list(range(len(rows))):
-            return self._apply
-        order = [0] * len(rows)
-        for row, i in enumerate(rows):
-            order[i] = row                                # each index's logits row
+        return StepProcessors(self, None if rows == list(range(len(rows))) else rows)
 
-        def gathered(logits: torch.Tensor) -> torch.Tensor:
-            index = torch.tensor(order, device=logits.device)
-            logits[index] = self._apply(logits[index])
+
+class StepProcessors:
+    """A step's processors over its logits, in two phases as vLLM runs them: those that may change the argmax
+    before the penalties, the argmax-invariant ones on the logits divided by the temperature."""
+
+    def __init__(self, batch: ProcessorBatch, rows: list[int] | None):
+        self.batch = batch
+        self.order = None   # each batch index's logits row, where the rows are in another order
+        if rows is not None:
+            self.order = [0] * len(rows)
+            for row, i in enumerate(rows):
+                self.order[i] = row
+
+    def before_penalties(self, logits: torch.Tensor) -> torch.Tensor:
+        return self._run(self.batch.varying, logits)
+
+    def after_temperature(self, logits: torch.Tensor, temperatures: torch.Tensor | None) -> torch.Tensor:
+        """The argmax-invariant ones on logits / temperature (temperatures None: all greedy, where vLLM runs
+        none), then multiplied back (the sampler divides by the temperature itself)."""
+        if not self.batch.invariant or temperatures is None:
             return logits
-        return gathered
+        return self._run(self.batch.invariant, logits / temperatures[:, None]) * temperatures[:, None]
 
-    def _apply(self, logits: torch.Tensor) -> torch.Tensor:
-        for processor in self.processors:
-            logits = processor.apply(logits)
+    def _run(self, processors: list, logits: torch.Tensor) -> torch.Tensor:
+        if not processors:
+            return logits
+        if self.order is None:
+            for processor in processors:
+                logits = processor.apply(logits)
+            return logits
+        index = torch.tensor(self.order, device=logits.device)
+        batch = logits[index]
+        for processor in processors:
+            batch = processor.apply(batch)
+        logits[index] = batch
         return logits

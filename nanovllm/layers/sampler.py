@@ -176,10 +176,12 @@ class Sampler:
             scores = logits.to(torch.float32, copy=True) if as_logits else logits.float().log_softmax(-1)
         if md.edits_logits:
             logits = restrict_and_bias(logits.float(), md)
-            if md.processors is not None:   # LLM(logits_processors=...), before the penalties
-                logits = md.processors(logits)
+            if md.processors is not None:   # LLM(logits_processors=...): those that may change the argmax
+                logits = md.processors.before_penalties(logits)
             if md.penalty_rows is not None:
                 logits = apply_penalties(logits, md)
+            if md.processors is not None:   # ...and the argmax-invariant ones, on the tempered logits
+                logits = md.processors.after_temperature(logits, md.temperatures)
             if md.forced_rows is not None:   # last: whatever the other edits did, these rows take their token
                 fill_at(logits, (md.forced_rows,), float("-inf"))
                 fill_at(logits, (md.forced_rows, md.forced_tokens), 0.0)

@@ -1,7 +1,6 @@
 """The sampler's input and output for one batch: SamplingMetadata, each row's SamplingParams as
 tensors on the logits' device (built by engine/sampling_inputs.py), and SamplerOutput, the tokens
 drawn and, when asked, their logprobs."""
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,8 +57,8 @@ class SamplingMetadata:
     # [G, ceil(V / 32)] int32 (bit j of word w: token 32 w + j).
     grammar_rows: torch.Tensor | None = None
     grammar_bitmask: torch.Tensor | None = None
-    # LLM(logits_processors=...): logits [B, V] float32 -> the custom processors' logits (engine/logits_processors.py)
-    processors: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # LLM(logits_processors=...): the step's custom processors (engine/logits_processors.py's StepProcessors)
+    processors: object = None
 
     @property
     def edits_logits(self) -> bool:
