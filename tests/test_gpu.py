@@ -201,6 +201,39 @@ def test_steps_that_admit_requests_mid_decode_run_in_pieces_close_to_hf(gpu_mode
     assert sum(mixed) >= 3, mixed
 
 
+def test_custom_logits_processors_on_gpu(gpu_model_dir):
+    """Custom logits processors with CUDA graphs and async scheduling (tests/test_logits_processors.py's): requests
+    through a few rows take their forced or counted tokens, the others the tokens of an engine without processors
+    on the same batches, and argmax-invariant processors see the logits divided by the temperature."""
+    from test_logits_processors import CountUp, ForceTarget, Invariant, Varying, tempered_pairs
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + i % 5, ignore_eos=True,
+                             extra_args={"target_token": 10 + i} if i % 3 == 1 else
+                             {"count_from": 30 + i} if i % 3 == 2 else None) for i in range(12)]
+    params[3] = SamplingParams(temperature=0.5, seed=3, max_tokens=6, ignore_eos=True)
+    engine = dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=4)
+    with LLM(gpu_model_dir, logits_processors=[ForceTarget, CountUp, Varying, Invariant], **engine) as llm:
+        outputs = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS[:12], params, use_tqdm=False)]
+        _, _, varying, invariant = llm.llm_engine.model_runner.logits_processors.processors
+    with LLM(gpu_model_dir, **engine) as plain:
+        reference = [list(o.outputs[0].token_ids) for o in plain.generate(PROMPTS[:12], params, use_tqdm=False)]
+    for i, (p, ours, ref) in enumerate(zip(params, outputs, reference)):
+        args = p.extra_args or {}
+        if "target_token" in args:
+            assert ours == [args["target_token"]] * p.max_tokens, i
+        elif "count_from" in args:
+            assert ours == list(range(args["count_from"], args["count_from"] + p.max_tokens)), i
+        else:
+            assert ours == ref, i
+    halved = 0   # (each row is the logits before, divided by its temperature: 1, or 0.5 for request 3)
+    for before, tempered in tempered_pairs(varying, invariant):
+        for row_before, row in zip(before, tempered):
+            doubled = torch.equal(row.isinf(), row_before.isinf()) and torch.allclose(
+                row[row.isfinite()], 2 * row_before[row_before.isfinite()])
+            assert doubled or torch.equal(row, row_before)
+            halved += doubled and not torch.equal(row, row_before)
+    assert halved == params[3].max_tokens   # (one a step request 3 samples in)
+
+
 def test_seeded_sampling_is_batch_independent_on_gpu(gpu_model_dir):
     llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024)
     sp = SamplingParams(temperature=1.0, seed=99, max_tokens=24, ignore_eos=True)

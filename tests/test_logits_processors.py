@@ -46,7 +46,7 @@ class ForceTarget(LogitsProcessor):
         assert logits.shape[0] == self.batch_size
         for index, (target,) in self.req_info.items():
             if target is not None:
-                logits[index] = torch.where(torch.arange(logits.shape[1]) == target, 0.0, float("-inf"))
+                logits[index] = force(logits[index], target)
         return logits
 
 
@@ -112,18 +112,24 @@ def test_per_request_functions_see_their_outputs_grow(qwen3_dir):
 
 
 class Probe(LogitsProcessor):
-    """Records the logits it is handed (changing nothing); Varying may change the argmax, Invariant may not."""
-    seen: list
+    """Records the logits it is handed, by step (changing nothing); Varying may change the argmax, Invariant may
+    not."""
 
     def __init__(self, vllm_config, device, is_pin_memory):
-        self.seen = []
+        self.seen: dict[int, torch.Tensor] = {}   # step -> its logits
+        self.step = 0
 
     def update_state(self, batch_update):
-        pass
+        self.step += 1
 
     def apply(self, logits):
-        self.seen.append(logits.clone())
+        self.seen[self.step] = logits.clone()
         return logits
+
+
+def tempered_pairs(varying: Probe, invariant: Probe) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (before the penalties, after the temperature) logits of each step both probes saw."""
+    return [(varying.seen[step], logits) for step, logits in invariant.seen.items()]
 
 
 class Varying(Probe):
@@ -145,7 +151,7 @@ def test_argmax_invariant_processors_see_the_tempered_logits(qwen3_dir):
         llm.generate(as_prompts(PROMPTS[3:5]), params, use_tqdm=False)
         varying, invariant = llm.llm_engine.model_runner.logits_processors.processors
         assert len(varying.seen) == len(invariant.seen) == 2
-        for before, tempered in zip(varying.seen, invariant.seen):
+        for before, tempered in tempered_pairs(varying, invariant):
             torch.testing.assert_close(tempered, before / torch.tensor([[0.25], [1.0]]))
         llm.generate(as_prompts(PROMPTS[3:5]), SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
         assert len(varying.seen) == 4 and len(invariant.seen) == 2
