@@ -78,21 +78,19 @@ class ProcessorBatch:
         update = BatchUpdate(len(current), removed, added, moved) if removed or added else None
         for processor in self.processors:
             processor.update_state(update)
-        rows = [self.index[seq.seq_id] for seq in seqs]   # each logits row's index in the batch
-        return StepProcessors(self, None if rows == list(range(len(rows))) else rows)
+        order = [0] * len(seqs)   # each batch index's logits row
+        for row, seq in enumerate(seqs):
+            order[self.index[seq.seq_id]] = row
+        return StepProcessors(self, None if order == list(range(len(order))) else order)
 
 
 class StepProcessors:
     """A step's processors over its logits, in two phases as vLLM runs them: those that may change the argmax
     before the penalties, the argmax-invariant ones on the logits divided by the temperature."""
 
-    def __init__(self, batch: ProcessorBatch, rows: list[int] | None):
+    def __init__(self, batch: ProcessorBatch, order: list[int] | None):
         self.batch = batch
-        self.order = None   # each batch index's logits row, where the rows are in another order
-        if rows is not None:
-            self.order = [0] * len(rows)
-            for row, i in enumerate(rows):
-                self.order[i] = row
+        self.order = order   # each batch index's logits row, where the rows are in another order (else None)
 
     def before_penalties(self, logits: torch.Tensor) -> torch.Tensor:
         return self._run(self.batch.varying, logits)
