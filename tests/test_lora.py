@@ -24,6 +24,17 @@ SMALL = dict(dtype="float32", block_size=16, num_kvcache_blocks=128, max_num_bat
 PROMPTS = make_prompts(num=12)[4:12]   # 17-150 tokens; the last four share a 70-token prefix in pairs and triples
 
 
+def save_with_merged(path, model_dir: str, tensors: dict, weights: dict, rank: int, alpha: int, targets,
+                     **config) -> tuple[str, str]:
+    """The adapter's tensors into path/adapter (PEFT's files), and path/merged: model_dir's checkpoint with the
+    merged weights."""
+    adapter, merged = path / "adapter", path / "merged"
+    save_adapter(str(adapter), tensors, rank, alpha, targets, **config)
+    shutil.copytree(model_dir, merged)
+    save_file(weights, f"{merged}/model.safetensors", metadata={"format": "pt"})
+    return str(adapter), str(merged)
+
+
 def write_adapter(path, model_dir: str, targets=ALL_TARGETS, rank: int = 8, alpha: int = 16, seed: int = 1,
                   use_rslora: bool = False, **config) -> tuple[str, str]:
     """A random PEFT adapter in path/adapter, and path/merged: the base checkpoint with it merged in (its LM head
@@ -51,14 +62,12 @@ def write_adapter(path, model_dir: str, targets=ALL_TARGETS, rank: int = 8, alph
         else:
             name = a_name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
             weights[f"{name}.weight"] = weights[f"{name}.weight"] + scaling * b @ a
-    adapter, merged = path / "adapter", path / "merged"
-    save_adapter(str(adapter), tensors, rank, alpha, targets, use_rslora=use_rslora, **config)
-    shutil.copytree(model_dir, merged)
-    save_file(weights, f"{merged}/model.safetensors", metadata={"format": "pt"})
+    adapter, merged = save_with_merged(path, model_dir, tensors, weights, rank, alpha, targets, use_rslora=use_rslora,
+                                       **config)
     if untie:
-        merged_config = json.loads((merged / "config.json").read_text())
-        (merged / "config.json").write_text(json.dumps(merged_config | {"tie_word_embeddings": False}))
-    return str(adapter), str(merged)
+        merged_config = json.loads((path / "merged" / "config.json").read_text())
+        (path / "merged" / "config.json").write_text(json.dumps(merged_config | {"tie_word_embeddings": False}))
+    return adapter, merged
 
 
 @pytest.fixture(scope="module")
@@ -199,12 +208,8 @@ def write_fused_experts_adapter(path, model_dir: str, rank: int = 4, alpha: int 
                 delta = alpha / rank * b[:, e::num_experts] @ a[e * rank:(e + 1) * rank]
                 for part, rows in zip(parts, delta.chunk(len(parts))):
                     weights[f"model.layers.{layer}.mlp.experts.{e}.{part}.weight"] += rows
-    adapter, merged = path / "adapter", path / "merged"
-    save_adapter(str(adapter), tensors, rank, alpha, [],
-                 target_parameters=["mlp.experts.down_proj", "mlp.experts.gate_up_proj"])
-    shutil.copytree(model_dir, merged)
-    save_file(weights, f"{merged}/model.safetensors", metadata={"format": "pt"})
-    return str(adapter), str(merged)
+    return save_with_merged(path, model_dir, tensors, weights, rank, alpha, [],
+                            target_parameters=["mlp.experts.down_proj", "mlp.experts.gate_up_proj"])
 
 
 def test_fused_experts_adapter_matches_the_merged_model(qwen3_moe_dir, tmp_path):
@@ -257,11 +262,7 @@ def write_stacked_experts_adapter(path, model_dir: str, rank: int = 4, alpha: in
             for e in range(num_experts):
                 weights[f"model.layers.{layer}.mlp.experts.{e}.{part}.weight"] += (
                     alpha / rank * b[e % b_entries] @ a[e % a_entries])
-    adapter, merged = path / "adapter", path / "merged"
-    save_adapter(str(adapter), tensors, rank, alpha, ["experts.w1", "experts.w2", "experts.w3"])
-    shutil.copytree(model_dir, merged)
-    save_file(weights, f"{merged}/model.safetensors", metadata={"format": "pt"})
-    return str(adapter), str(merged)
+    return save_with_merged(path, model_dir, tensors, weights, rank, alpha, ["experts.w1", "experts.w2", "experts.w3"])
 
 
 def test_every_moe_adapter_layout_runs_in_one_engine(qwen3_moe_dir, tmp_path):
