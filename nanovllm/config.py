@@ -130,6 +130,8 @@ class Config:
     lora_dtype: str = "auto"                # "auto" (the model's dtype), "float16" or "bfloat16"
     # The modules that take adapters (lora/adapter.py's LORA_MODULES, by vLLM's names); None: all
     lora_target_modules: list[str] | None = None
+    # Prompts given as the model's input vectors ({"prompt_embeds": tensor}, inputs.py), as vLLM's flag
+    enable_prompt_embeds: bool = False
     # Speculative decoding by n-gram prompt lookup (engine/speculative.py): vLLM's SpeculativeConfig for
     # method "ngram", or a dict of its fields; spec_method / spec_model / spec_tokens are vLLM's flags for
     # its method, model and num_speculative_tokens.

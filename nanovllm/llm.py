@@ -178,7 +178,8 @@ class LLM(PoolingMixin):
         parsed = [engine.input_processor.check_request(i, prompt, params)
                   for i, (prompt, params) in enumerate(zip(parsed, sampling_params))]
         loras = engine.lora_requests(lora_request, len(parsed))
-        return [engine.add_tokens(prompt.text, prompt.token_ids, params, rank, prompt.cache_salt, lora_request=lora)
+        return [engine.add_tokens(prompt.text, prompt.token_ids, params, rank, prompt.cache_salt, lora_request=lora,
+                                  prompt_embeds=prompt.embeds)
                 for prompt, params, rank, lora in zip(parsed, sampling_params, priority, loras)]
 
     def wait_for_completion(self, output_type=None, *, use_tqdm=True) -> list[RequestOutput]:
@@ -257,6 +258,8 @@ class LLM(PoolingMixin):
         parsed = parse_prompts(prompts, self.llm_engine.input_processor.encode)
         whole = SamplingParams(max_tokens=params.max_tokens, ignore_eos=True)
         for i, prompt in enumerate(parsed):
+            if prompt.embeds is not None:
+                raise ValueError(f"prompt {i}: beam_search takes text or token-id prompts, not prompt_embeds.")
             engine.input_processor.validate_request(i, prompt.token_ids, whole)
         limit = concurrency_limit or max(len(parsed), 1)
         return [output for start in range(0, len(parsed), limit)

@@ -73,12 +73,12 @@ class PoolingMixin:
         # Check the whole call before any request is added: a bad prompt leaves no trace.
         for i, (prompt, params) in enumerate(zip(parsed, pooling_params)):
             engine.check_pooling_params(params, i)
-            engine.input_processor.validate_pooling_request(i, prompt.token_ids)
+            engine.input_processor.validate_pooling_request(i, prompt)
         resolved_of = {id(params): engine.resolve_pooling_params(params, pooling_task) for params in pooling_params}
         resolved = [resolved_of[id(params)] for params in pooling_params]   # (one PoolingParams for all: resolved once)
         loras = engine.lora_requests(lora_request, len(parsed))
         request_ids = [engine.add_pooling_tokens(prompt.text, prompt.token_ids, params, cache_salt=prompt.cache_salt,
-                                                 lora_request=lora)
+                                                 lora_request=lora, prompt_embeds=prompt.embeds)
                        for prompt, params, lora in zip(parsed, resolved, loras)]
         outputs = self._run_engine(use_tqdm)
         result = [outputs.pop(request_id) for request_id in request_ids]

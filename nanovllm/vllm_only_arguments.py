@@ -52,7 +52,6 @@ IDLE_ARGUMENTS = {
              mamba_block_size=None, mamba_cache_mode="none", mamba_backend="triton",
              enable_mamba_cache_stochastic_rounding=False, mamba_cache_philox_rounds=0, mamba_config=None,
              prefix_match_unit=None, diffusion_config=None),
-    **_group("a prompt is text or token ids, not embeddings", enable_prompt_embeds=False),
     **_group("MoE routing is not returned", enable_return_routed_experts=False),
     **_group("no quantization settings: fp8 checkpoints load dequantized", quantization_config=None,
              allow_deprecated_quantization=False, calculate_kv_scales=False, kv_cache_dtype_skip_layers=None),

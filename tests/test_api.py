@@ -555,8 +555,8 @@ def test_vllm_prompt_types(llm):
             ({"prompt": "Hi", "multi_modal_data": {"image": None}},
              "prompt 1: 'multi_modal_data' is not supported: multimodal inputs (nanovllm runs text-only models)."),
             ({"prompt_token_ids": [5], "cache_salt": ""}, "prompt 1: cache_salt must be a non-empty string, got ''."),
-            ({"prompt_embeds": torch.zeros(3, 64)}, "prompt 1: 'prompt_embeds' is not supported: prompt embeddings "
-                                                    "(vLLM's enable_prompt_embeds; a prompt is text or token ids)."),
+            ({"prompt_embeds": torch.zeros(3, 64)},
+             "You must set `enable_prompt_embeds=True` to input `prompt_embeds`."),
             ({"encoder_prompt": "a", "decoder_prompt": "b"}, "prompt 1: 'encoder_prompt' is not supported: "
                                                              "encoder-decoder prompts (nanovllm runs decoder-only"),
             ({"prompt_token_ids": [5], "prompt_ids": [6]}, "prompt 1: unknown key 'prompt_ids'")):
@@ -1133,8 +1133,6 @@ def test_generate_collects_garbage_less_often_and_restores_the_thresholds(llm, m
                                  "leave it at 1."),
     (dict(limit_mm_per_prompt={"image": 1}), "limit_mm_per_prompt is not supported (text-only models); leave it at "
                                              "None."),
-    (dict(enable_prompt_embeds=True), "enable_prompt_embeds is not supported (a prompt is text or token ids, not "
-                                      "embeddings); leave it at False."),
     (dict(spec_method="mtp", spec_tokens=1), "speculative_config method='mtp' (model=None) is not supported"),
     (dict(chat_template="no template here"), "chat_template must be a Jinja template or the path of a file "
                                              "holding one; 'no template here' is neither (no such file)."),

@@ -234,6 +234,29 @@ def test_custom_logits_processors_on_gpu(gpu_model_dir):
     assert halved == params[3].max_tokens   # (one a step request 3 samples in)
 
 
+def test_prompt_embeds_close_to_hf_on_gpu(gpu_model_dir):
+    """Prompts given as their tokens' embeddings (every other one in vLLM's mixed form, half its positions ids)
+    with CUDA graphs and async scheduling: logprobs close to HF's from the ids, the decodes in the graphs, and
+    the warm call hitting the prefix cache."""
+    from conftest import hf_model
+    table = hf_model(gpu_model_dir).get_input_embeddings().weight.detach().to(torch.bfloat16)
+    prompts = [{"prompt_embeds": table[ids]} if i % 2 == 0 else
+               {"prompt_embeds": table[ids], "prompt_token_ids": ids, "prompt_is_token_ids": [j % 2 == 0 for j in
+                                                                                              range(len(ids))]}
+               for i, ids in enumerate(PROMPTS)]
+    with LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, block_size=16, enable_prompt_embeds=True) as llm:
+        graphs = llm.llm_engine.model_runner.graphs
+        replayed, run_graph = [], graphs.run
+        graphs.run = lambda *args: replayed.append(1) or run_graph(*args)
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        full = check_logprobs_close(tokens_and_tops(outs), hf_reference(gpu_model_dir))
+        assert full >= len(PROMPTS) // 2, f"only {full} of {len(PROMPTS)} sequences matched HF fully"
+        assert len(replayed) >= MAX_TOKENS - 2
+        warm = llm.generate(prompts, GREEDY, use_tqdm=False)
+        check_logprobs_close(tokens_and_tops(warm), hf_reference(gpu_model_dir))
+        assert [o.num_cached_tokens for o in warm] == [(len(p) - 1) // 16 * 16 for p in PROMPTS]
+
+
 def test_seeded_sampling_is_batch_independent_on_gpu(gpu_model_dir):
     llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024)
     sp = SamplingParams(temperature=1.0, seed=99, max_tokens=24, ignore_eos=True)

@@ -6,6 +6,8 @@ A full block of `block_size` tokens is identified by a chained hash,
 `hash(block i) = xxh64(hash(block i-1) || token ids of block i)`, so equal hashes mean equal
 prefixes. A hit is confirmed by comparing the block's token ids too. A request with a cache_salt
 starts the chain from the salt's hash, so its blocks match only requests with the same salt.
+Where a prompt was given as vectors (prompt_embeds), its ids are placeholders: the block's
+vectors go into its hash too.
 
 Every block with ref_count 0 sits in one free queue, ordered by reuse preference:
 
@@ -36,11 +38,12 @@ def salt_hash(cache_salt: str | None, lora_int_id: int = 0) -> int | None:
     return xxhash.xxh64(f"{lora_int_id}:{cache_salt!r}".encode()).intdigest()
 
 
-def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
+def hash_block(parent_hash: int | None, token_ids: list[int], extra: bytes = b"") -> int:
     h = xxhash.xxh64()
     if parent_hash is not None:
         h.update(parent_hash.to_bytes(8, "little"))
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    h.update(extra)
     return h.intdigest()
 
 
@@ -76,7 +79,8 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_resolved_tokens // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else salt_hash(seq.cache_salt, seq.lora_int_id)
-            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]))
+            embeds = b"" if seq.prompt_embeds is None else seq.prompt_embeds.key(i * bs, (i + 1) * bs)
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], embeds))
 
     def get_computed_blocks(self, seq) -> list[int]:
         """Ids of cached blocks matching seq's leading full blocks (seq holds no blocks yet).

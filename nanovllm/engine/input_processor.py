@@ -32,7 +32,7 @@ class InputProcessor:
         tokenization = Tokenization.from_kwargs(tokenization_kwargs, self.config.max_model_len,
                                                 add_special_tokens=True)
         parsed = parse_prompts(prompts, lambda i, text: self.encode(i, text, tokenization.add_special_tokens))
-        return [p._replace(token_ids=tokenization.truncate(p.token_ids, self.tokenizer)) for p in parsed]
+        return [p.cut(tokenization.kept(len(p.token_ids), self.tokenizer)) for p in parsed]
 
     def check_request(self, index: int, prompt: Prompt, params: SamplingParams) -> Prompt:
         """The prompt as it will run (truncated to params.truncate_prompt_tokens); ValueError if
@@ -46,13 +46,30 @@ class InputProcessor:
                 raise ValueError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
                                  f"({max_model_len}). Please, select a smaller truncation size.")
             keep = max_model_len if keep == -1 else keep
-            prompt = prompt._replace(token_ids=prompt.token_ids[-keep:])
+            prompt = prompt.cut(slice(max(len(prompt.token_ids) - keep, 0), len(prompt.token_ids)))
         self.validate_request(index, prompt.token_ids, params)
+        self._check_embeds(index, prompt)
+        if prompt.embeds is not None and params.prompt_logprobs is not None:
+            raise ValueError(f"prompt {index}: prompt_logprobs needs the prompt's token ids, which a prompt given as "
+                             f"prompt_embeds does not have.")
         return prompt
 
-    def validate_pooling_request(self, index: int, prompt_token_ids: list[int]):
+    def _check_embeds(self, index: int, prompt: Prompt):
+        """ValueError for an EmbedsPrompt the engine cannot take (inputs.py)."""
+        if prompt.embeds is None:
+            return
+        if not self.config.enable_prompt_embeds:   # (vLLM's words, its flag by our name)
+            raise ValueError("You must set `enable_prompt_embeds=True` to input `prompt_embeds`.")
+        hidden_size = self.config.hf_config.hidden_size
+        if prompt.embeds.values.shape[1] != hidden_size:
+            raise ValueError(f"prompt {index}: prompt_embeds has {prompt.embeds.values.shape[1]} features a row, "
+                             f"the model's hidden_size is {hidden_size}.")
+
+    def validate_pooling_request(self, index: int, prompt: Prompt):
         """A pooling engine's request (no output tokens): ValueError if it could never run."""
+        prompt_token_ids = prompt.token_ids
         self._check_prompt(index, prompt_token_ids)
+        self._check_embeds(index, prompt)
         if len(prompt_token_ids) > self.kv_capacity:
             raise ValueError(f"prompt {index} (length {len(prompt_token_ids)}) needs more KV cache than the whole "
                              f"cache holds ({self.kv_capacity} tokens).")

@@ -198,14 +198,15 @@ class LLMEngine:
         if self.config.runner_type == "pooling":
             self.check_pooling_params(params)
             params = self.resolve_pooling_params(params, params.task or self.config.pooling_tasks[0])
-            self.input_processor.validate_pooling_request(0, prompt.token_ids)
+            self.input_processor.validate_pooling_request(0, prompt)
             text = prompt.text if prompt.text is not None else prompt_text
             return self.add_pooling_tokens(text, prompt.token_ids, params, priority, prompt.cache_salt, request_id,
-                                           arrival_time, lora_request)
+                                           arrival_time, lora_request, prompt.embeds)
         prompt = self.input_processor.check_request(0, prompt, params)
         text = prompt.text if prompt.text is not None else prompt_text
         return self.add_tokens(text, prompt.token_ids, params, priority, prompt.cache_salt, request_id, arrival_time,
-                               streamed=params.output_kind != RequestOutputKind.FINAL_ONLY, lora_request=lora_request)
+                               streamed=params.output_kind != RequestOutputKind.FINAL_ONLY, lora_request=lora_request,
+                               prompt_embeds=prompt.embeds)
 
     def lora_requests(self, lora_request, num_prompts: int) -> list:
         """vLLM's lora_request argument (None, a LoRARequest for every prompt, or a list of one LoRARequest or
@@ -244,11 +245,11 @@ class LLMEngine:
 
     def add_pooling_tokens(self, prompt: str | None, prompt_token_ids: list[int], params: PoolingParams,
                            priority: int = 0, cache_salt: str | None = None, request_id: str | None = None,
-                           arrival_time: float | None = None, lora_request=None) -> str:
+                           arrival_time: float | None = None, lora_request=None, prompt_embeds=None) -> str:
         """Add a pooling engine's request (resolve_pooling_params'; validate_pooling_request passed) -> its id.
         It runs its prompt once and finishes with the pooler's result (engine/llm_engine.py: _finish_pooled)."""
         request_id = self.add_tokens(prompt, prompt_token_ids, POOLING_SCHEDULES[params.task], priority, cache_salt,
-                                     request_id, arrival_time, lora_request=lora_request)
+                                     request_id, arrival_time, lora_request=lora_request, prompt_embeds=prompt_embeds)
         self.requests[request_id].seqs[0].pooling_params = params
         return request_id
 
@@ -263,11 +264,13 @@ class LLMEngine:
 
     def add_tokens(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                    priority: int = 0, cache_salt: str | None = None, request_id: str | None = None,
-                   arrival_time: float | None = None, streamed: bool = False, lora_request=None) -> str:
+                   arrival_time: float | None = None, streamed: bool = False, lora_request=None,
+                   prompt_embeds=None) -> str:
         """Add a request that InputProcessor.check_request passed -> its id (the next number when
         none is given).
         cache_salt: the request's blocks hit in the prefix cache only for requests with the same salt.
         lora_request: its LoRA adapter (one that lora_requests() passed), or None.
+        prompt_embeds: an EmbedsPrompt's vectors (inputs.PromptEmbeds), prompt_token_ids then placeholders.
         streamed: step() reports its text before it finishes; if not (LLM.generate's requests), a completion
         without stop strings is detokenized once, when it ends.
         RuntimeError while the engine sleeps."""
@@ -287,6 +290,7 @@ class LLMEngine:
                 child_params = replace(params, seed=params.seed + index)
             seq = Sequence(request_id, index, prompt_token_ids, child_params, priority, cache_salt, lora_request)
             seq.bad_words_token_ids = bad_words_token_ids
+            seq.prompt_embeds = prompt_embeds
             seq.streamed = streamed
             if params.thinking_token_budget is not None:
                 seq.thinking_budget = ThinkingBudget(self.thinking_markers, params.thinking_token_budget)

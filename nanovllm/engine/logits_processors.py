@@ -61,7 +61,10 @@ class ProcessorBatch:
                 i = holes.pop(0) if holes else len(self.order)
                 self.order[i:i + 1] = [seq.seq_id]
                 self.index[seq.seq_id] = i
-                added.append((i, seq.sampling_params, seq.token_ids[:seq.num_prompt_tokens], OutputTokens(seq)))
+                # (vLLM's prompt ids: None for a prompt given as vectors alone)
+                embeds_only = seq.prompt_embeds is not None and seq.prompt_embeds.is_token_ids is None
+                prompt_ids = None if embeds_only else seq.token_ids[:seq.num_prompt_tokens]
+                added.append((i, seq.sampling_params, prompt_ids, OutputTokens(seq)))
         removed, moved = list(holes), []
         occupied, last = set(self.index.values()), len(self.order) - 1
         for hole in holes:   # the last ones down into the holes below the batch's new end

@@ -23,8 +23,8 @@ from nanovllm.engine.sleep import SLEEP_TAGS, ArenaMemory, Hibernation, Storages
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.shared_prefix import SharedPrefixPlan, plan_arrays, plan_shared_prefixes
 from nanovllm.engine.speculative import sampling_rows
-from nanovllm.engine.step_inputs import (HostBatch, StepInputs, build_step, mixed_step_decodes, prompt_spans,
-                                         token_rows)
+from nanovllm.engine.step_inputs import (HostBatch, StepInputs, build_step, embed_rows, mixed_step_decodes,
+                                         prompt_spans, token_rows)
 from nanovllm.engine.structured_output import BitmaskFiller
 from nanovllm.engine.upload import upload
 from nanovllm.kernels import compile_ahead, device as device_info
@@ -444,6 +444,9 @@ class ModelRunner:
         step = build_step(out, sampling_seqs, pending, self.block_size)
         spans = prompt_spans(out, step.batch)
         step.prompt_rows = [row for _, _, rows in spans for row in rows]
+        if (embeds := embed_rows(out, step.batch)) is not None:
+            rows, parts = embeds
+            step.embeds = (rows, torch.cat([part.to(self.config.torch_dtype) for part in parts]))
         if self.lora is not None:
             slots, step.lora_loads = self.lora_slot_table.assign([seq.lora_request for seq in out.seqs])
             step.lora_slots = np.repeat(slots, out.num_scheduled_tokens)
@@ -500,10 +503,14 @@ class ModelRunner:
         pending = (step.pending_rows, step.pending_sources) if step.pending_rows else None
         shared = self.plan_shared_prefixes(batch)
         from_graph = (self.graphs is not None and num_tokens == num_seqs
-                      and num_seqs <= self.graphs.max_batch_size)
+                      and num_seqs <= self.graphs.max_batch_size and step.embeds is None)
         if from_graph:
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
                                      batch.block_tables, pending, self.last_sampled, shared)
+        elif step.embeds is not None:   # (eager: the graphs take token ids only)
+            rows, vectors = step.embeds
+            embeds = (torch.from_numpy(rows).to(self.device), vectors.to(self.device))
+            hidden = self.model(*self._device_inputs(batch, pending, shared), embeds=embeds)
         elif self.pieces is not None and len(batch.input_ids) <= self.pieces.max_tokens:
             hidden = self.pieces.run(*self._device_inputs(batch, pending, shared))
         else:

@@ -169,8 +169,9 @@ class OutputProcessor:
         Decodes only a short window: token_ids[prefix_offset:read_offset] was decoded before;
         the new text is what decoding token_ids[prefix_offset:end] adds to it. Held back while it
         ends in an incomplete UTF-8 character."""
-        if seq.read_offset == 0:
-            seq.prefix_offset = max(seq.num_prompt_tokens - DETOKENIZE_CONTEXT, 0)
+        if seq.read_offset == 0:   # (no context from a prompt given as vectors: its ids are placeholders)
+            context = DETOKENIZE_CONTEXT if seq.prompt_embeds is None else 0
+            seq.prefix_offset = max(seq.num_prompt_tokens - context, 0)
             seq.read_offset = seq.num_prompt_tokens
         params = seq.sampling_params
         skip, spaces = params.skip_special_tokens, params.spaces_between_special_tokens

@@ -93,7 +93,7 @@ def host_sampling_metadata(seqs: list[Sequence], vocab_size: int, eos_token_ids:
         md.penalty_table = counts.table
         if new:
             md.new_table_rows = np.asarray([row for row, _ in new], np.int64)
-            md.new_prompt_ids = padded([seq.token_ids[:seq.num_prompt_tokens] for _, seq in new], vocab)
+            md.new_prompt_ids = padded([seq.known_prompt_token_ids for _, seq in new], vocab)
         md.presence_penalties = np.asarray([params[i].presence_penalty for i in penalised], np.float32)
         md.frequency_penalties = np.asarray([params[i].frequency_penalty for i in penalised], np.float32)
         md.repetition_penalties = np.asarray([params[i].repetition_penalty for i in penalised], np.float32)

@@ -54,6 +54,7 @@ class Sequence:
         self.block_hashes: list[int] = []        # chained hashes of the full blocks of token_ids
         self.cache_salt = cache_salt             # mixed into the first block's hash (inputs.py)
         self.lora_request = lora_request         # its LoRA adapter (lora/), or None; in the first block's hash too
+        self.prompt_embeds = None                # an EmbedsPrompt's vectors (inputs.PromptEmbeds); in block hashes too
         self.num_pending_tokens = 0              # PENDING_TOKEN placeholders at the end of token_ids
         self.spec_token_ids: list[int] = []      # drafts the next step checks (engine/speculative.py)
         # Output state, owned by the engine (detokenizer and stop checks).
@@ -95,6 +96,15 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def known_prompt_token_ids(self) -> list[int]:
+        """The prompt's token ids less the placeholders of positions given as vectors (prompt_embeds)."""
+        prompt = self.token_ids[:self.num_prompt_tokens]
+        if self.prompt_embeds is None:
+            return prompt
+        given = self.prompt_embeds.is_token_ids
+        return [] if given is None else [t for t, known in zip(prompt, given) if known]
 
     @property
     def needs_output_ids_on_host(self) -> bool:

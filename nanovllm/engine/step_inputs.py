@@ -41,6 +41,8 @@ class StepInputs:
     prompt_rows: list[int] = field(default_factory=list)   # rows whose logits score the next prompt token
     lora_slots: np.ndarray | None = None   # with LoRA: [num_tokens] each token's adapter slot, -1 for none
     lora_loads: list = field(default_factory=list)   # (slot, LoRARequest): adapters to put in slots first
+    # (rows, vectors [len(rows), hidden] on the host) for positions of prompts given as vectors (prompt_embeds)
+    embeds: tuple | None = None
 
 
 def host_batch(out: SchedulerOutput, block_size: int) -> HostBatch:
@@ -86,6 +88,20 @@ def build_step(out: SchedulerOutput, sampling_seqs: list[Sequence], pending: dic
                        for row in range(batch.query_start_loc[i + 1] - 1 - len(seq.spec_token_ids),
                                         batch.query_start_loc[i + 1])]
     return StepInputs(batch, rows, sources, logits_rows, num_tokens if logits_rows is None else len(logits_rows))
+
+
+def embed_rows(out: SchedulerOutput, batch: HostBatch) -> tuple[np.ndarray, list] | None:
+    """The batch rows of the step's positions given as vectors (prompt_embeds, inputs.py), and those
+    vectors in parts (a tensor a sequence), in the rows' order; None if the step has none."""
+    rows, parts = [], []
+    for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
+        start = seq.num_computed_tokens
+        if seq.prompt_embeds is None or start >= len(seq.prompt_embeds):
+            continue
+        positions = seq.prompt_embeds.positions(start, start + n)
+        rows += [batch.query_start_loc[i] - start + p for p in positions]
+        parts.append(seq.prompt_embeds.values[positions])
+    return (np.asarray(rows, np.int64), parts) if rows else None
 
 
 def token_rows(batch: HostBatch) -> HostBatch:

@@ -105,8 +105,10 @@ class QwenModel(nn.Module):
                                      for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, positions, meta):
+    def forward(self, input_ids, positions, meta, embeds=None):
         x, residual = self.embed_tokens(input_ids), None
+        if embeds is not None:   # (rows, vectors): rows whose input is given as a vector (prompt_embeds)
+            x = x.index_copy(0, *embeds)
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         x, _ = self.norm(x, residual)
@@ -139,10 +141,11 @@ class QwenForCausalLM(nn.Module):
         if classifier is not None and classifier.from_token_ids is not None:
             self.score_source = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]. embeds: (rows,
+        vectors [len(rows), hidden_size]) that those rows take instead of their tokens' embeddings."""
+        return self.model(input_ids, positions, meta, embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_seqs, hidden_size] -> logits [num_seqs, vocab_size] (None on ranks > 0)."""
