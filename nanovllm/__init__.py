@@ -14,5 +14,6 @@ from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
            "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "TextPrompt", "TokensPrompt", "EmbedsPrompt",
            "PromptType", "PoolingParams", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
-           "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput", "ClassificationOutput", "ClassificationRequestOutput"]
+           "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput", "ClassificationOutput",
+           "ClassificationRequestOutput"]
 __version__ = "0.1.0"
