@@ -251,7 +251,8 @@ def main():
                    help="LLM(async_scheduling=False): each step's tokens read before the next step is scheduled")
     p.add_argument("--speculative-config", type=json.loads, default=None,
                    help='LLM(speculative_config=...), JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_max": 3}\' (n-gram drafts)')
+                        '"prompt_lookup_max": 3}\' (n-gram drafts), or \'{"model": "qwen3-0.6b", '
+                        '"num_speculative_tokens": 4}\' (a draft model: a path, a hub id or a preset)')
     add_request_arguments(p)
     add_lora_arguments(p)
     p.add_argument("--seed", type=int, default=0)
@@ -296,7 +297,10 @@ def main():
     if args.no_async_scheduling:
         kwargs["async_scheduling"] = False
     if args.speculative_config is not None:   # (with the metrics on, for the drafts' counters)
-        kwargs |= dict(speculative_config=args.speculative_config, disable_log_stats=False)
+        spec = dict(args.speculative_config)
+        if spec.get("model") in PRESETS:   # a draft model given as a preset (with the model's dummy weights' seed)
+            spec["model"] = preset_dir(spec["model"])
+        kwargs |= dict(speculative_config=spec, disable_log_stats=False)
     if args.custom_all_reduce != "default":
         kwargs["disable_custom_all_reduce"] = args.custom_all_reduce == "off"
     if args.model in PRESETS:

@@ -261,6 +261,8 @@ class Config:
         if self.runner_type == "pooling" and self.speculative_config is not None:
             raise ValueError(f"speculative_config is for generative models; a pooling model (runner='pooling') "
                              f"computes prompts only, got {self.speculative_config!r:.120}.")
+        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            self._resolve_draft_model()
         if self.logits_processors:
             self._resolve_logits_processors()
         if self.runner_type == "pooling" and self.enable_lora and set(self.lora_target_modules or ()) == {"lm_head"}:
@@ -419,6 +421,26 @@ class Config:
                              "decoding is enabled (speculative_config).")
         self.logits_processors = [resolve_processor(entry, f"logits_processors[{i}]")
                                   for i, entry in enumerate(self.logits_processors)]
+
+    def _resolve_draft_model(self):
+        """speculative_config's draft model (engine/draft_model.py): its files and config (draft_path,
+        draft_hf_config); ValueError for one the engine cannot run beside the model."""
+        spec = self.speculative_config
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config method='draft_model' runs at tensor_parallel_size=1, got "
+                             f"tensor_parallel_size={self.tensor_parallel_size}.")
+        spec.draft_path = resolve_model_path(spec.model, need_weights=self.load_format != "dummy",
+                                             cache_dir=self.download_dir, token=self.hf_token)
+        draft = spec.draft_hf_config = AutoConfig.from_pretrained(spec.draft_path,
+                                                                  trust_remote_code=self.trust_remote_code)
+        architectures = getattr(draft, "architectures", None) or []
+        if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
+            raise ValueError(f"speculative_config model {spec.model!r}: architectures {architectures} are not "
+                             f"supported for a draft model; supported: {', '.join(SUPPORTED_ARCHITECTURES)}.")
+        if draft.vocab_size != self.hf_config.vocab_size:
+            raise ValueError(f"speculative_config model {spec.model!r} has vocab_size {draft.vocab_size}, the model "
+                             f"{self.hf_config.vocab_size}: a draft model must share the model's vocabulary.")
+        rope_settings(draft)
 
     def _resolve_runner(self) -> str:
         """runner and convert "auto" resolved as vLLM resolves them -> "generate" or "pooling" (and

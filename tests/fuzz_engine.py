@@ -12,7 +12,9 @@ above 16 on the sampler's sorted path (SORTED_PATH_TOP_K_MAX). Two seeds in five
 (random_lora_config, drawn apart so that the other draws stay as they were): 1 or 2 slots, three
 adapters and the base model drawn per request, and in one of those four some modules only
 (lora_target_modules). A third of the seeds without speculative decoding run a custom logits processor that
-checks the engine's persistent batch of sampling requests (BatchCheck). Checked:
+checks the engine's persistent batch of sampling requests (BatchCheck). A fourth of the seeds without an
+adapted embedding give half their prompts as their tokens' embeddings (prompt_embeds; half of those in vLLM's
+mixed form), which must complete as the ids do (random_embeds). Checked:
 - a bad request (out-of-vocabulary id, a prompt too long, an unfinished request's id, ...) is a
   ValueError and changes nothing else;
 - every request that is not aborted is reported finished exactly once, and the engine counts as
@@ -53,6 +55,7 @@ import random
 from dataclasses import dataclass, field, replace
 
 import torch
+from safetensors.torch import load_file
 
 from nanovllm import LLM, EngineArgs, LLMEngine, PoolingParams, SamplingParams
 from nanovllm.engine.output_processor import DETOKENIZE_CONTEXT
@@ -184,6 +187,25 @@ def random_processors(seed: int, config: dict) -> dict:
     return {"logits_processors": [BatchCheck]}
 
 
+def random_embeds(seed: int, config: dict, model: str) -> tuple[dict, random.Random, torch.Tensor | None]:
+    """enable_prompt_embeds in a fourth of the seeds without an adapter on the embedding, drawn from an RNG of its
+    own -> (engine arguments, that RNG, the model's token embeddings in the engine's dtype; None without)."""
+    rng = random.Random(f"embeds {seed}")
+    targets = config.get("lora_target_modules")
+    if config.get("enable_lora") and (targets is None or "embed_tokens" in targets) or rng.random() >= 0.25:
+        return {}, rng, None
+    table = load_file(f"{model}/model.safetensors")["model.embed_tokens.weight"]
+    return {"enable_prompt_embeds": True}, rng, table.to(getattr(torch, config["dtype"]))
+
+
+def as_embeds(rng: random.Random, ids: list[int], table: torch.Tensor) -> dict:
+    """ids as an EmbedsPrompt of their embeddings, or in vLLM's mixed form (a random half of the positions ids)."""
+    prompt = {"prompt_embeds": table[ids]}
+    if rng.random() < 0.5:
+        prompt |= {"prompt_token_ids": ids, "prompt_is_token_ids": [rng.random() < 0.5 for _ in ids]}
+    return prompt
+
+
 ADAPTERS: list[str] = []   # the tiny model's LoRA adapters (main() writes three)
 
 
@@ -213,6 +235,7 @@ class Run:
     config: dict = field(default_factory=dict)   # the engine's (random_config)
     eos_token_ids: set = field(default_factory=set)   # the engine's
     loras: dict = field(default_factory=dict)   # request id -> its LoRARequest (with LoRA on)
+    embedded: dict = field(default_factory=dict)   # request id -> its ids' placeholders: given as vectors alone
 
     def unfinished(self) -> list[str]:
         return sorted(set(self.requests) - self.aborted - set(self.finished))
@@ -262,6 +285,8 @@ def run_seed(model: str, seed: int, **engine_kwargs) -> int:
     lora_config, lora_rng, loras = random_lora_config(seed)
     config = random_config(rng, **engine_kwargs) | lora_config
     config |= random_processors(seed, config)
+    embeds_config, embeds_rng, table = random_embeds(seed, config, model)
+    config |= embeds_config
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, **config))
     think = thinking_ids(engine.tokenizer, config)
     run = Run(config=config, eos_token_ids=engine.eos_token_ids)
@@ -274,8 +299,13 @@ def run_seed(model: str, seed: int, **engine_kwargs) -> int:
             salt = rng.choice([None, None, "a", "b"])
             priority = rng.randint(-2, 2) if config["scheduling_policy"] == "priority" else 0
             lora = lora_rng.choice([*loras, None]) if loras else None
-            engine.add_request(request_id, {"prompt_token_ids": prompt, "cache_salt": salt}, params, priority=priority,
-                               lora_request=lora)
+            given = {"prompt_token_ids": prompt}
+            if table is not None and embeds_rng.random() < 0.5:
+                # (without what reads the prompt's ids, which such a prompt's run alone by its ids would see)
+                given = as_embeds(embeds_rng, prompt, table)
+                params = replace(params, prompt_logprobs=None, repetition_penalty=1.0, thinking_token_budget=None)
+                run.embedded[request_id] = "prompt_token_ids" not in given
+            engine.add_request(request_id, given | {"cache_salt": salt}, params, priority=priority, lora_request=lora)
             run.requests[request_id] = prompt, params
             run.loras[request_id] = lora
         elif action < 0.33:   # a request the engine must refuse, with nothing else changed
@@ -434,14 +464,15 @@ def check_outputs(run: Run, tokenizer):
             assert len(tokens) <= params.max_tokens, f"{request_id}: {len(tokens)} tokens > {params.max_tokens}"
             finish_reason, stop_reason = run.finish_reasons[(request_id, index)]
             check_finish(tokens, len(kept), finish_reason, stop_reason, params, run)
-            if params.detokenize:
-                check_text(tokens, text, kept, finish_reason, stop_reason, params, tokenizer)
+            if params.detokenize:   # (no context from a prompt given as vectors)
+                context = [] if request_id in run.embedded else kept
+                check_text(tokens, text, context, finish_reason, stop_reason, params, tokenizer)
         if params.output_kind == RequestOutputKind.FINAL_ONLY:
             assert len(output.outputs) == params.n
             for completion in output.outputs:
                 if params.logprobs is not None:
                     assert len(completion.logprobs) == len(completion.token_ids), request_id
-        assert list(output.prompt_token_ids) == kept, request_id
+        assert list(output.prompt_token_ids) == ([0] * len(kept) if run.embedded.get(request_id) else kept), request_id
         # prefix-cache hits: whole blocks before the last prompt token, none where the request may not read them
         reads_cache = run.config["enable_prefix_caching"] and not params.skip_reading_prefix_cache
         cached = output.num_cached_tokens

@@ -1100,7 +1100,7 @@ def test_generate_collects_garbage_less_often_and_restores_the_thresholds(llm, m
     (dict(max_num_seqs="8"), "max_num_seqs must be int or None, got '8'."),
     (dict(speculative_config={"method": "eagle", "num_speculative_tokens": 2}),
      "speculative_config method='eagle' (model=None) is not supported: nanovllm speculates by n-gram prompt lookup "
-     "only (method='ngram')."),
+     "(method='ngram') or with a draft model (method='draft_model')."),
     (dict(runner="draft"), "runner must be 'auto', 'generate' or 'pooling', got 'draft'."),
     (dict(convert="reward"), "convert must be 'auto', 'none', 'embed' or 'classify', got 'reward'."),
     (dict(runner="generate", convert="embed"), "convert='embed' makes a pooling model: it needs runner 'pooling' "

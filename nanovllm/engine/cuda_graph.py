@@ -71,6 +71,7 @@ class DecodeGraphs:
                 self.hidden[:bs] = model(input_ids, positions, meta)
             pool = graph.pool()
             self.graphs[bs, shared] = graph
+        self.pool = pool   # (the graphs', for graphs captured after these to share)
         torch.cuda.synchronize()
 
     def _plan_arrays(self, n: int, plan: SharedPrefixPlan | None = None) -> list[np.ndarray]:

@@ -18,7 +18,7 @@ from nanovllm.engine.reasoning import REASONING_PARSERS, ThinkingBudget, Thinkin
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.sleep import SLEEP_MODES, SLEEP_TAGS
-from nanovllm.engine.speculative import NgramProposer, accepted_tokens
+from nanovllm.engine.speculative import DraftModelProposer, NgramProposer, accepted_tokens
 from nanovllm.engine.streaming import OutputStreamer
 from nanovllm.engine.stat_logger import StatLogger
 from nanovllm.engine.tp_workers import TPWorkers, resolve_method, run_method
@@ -113,7 +113,11 @@ class LLMEngine:
                                    config.max_loras if config.enable_lora else 0)
         self.async_scheduling = config.async_scheduling
         spec = config.speculative_config
-        self.proposer = None if spec is None else NgramProposer(spec, config.max_model_len)
+        self.proposer = None
+        if spec is not None and spec.method == "ngram":
+            self.proposer = NgramProposer(spec, config.max_model_len)
+        elif spec is not None:   # (drafts only where the draft model can embed their positions)
+            self.proposer = DraftModelProposer(spec, self.model_runner.draft.max_model_len)
         num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.stat_logger = None if config.disable_log_stats else StatLogger(
             num_speculative_tokens=num_speculative_tokens)

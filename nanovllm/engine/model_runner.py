@@ -13,6 +13,7 @@ from nanovllm.distributed import SINGLE, TPGroup
 from nanovllm.engine import kv_cache
 from nanovllm.engine.block_table_sync import BlockTableReceiver, BlockTableSender
 from nanovllm.engine.cuda_graph import DecodeGraphs, graph_buckets
+from nanovllm.engine.draft_model import DraftModel
 from nanovllm.engine.logits_processors import ProcessorBatch
 from nanovllm.engine.penalty_counts import PenaltyCounts
 from nanovllm.engine import piecewise_graphs
@@ -125,6 +126,10 @@ class ModelRunner:
         self.num_sms = device_info.num_sms(self.device) if self.device.type == "cuda" else 1
         self.splits = SplitRules(self.attention_layers[0].num_kv_heads, self.num_sms, config.max_model_len,
                                  self.shared_prefix_tile_seqs)
+        self.draft = None   # speculative decoding's draft model (engine/draft_model.py), its layers on this backend
+        if config.speculative_config is not None and config.speculative_config.method == "draft_model":
+            self.draft = DraftModel(config, self.device, self.backend,
+                                    lambda kv_heads: SplitRules(kv_heads, self.num_sms, config.max_model_len, None))
         # A decode step has a row a sequence; with speculative decoding a row a token (its last and its drafts,
         # step_inputs.token_rows), up to decode_query_len a sequence, while the rows fit a decode graph's.
         spec = config.speculative_config
@@ -164,6 +169,9 @@ class ModelRunner:
                     hf.hidden_size, config.torch_dtype, self.device)
             if not self.pooling:   # (a pooling engine's steps are prompts)
                 self.graphs = self._capture_graphs()
+            if self.draft is not None:
+                self.draft.capture_graphs(min(self.max_decode_rows, MAX_GRAPH_BATCH_SIZE), self.max_blocks_per_seq,
+                                          self.graphs.pool)
             self.timings["cuda_graphs_s"] = time.perf_counter() - start
             self._add_compile_ahead(self.graphs.compile_s if self.graphs is not None else None)
         self.hibernations: dict[str, Hibernation] | None = None   # sleep mode's, made by the first sleep()
@@ -252,6 +260,8 @@ class ModelRunner:
         cfg = self.config
         num_blocks = cfg.num_kvcache_blocks
         block_bytes = kv_cache.block_bytes(self.attention_layers, self.block_size, cfg.kv_cache_torch_dtype)
+        if self.draft is not None:   # (the draft model's K/V in the same blocks)
+            block_bytes += self.draft.block_bytes(cfg.kv_cache_torch_dtype)
         if num_blocks is None:
             if cfg.kv_cache_memory_bytes is not None:
                 budget = cfg.kv_cache_memory_bytes
@@ -272,6 +282,8 @@ class ModelRunner:
             self.arenas["kv_cache"] = Arena(num_blocks * block_bytes, self.device)
             memory = self.arenas["kv_cache"].tensor()
         self.kv_cache = self._make_kv_cache(num_blocks, memory)
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(num_blocks, cfg.kv_cache_torch_dtype)
         return num_blocks
 
     def _make_kv_cache(self, num_blocks: int, memory: torch.Tensor | None = None) -> torch.Tensor:
@@ -375,10 +387,11 @@ class ModelRunner:
         return plan_shared_prefixes(batch.block_tables, batch.seq_lens, self.block_size, self.shared_prefix_tile_seqs)
 
     def _device_inputs(self, batch: HostBatch, pending: tuple[list[int], list[int]] | None = None,
-                       shared: SharedPrefixPlan | None = None):
+                       shared: SharedPrefixPlan | None = None, splits: SplitRules | None = None):
         """-> input_ids, positions, AttentionMetadata on the device, uploaded in one copy.
         pending: (rows, sources), as DecodeGraphs.run takes them. shared: a decode step's plan of
-        shared prefixes."""
+        shared prefixes. splits: the attention's SplitRules (the model's if None; the draft model's)."""
+        splits = splits or self.splits
         qsl = batch.query_start_loc
         max_query_len = max(b - a for a, b in zip(qsl, qsl[1:]))
         rows, sources = pending or ([], [])
@@ -401,7 +414,7 @@ class ModelRunner:
         if shared is not None:
             prefix_lens, tiles, tile_count, *rest = rest
             shared = SharedPrefixes(prefix_lens, tiles, tile_count, len(tiles),
-                                    self.splits.shared_prefix_splits(len(batch.seq_lens)))
+                                    splits.shared_prefix_splits(len(batch.seq_lens)))
         cu_seqlens_k = rest
         if pending:
             input_ids[rows] = self.last_sampled[sources]
@@ -411,12 +424,12 @@ class ModelRunner:
             max_query_len=max_query_len, max_seq_len=max(batch.seq_lens),
             cu_seqlens_k=cu_seqlens_k[0] if cu_seqlens_k else None)
         if max_query_len == 1 and self.device.type == "cuda":
-            meta.decode_split = self.splits.decode_split(len(batch.seq_lens))
+            meta.decode_split = splits.decode_split(len(batch.seq_lens))
             meta.shared_prefixes = shared
         if decode_seqs:
             at, pick = (decode_rows, decode_seqs_t) if front is None else (front, front)   # (a slice: views)
             meta.decodes = MixedDecodes(rows=at, block_tables=block_tables[pick], seq_lens=seq_lens[pick],
-                                        split=self.splits.decode_split(len(decode_seqs)),
+                                        split=splits.decode_split(len(decode_seqs)),
                                         max_prefill_seq_len=max_prefill_seq_len)
         return input_ids, positions, meta
 
@@ -441,6 +454,8 @@ class ModelRunner:
         token the host has not read yet (PENDING_TOKEN in token_ids): its id is taken on the device.
         before_sampling: called once the forward pass is launched, before the sampling inputs are
         made from the sequences (the engine reads the previous step's tokens there)."""
+        if self.draft is not None and any(seq.spec_token_ids for seq in out.seqs):   # (placeholders until now)
+            self.draft.propose([seq for seq in out.seqs if seq.spec_token_ids], self._device_inputs)
         step = build_step(out, sampling_seqs, pending, self.block_size)
         spans = prompt_spans(out, step.batch)
         step.prompt_rows = [row for _, _, rows in spans for row in rows]

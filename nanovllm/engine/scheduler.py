@@ -149,7 +149,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence):
         self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_draft_computed = 0   # (the K/V of both models goes with the blocks)
         seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         self._enqueue(self.waiting, seq, self.waiting.appendleft)

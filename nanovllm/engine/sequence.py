@@ -57,6 +57,7 @@ class Sequence:
         self.prompt_embeds = None                # an EmbedsPrompt's vectors (inputs.PromptEmbeds); in block hashes too
         self.num_pending_tokens = 0              # PENDING_TOKEN placeholders at the end of token_ids
         self.spec_token_ids: list[int] = []      # drafts the next step checks (engine/speculative.py)
+        self.num_draft_computed = 0              # tokens whose draft-model K/V is written (engine/draft_model.py)
         # Output state, owned by the engine (detokenizer and stop checks).
         self.output_text = ""
         self.prefix_offset = 0                   # incremental detokenization window

@@ -1,9 +1,12 @@
-"""Speculative decoding by n-gram prompt lookup: vLLM's `speculative_config={"method": "ngram",
-"num_speculative_tokens": k, "prompt_lookup_max": ..., "prompt_lookup_min": ...}` (no torch here).
+"""Speculative decoding, as vLLM's `speculative_config` (no torch here): by n-gram prompt lookup
+({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": ..., "prompt_lookup_min": ...}), or
+by a draft model ({"model": a smaller model of the same vocabulary, "num_speculative_tokens": k}: method
+"draft_model", engine/draft_model.py proposes).
 
 Before each step, a decoding sequence whose tokens end with an n-gram (prompt_lookup_min <= n <=
 prompt_lookup_max) that also occurs earlier in its tokens proposes, as drafts, the up to k tokens that
-followed the earliest such occurrence (the longest n that occurs wins). The step computes the sequence's
+followed the earliest such occurrence (the longest n that occurs wins); with a draft model, it asks for k
+drafts here, and the draft model makes them once the step is scheduled. The step computes the sequence's
 last token and its drafts together, one logits row each, and samples a token from every row:
 
     tokens   ... a b c | d          drafts  e f g        (d: the last token, its KV not yet written)
@@ -35,13 +38,14 @@ notice text that starts repeating. The other steps overlap the host's work with 
 scheduling, as without speculation (vLLM turns async scheduling off for n-gram drafts instead).
 """
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.validation import check_known_keys
 
 SPECULATIVE_CONFIG_FIELDS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                             "num_speculative_tokens_per_batch_size")
+                             "num_speculative_tokens_per_batch_size", "draft_tensor_parallel_size")
+METHODS = ("ngram", "draft_model")
 # Drafting pays when drafts add about this many tokens per sequence to a step: a step with drafts took ~40%
 # longer than one without at 256 sequences on an H100 (docs/perf_notes.md rows 133-135).
 MIN_GAIN = 0.5
@@ -54,7 +58,8 @@ PROBE_STEPS = 32     # below MIN_GAIN, one step in this many still drafts
 
 @dataclass
 class SpeculativeConfig:
-    """vLLM's SpeculativeConfig for its "ngram" method (`method="ngram"`, or `model="[ngram]"`)."""
+    """vLLM's SpeculativeConfig for its "ngram" method (`method="ngram"`, or `model="[ngram]"`) and its
+    "draft_model" method (`model=<directory or hub id>`)."""
     method: str | None = None
     model: str | None = None
     num_speculative_tokens: int | None = None
@@ -63,6 +68,10 @@ class SpeculativeConfig:
     # (range_start, range_end, k) entries, inclusive ranges of a step's sequences starting at 1: the drafts a
     # sequence proposes at that batch size (num_drafts_for), at most num_speculative_tokens
     num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None
+    draft_tensor_parallel_size: int | None = None   # the draft model's: 1 (or None), as the engine's
+    # the draft model's files and config (draft_model; set by Config)
+    draft_path: str | None = field(default=None, init=False, repr=False)
+    draft_hf_config: object = field(default=None, init=False, repr=False)
 
     @classmethod
     def from_engine_args(cls, value, spec_method: str | None = None, spec_model: str | None = None,
@@ -91,15 +100,28 @@ class SpeculativeConfig:
     def __post_init__(self):
         if self.method is None and self.model in ("ngram", "[ngram]"):
             self.method = "ngram"
+        elif self.method is None and self.model is not None:   # (vLLM's reading of a model it has no method for)
+            self.method = "draft_model"
         if self.method == "[ngram]":
             self.method = "ngram"
-        if self.method != "ngram":
+        if self.method not in METHODS:
             raise ValueError(f"speculative_config method={self.method!r} (model={self.model!r}) is not supported: "
-                             f"nanovllm speculates by n-gram prompt lookup only (method='ngram').")
-        self.model = "ngram"
+                             f"nanovllm speculates by n-gram prompt lookup (method='ngram') or with a draft model "
+                             f"(method='draft_model').")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"speculative_config num_speculative_tokens must be a positive integer, got {k!r}.")
+        if self.num_speculative_tokens_per_batch_size is not None:
+            self.num_speculative_tokens_per_batch_size = batch_size_schedule(self.num_speculative_tokens_per_batch_size)
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError(f"speculative_config method='draft_model' needs model (the draft model's directory "
+                                 f"or hub id), got {self.model!r}.")
+            if self.draft_tensor_parallel_size not in (None, 1):
+                raise ValueError(f"speculative_config draft_tensor_parallel_size must be 1 (the draft model runs on "
+                                 f"the engine's one GPU), got {self.draft_tensor_parallel_size!r}.")
+            return
+        self.model = "ngram"
         # vLLM's defaults: 5 and 5, or the one given for both
         if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
             self.prompt_lookup_min = self.prompt_lookup_max = 5
@@ -114,8 +136,6 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= "
                              f"prompt_lookup_max={self.prompt_lookup_max}")
-        if self.num_speculative_tokens_per_batch_size is not None:
-            self.num_speculative_tokens_per_batch_size = batch_size_schedule(self.num_speculative_tokens_per_batch_size)
 
     def num_drafts_for(self, batch_size: int) -> int:
         """The drafts a sequence proposes in a step of batch_size sequences: num_speculative_tokens, or with
@@ -194,15 +214,13 @@ def can_draft(seq: Sequence) -> bool:
     return not (seq.needs_output_ids_on_host or seq.sampling_params.has_penalties)
 
 
-class NgramProposer:
+class Proposer:
+    """What the methods share: whether a step drafts (while drafts pay, and as a probe), and how many drafts each
+    sequence may take."""
+
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
         self.config = config
-        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.max_model_len = max_model_len
-        # seq_id -> (its token ids as an array("i"), each id's first position), extended by the tokens
-        # each step adds: made once a sequence. Most steps' last token occurs nowhere before (so no n-gram
-        # ending with it does), which the positions tell without searching.
-        self.known: dict[int, tuple[array, dict[int, int]]] = {}
         self.gain = 1.0              # running average of the tokens drafts added per sequence in a drafting step
         self.steps_since_drafting = 0
 
@@ -219,8 +237,7 @@ class NgramProposer:
 
     def propose(self, seqs: list[Sequence], drafting: bool = True):
         """Set spec_token_ids of each of seqs (the running sequences): none unless drafting; else drafts for
-        one that decodes next and may speculate, as many as the batch size's k (num_drafts_for), its max_tokens
-        and max_model_len leave room for after the step's own token."""
+        one that decodes next and may speculate, at most room_for(seq, the batch size's k) (num_drafts_for)."""
         if not drafting:
             self.steps_since_drafting += 1
             for seq in seqs:
@@ -228,26 +245,63 @@ class NgramProposer:
                     seq.spec_token_ids = []
             return
         self.steps_since_drafting = 0
-        known = {}
         k = self.config.num_drafts_for(len(seqs))
         for seq in seqs:
-            seq.spec_token_ids = []
-            if seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_pending_tokens or not can_draft(seq):
-                continue
-            room = min(k, self.max_model_len - seq.num_tokens - 1)
-            max_tokens = seq.sampling_params.max_tokens
-            if max_tokens is not None:
-                room = min(room, max_tokens - seq.num_output_tokens - 1)
-            if room <= 0:
-                continue
-            # (a sequence's tokens only grow between its steps: the known ones are kept)
-            ids, first = known[seq.seq_id] = self.known.get(seq.seq_id) or (array("i"), {})
-            for position in range(len(ids), seq.num_tokens):
-                first.setdefault(seq.token_ids[position], position)
-            ids.extend(seq.token_ids[len(ids):])
-            if first[ids[-1]] < len(ids) - 1:
-                seq.spec_token_ids = ngram_drafts(ids, self.min_n, self.max_n, room)
-        self.known = known   # (those of sequences that finished, or stopped drafting, dropped)
+            room = self.room_for(seq, k)
+            seq.spec_token_ids = self.drafts(seq, room) if room > 0 else []
+        self.proposed(seqs)
+
+    def room_for(self, seq: Sequence, k: int) -> int:
+        """The drafts seq may take: none unless it decodes next and may speculate; else k, or fewer where its
+        max_tokens or max_model_len leave less room after the step's own token."""
+        if seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_pending_tokens or not can_draft(seq):
+            return 0
+        room = min(k, self.max_model_len - seq.num_tokens - 1)
+        max_tokens = seq.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - seq.num_output_tokens - 1)
+        return room
+
+    def drafts(self, seq: Sequence, room: int) -> list[int]:
+        raise NotImplementedError
+
+    def proposed(self, seqs: list[Sequence]):
+        """After a drafting step's proposals (seqs: the running sequences)."""
+
+
+class NgramProposer(Proposer):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        super().__init__(config, max_model_len)
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        # seq_id -> (its token ids as an array("i"), each id's first position), extended by the tokens
+        # each step adds: made once a sequence. Most steps' last token occurs nowhere before (so no n-gram
+        # ending with it does), which the positions tell without searching.
+        self.known: dict[int, tuple[array, dict[int, int]]] = {}
+
+    def drafts(self, seq: Sequence, room: int) -> list[int]:
+        # (a sequence's tokens only grow between its steps: the known ones are kept)
+        ids, first = self.known.get(seq.seq_id) or (array("i"), {})
+        self.known[seq.seq_id] = ids, first
+        for position in range(len(ids), seq.num_tokens):
+            first.setdefault(seq.token_ids[position], position)
+        ids.extend(seq.token_ids[len(ids):])
+        return ngram_drafts(ids, self.min_n, self.max_n, room) if first[ids[-1]] < len(ids) - 1 else []
+
+    def proposed(self, seqs: list[Sequence]):
+        running = {seq.seq_id for seq in seqs}   # (those of sequences that finished, or were aborted, dropped)
+        self.known = {seq_id: entry for seq_id, entry in self.known.items() if seq_id in running}
+
+
+# What a draft model's drafts are until it makes them (engine/draft_model.py), once the step is scheduled
+DRAFT_PLACEHOLDER = 0
+
+
+class DraftModelProposer(Proposer):
+    """Asks for a draft model's drafts: each sequence that may speculate takes room_for placeholders, of which the
+    scheduler keeps what fits the step; the model runner's draft model makes them (engine/draft_model.py)."""
+
+    def drafts(self, seq: Sequence, room: int) -> list[int]:
+        return [DRAFT_PLACEHOLDER] * room
 
 
 class DraftRow:
