@@ -3,7 +3,8 @@ tests/test_fuzz.py runs a few seeds in CI).
 
 A seed picks a small engine configuration (block size, KV blocks, max_num_seqs, token budget,
 chunked prefill, prefix caching, async scheduling, CUDA graphs, scheduling policy, an fp8 KV cache,
-a reasoning parser, the logprobs mode, n-gram speculative decoding in three seeds of ten) and a
+a reasoning parser, the logprobs mode, speculative decoding in three seeds of ten: by n-gram lookup, or in
+half of those at TP=1 with the model as its own draft model, random_draft) and a
 random run of requests (random sampling options, among them penalties, stops, bad words, allowed
 ids, logprobs, truncation, thinking budgets and, with xgrammar, a choice, regex or JSON grammar;
 output kinds, priorities and cache salts), requests it must refuse, aborts and sleeps (levels 0-2,
@@ -179,6 +180,16 @@ class BatchCheck(LogitsProcessor):
         return logits
 
 
+def random_draft(seed: int, config: dict, model: str) -> dict:
+    """In half the seeds with n-gram speculation at TP=1, drawn from an RNG of its own: the model as its own draft
+    model instead (the same k; its drafts are accepted while its K/V mirrors each sequence's tokens)."""
+    spec = config.get("speculative_config")
+    if spec is None or config.get("tensor_parallel_size", 1) > 1 or random.Random(f"draft {seed}").random() < 0.5:
+        return {}
+    return {"speculative_config": {key: value for key, value in spec.items() if not key.startswith("prompt_lookup")}
+            | {"method": "draft_model", "model": model}}
+
+
 def random_processors(seed: int, config: dict) -> dict:
     """LLM(logits_processors=[BatchCheck]) in a third of the seeds without speculative decoding (which refuses
     them), drawn from an RNG of its own."""
@@ -284,6 +295,7 @@ def run_seed(model: str, seed: int, **engine_kwargs) -> int:
     rng = random.Random(seed)
     lora_config, lora_rng, loras = random_lora_config(seed)
     config = random_config(rng, **engine_kwargs) | lora_config
+    config |= random_draft(seed, config, model)
     config |= random_processors(seed, config)
     embeds_config, embeds_rng, table = random_embeds(seed, config, model)
     config |= embeds_config
