@@ -423,12 +423,10 @@ class Config:
                                   for i, entry in enumerate(self.logits_processors)]
 
     def _resolve_draft_model(self):
-        """speculative_config's draft model (engine/draft_model.py): its files and config (draft_path,
-        draft_hf_config); ValueError for one the engine cannot run beside the model."""
+        """speculative_config's draft model (engine/draft_model.py; with tensor parallelism on the first rank's
+        GPU): its files and config (draft_path, draft_hf_config); ValueError for one the engine cannot run beside
+        the model."""
         spec = self.speculative_config
-        if self.tensor_parallel_size > 1:
-            raise ValueError(f"speculative_config method='draft_model' runs at tensor_parallel_size=1, got "
-                             f"tensor_parallel_size={self.tensor_parallel_size}.")
         spec.draft_path = resolve_model_path(spec.model, need_weights=self.load_format != "dummy",
                                              cache_dir=self.download_dir, token=self.hf_token)
         draft = spec.draft_hf_config = AutoConfig.from_pretrained(spec.draft_path,

@@ -66,8 +66,18 @@ def test_a_draft_model_keeps_the_outputs(qwen3_dir, small_draft):
         assert samples == generate(plain, seeded)
 
 
+def test_a_draft_model_beside_tensor_parallelism(qwen3_dir):
+    """At TP=2 the draft runs on the first rank, which sends its drafts with the step: every draft of the model
+    as its own draft is accepted, and the tokens are HF's."""
+    spec = {"model": qwen3_dir, "num_speculative_tokens": 2}
+    with LLM(qwen3_dir, speculative_config=spec, tensor_parallel_size=2, **BUSY) as llm:
+        assert generate(llm, prompts=PROMPTS[:6]) == hf_greedy(qwen3_dir, PROMPTS[:6], 12)
+        drafted, accepted = draft_counts(llm)
+        assert drafted > 30 and accepted == drafted
+
+
 @pytest.mark.parametrize("engine, message", [
-    (dict(tensor_parallel_size=2), "method='draft_model' runs at tensor_parallel_size=1"),
+    (dict(draft_tensor_parallel_size=2), "draft_tensor_parallel_size must be 1"),
     (dict(vocab_size=320), "has vocab_size 320, the model 384: a draft model must share the model's vocabulary"),
     (dict(path="/no/such/draft"), "model must be a local directory or a Hugging Face hub id"),
 ])
@@ -76,4 +86,4 @@ def test_draft_models_the_engine_cannot_run(qwen3_dir, tmp_path, tokenizer, engi
     if "vocab_size" in engine:
         path = build_model_dir(tmp_path, "qwen3", tokenizer, vocab_size=engine.pop("vocab_size"))
     with pytest.raises(ValueError, match=message):
-        LLM(qwen3_dir, speculative_config={"model": path, "num_speculative_tokens": 2}, **engine)
+        LLM(qwen3_dir, speculative_config={"model": path, "num_speculative_tokens": 2} | engine)

@@ -126,8 +126,11 @@ class ModelRunner:
         self.num_sms = device_info.num_sms(self.device) if self.device.type == "cuda" else 1
         self.splits = SplitRules(self.attention_layers[0].num_kv_heads, self.num_sms, config.max_model_len,
                                  self.shared_prefix_tile_seqs)
-        self.draft = None   # speculative decoding's draft model (engine/draft_model.py), its layers on this backend
-        if config.speculative_config is not None and config.speculative_config.method == "draft_model":
+        # speculative decoding's draft model (engine/draft_model.py), its layers on this backend; with tensor
+        # parallelism on the first rank alone, which sends the other ranks its drafts with the step
+        self.draft = None
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model" and tp.rank == 0:
             self.draft = DraftModel(config, self.device, self.backend,
                                     lambda kv_heads: SplitRules(kv_heads, self.num_sms, config.max_model_len, None))
         # A decode step has a row a sequence; with speculative decoding a row a token (its last and its drafts,

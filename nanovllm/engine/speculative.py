@@ -68,7 +68,7 @@ class SpeculativeConfig:
     # (range_start, range_end, k) entries, inclusive ranges of a step's sequences starting at 1: the drafts a
     # sequence proposes at that batch size (num_drafts_for), at most num_speculative_tokens
     num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None
-    draft_tensor_parallel_size: int | None = None   # the draft model's: 1 (or None), as the engine's
+    draft_tensor_parallel_size: int | None = None   # the draft model's: 1 (or None), on the first rank
     # the draft model's files and config (draft_model; set by Config)
     draft_path: str | None = field(default=None, init=False, repr=False)
     draft_hf_config: object = field(default=None, init=False, repr=False)
@@ -119,7 +119,7 @@ class SpeculativeConfig:
                                  f"or hub id), got {self.model!r}.")
             if self.draft_tensor_parallel_size not in (None, 1):
                 raise ValueError(f"speculative_config draft_tensor_parallel_size must be 1 (the draft model runs on "
-                                 f"the engine's one GPU), got {self.draft_tensor_parallel_size!r}.")
+                                 f"the first rank's GPU), got {self.draft_tensor_parallel_size!r}.")
             return
         self.model = "ngram"
         # vLLM's defaults: 5 and 5, or the one given for both
