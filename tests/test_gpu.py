@@ -257,12 +257,16 @@ def test_prompt_embeds_close_to_hf_on_gpu(gpu_model_dir):
         assert [o.num_cached_tokens for o in warm] == [(len(p) - 1) // 16 * 16 for p in PROMPTS]
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_draft_model_logprobs_close_to_hf(gpu_model_dir, enforce_eager):
-    """Speculative decoding with the model as its own draft (engine/draft_model.py), its passes in the draft's
-    graphs or eager: logprobs close to HF's, and nearly every draft accepted (the draft's passes round otherwise
-    than the checking step in bf16, so a near tie may go the other way)."""
-    spec = {"model": gpu_model_dir, "num_speculative_tokens": 3}
+@pytest.mark.parametrize("draft, enforce_eager", [("own", False), ("own", True), ("other", False)],
+                         ids=["own-graphs", "own-eager", "other-graphs"])
+def test_draft_model_logprobs_close_to_hf(gpu_model_dir, tmp_path, tokenizer, draft, enforce_eager):
+    """Speculative decoding with a draft model (engine/draft_model.py), its passes in the draft's graphs or eager:
+    logprobs close to HF's. The model as its own draft has nearly every draft accepted (the draft's passes round
+    otherwise than the checking step in bf16, so a near tie may go the other way); a draft of another shape (head
+    size 64, 4 KV heads, 2 layers: kernels of its own) mostly rejected."""
+    path = gpu_model_dir if draft == "own" else build_model_dir(
+        tmp_path, "qwen3", tokenizer, seed=7, **SIZES | dict(num_hidden_layers=2, num_key_value_heads=4, head_dim=64))
+    spec = {"model": path, "num_speculative_tokens": 3}
     with LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, block_size=16, speculative_config=spec,
              disable_log_stats=False, enforce_eager=enforce_eager) as llm:
         ours, _ = run(llm)
@@ -270,7 +274,8 @@ def test_draft_model_logprobs_close_to_hf(gpu_model_dir, enforce_eager):
         assert full >= len(PROMPTS) // 2, f"only {full} of {len(PROMPTS)} sequences matched HF fully"
         counts = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
         drafted, accepted = counts["vllm:spec_decode_num_draft_tokens"], counts["vllm:spec_decode_num_accepted_tokens"]
-        assert drafted > 100 and accepted >= 0.9 * drafted, (drafted, accepted)
+        mostly = accepted >= 0.9 * drafted if draft == "own" else accepted < drafted
+        assert drafted > 30 and mostly, (drafted, accepted)
         assert (llm.llm_engine.model_runner.draft.graphs is None) == enforce_eager
 
 

@@ -5,8 +5,11 @@ pooling model; bad inputs are ValueErrors that leave the engine usable."""
 import pytest
 import torch
 
-from conftest import assert_pooling_idle, hf_model, make_prompts
+from conftest import assert_pooling_idle, hf_greedy, hf_model, make_prompts
 from nanovllm import LLM, PoolingParams, SamplingParams
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.speculative import can_draft
+from nanovllm.inputs import PromptEmbeds
 from nanovllm.sampling_params import BeamSearchParams
 
 HIDDEN = 64   # conftest's tiny models
@@ -81,6 +84,25 @@ def test_prompt_embeds_in_the_prefix_cache(qwen3_dir):
         assert output.outputs[0].token_ids == hf_greedy_from(hf, v, 12)
 
 
+def test_prompt_embeds_beside_speculative_decoding(qwen3_dir):
+    """Drafts come from token ids, which a prompt given as vectors lacks: such a request decodes without drafts
+    beside requests that draft, and completes as HF does."""
+    hf = hf_model(qwen3_dir)
+    v = random_vectors(6, 30)
+    ids = make_prompts(num=4)[3]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    with LLM(qwen3_dir, dtype="float32", enable_prompt_embeds=True, speculative_config=spec,
+             disable_log_stats=False) as llm:
+        by_vectors, by_ids = llm.generate([{"prompt_embeds": v}, ids * 3], GREEDY, use_tqdm=False)
+        assert next(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_draft_tokens") > 0
+    assert by_vectors.outputs[0].token_ids == hf_greedy_from(hf, v, 12)
+    assert by_ids.outputs[0].token_ids == hf_greedy(qwen3_dir, [ids * 3], 12)[0]
+    seq = Sequence("r", 0, [0] * 30, GREEDY)
+    assert can_draft(seq)
+    seq.prompt_embeds = PromptEmbeds(v)
+    assert not can_draft(seq)
+
+
 def test_prompt_embeds_with_tensor_parallelism(qwen3_dir):
     """At TP=2 every rank takes the step's vectors: the completions are HF's."""
     vectors = [random_vectors(seed, n) for seed, n in ((4, 20), (5, 3))]
@@ -112,14 +134,16 @@ def test_bad_prompt_embeds_are_value_errors(qwen3_dir):
     with LLM(qwen3_dir, dtype="float32", enable_prompt_embeds=True, max_model_len=64) as llm:
         bad = [({"prompt_embeds": random_vectors(0, 5)[:, :32]}, GREEDY,
                 "prompt 1: prompt_embeds has 32 features a row, the model's hidden_size is 64"),
-               ({"prompt_embeds": v[0]}, GREEDY, r"prompt_embeds must be of shape \(seq_len, hidden_size\), got \(64,\)"),
+               ({"prompt_embeds": v[0]}, GREEDY,
+                r"prompt_embeds must be of shape \(seq_len, hidden_size\), got \(64,\)"),
                ({"prompt_embeds": v.long()}, GREEDY, "prompt_embeds must be floating point, got torch.int64"),
                ({"prompt_embeds": v.tolist()}, GREEDY, "prompt_embeds must be a torch.Tensor, got list"),
                ({"prompt_embeds": v, "prompt_token_ids": [1] * 5}, GREEDY, "give both or neither"),
                ({"prompt_embeds": v, "prompt_token_ids": [1] * 4, "prompt_is_token_ids": [True] * 4}, GREEDY,
                 r"prompt_token_ids \(4\), prompt_is_token_ids \(4\) and prompt_embeds \(5 rows\)"),
                ({"prompt_embeds": random_vectors(0, 64)}, GREEDY, "prompt 1 .length 64. plus the number of requested"),
-               ({"prompt_embeds": v}, SamplingParams(prompt_logprobs=1), "prompt_logprobs needs the prompt's token ids")]
+               ({"prompt_embeds": v}, SamplingParams(prompt_logprobs=1),
+                "prompt_logprobs needs the prompt's token ids")]
         for prompt, params, message in bad:
             with pytest.raises(ValueError, match=message):
                 llm.generate([[1, 2], prompt], params, use_tqdm=False)
@@ -128,4 +152,5 @@ def test_bad_prompt_embeds_are_value_errors(qwen3_dir):
             llm.beam_search([{"prompt_embeds": v}], BeamSearchParams(beam_width=2, max_tokens=3))
         [output] = llm.generate({"prompt_embeds": v}, GREEDY, use_tqdm=False)
         assert output.outputs[0].token_ids == hf_greedy_from(hf_model(qwen3_dir), v, 12)
-        assert llm.llm_engine.scheduler.block_manager.num_free_blocks == llm.llm_engine.scheduler.block_manager.num_blocks
+        bm = llm.llm_engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks

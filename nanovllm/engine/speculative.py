@@ -210,8 +210,9 @@ def ngram_drafts(token_ids: list[int] | array, min_n: int, max_n: int, k: int) -
 
 def can_draft(seq: Sequence) -> bool:
     """seq's sampling needs nothing of its earlier output tokens but their number (which a draft row
-    adds its offset to): no penalties, grammar, multi-token bad words or thinking budget."""
-    return not (seq.needs_output_ids_on_host or seq.sampling_params.has_penalties)
+    adds its offset to): no penalties, grammar, multi-token bad words or thinking budget; and its prompt's
+    ids are known (a prompt given as vectors, prompt_embeds, has placeholders, which no method drafts from)."""
+    return not (seq.needs_output_ids_on_host or seq.sampling_params.has_penalties or seq.prompt_embeds is not None)
 
 
 class Proposer:
