@@ -30,7 +30,7 @@ from nanovllm.distributed import SINGLE
 from nanovllm.engine import kv_cache
 from nanovllm.engine.cuda_graph import DecodeGraphs
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_inputs import HostBatch, token_rows
+from nanovllm.engine.step_inputs import HostBatch, paged_batch, token_rows
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.rotary import max_positions
 from nanovllm.model.fp8 import fp8_checkpoint
@@ -90,7 +90,8 @@ class DraftModel:
         for j in range(1, max(len(seq.spec_token_ids) for seq in seqs)):
             row_of = {i: r for r, i in enumerate(rows)}   # (the last pass's row of each sequence)
             rows = [i for i, seq in enumerate(seqs) if len(seq.spec_token_ids) > j]
-            batch = self._batch([seqs[i] for i in rows], [[0]] * len(rows), [seqs[i].num_tokens - 1 + j for i in rows])
+            positions = [seqs[i].num_tokens - 1 + j for i in rows]
+            batch = self._batch([seqs[i] for i in rows], [[0]] * len(rows), positions)
             hidden = self._forward(batch, drafts, [row_of[i] for i in rows], device_inputs)
             drafts = self.model.compute_logits(hidden).argmax(-1)
             passes.append((rows, drafts))
@@ -133,15 +134,8 @@ class DraftModel:
 
     def _batch(self, seqs: list[Sequence], token_ids: list[list[int]], starts: list[int]) -> HostBatch:
         """A HostBatch of seqs' token_ids[i] from position starts[i] on, at their slots."""
-        bs = self.block_size
-        counts = [len(ids) for ids in token_ids]
-        query_start_loc = np.concatenate([[0], np.cumsum(counts)]).tolist()
-        block_tables = padded([seq.block_table for seq in seqs], 0, np.int32)
-        rows = np.repeat(np.arange(len(seqs)), counts)
-        positions = np.arange(sum(counts)) + np.repeat(np.asarray(starts) - query_start_loc[:-1], counts)
-        slots = block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
-        return HostBatch(np.asarray([t for ids in token_ids for t in ids], np.int64), positions, slots, block_tables,
-                         query_start_loc, [start + n for start, n in zip(starts, counts)])
+        return paged_batch([t for ids in token_ids for t in ids], [len(ids) for ids in token_ids], starts,
+                           padded([seq.block_table for seq in seqs], 0, np.int32), self.block_size)
 
     def _forward(self, batch: HostBatch, tokens: torch.Tensor | None, sources: list[int] | None,
                  device_inputs) -> torch.Tensor:

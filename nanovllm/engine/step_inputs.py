@@ -46,25 +46,30 @@ class StepInputs:
 
 
 def host_batch(out: SchedulerOutput, block_size: int) -> HostBatch:
-    """Flatten the scheduled tokens of all sequences into one batch: token t of a sequence sits at
-    slot block_table[t // block_size] * block_size + t % block_size."""
-    bs = block_size
+    """Flatten the scheduled tokens of all sequences into one batch (paged_batch)."""
     seqs, counts = out.seqs, out.num_scheduled_tokens
     starts = [seq.num_computed_tokens for seq in seqs]
-    seq_lens = [start + n for start, n in zip(starts, counts)]
-    query_start_loc = [0, *accumulate(counts)]
     input_ids = []
-    for seq, start, end in zip(seqs, starts, seq_lens):
+    for seq, start, end in zip(seqs, starts, (start + n for start, n in zip(starts, counts))):
         input_ids += seq.token_ids[start:end]
         if end > seq.num_tokens:   # drafts (engine/speculative.py)
             input_ids += seq.spec_token_ids[:end - seq.num_tokens]
-    block_tables = padded([seq.block_table for seq in seqs], 0, np.int32)
-    if len(input_ids) == len(seqs):   # one token a sequence, a decode step (each schedules at least one)
-        rows, positions = np.arange(len(seqs)), np.asarray(starts, np.int64)
-    else:                             # each token's sequence and position
-        rows = np.repeat(np.arange(len(seqs)), counts)
+    return paged_batch(input_ids, counts, starts, padded([seq.block_table for seq in seqs], 0, np.int32), block_size)
+
+
+def paged_batch(input_ids: list[int], counts: list[int], starts: list[int], block_tables: np.ndarray,
+                block_size: int) -> HostBatch:
+    """The HostBatch of sequences whose counts[i] tokens (input_ids, one after another) begin at position
+    starts[i]: token t of a sequence sits at slot block_table[t // block_size] * block_size + t % block_size."""
+    bs = block_size
+    query_start_loc = [0, *accumulate(counts)]
+    if len(input_ids) == len(counts):   # one token a sequence, a decode step (each schedules at least one)
+        rows, positions = np.arange(len(counts)), np.asarray(starts, np.int64)
+    else:                               # each token's sequence and position
+        rows = np.repeat(np.arange(len(counts)), counts)
         positions = np.arange(len(input_ids)) + np.repeat(np.asarray(starts) - query_start_loc[:-1], counts)
     slots = block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+    seq_lens = [start + n for start, n in zip(starts, counts)]
     return HostBatch(np.asarray(input_ids, np.int64), positions, slots, block_tables, query_start_loc, seq_lens)
 
 
