@@ -246,7 +246,7 @@ class Run:
     config: dict = field(default_factory=dict)   # the engine's (random_config)
     eos_token_ids: set = field(default_factory=set)   # the engine's
     loras: dict = field(default_factory=dict)   # request id -> its LoRARequest (with LoRA on)
-    embedded: dict = field(default_factory=dict)   # request id -> its ids' placeholders: given as vectors alone
+    embedded: dict = field(default_factory=dict)   # request id -> its prompt, where given as vectors (EmbedsPrompt)
 
     def unfinished(self) -> list[str]:
         return sorted(set(self.requests) - self.aborted - set(self.finished))
@@ -316,7 +316,7 @@ def run_seed(model: str, seed: int, **engine_kwargs) -> int:
                 # (without what reads the prompt's ids, which such a prompt's run alone by its ids would see)
                 given = as_embeds(embeds_rng, prompt, table)
                 params = replace(params, prompt_logprobs=None, repetition_penalty=1.0, thinking_token_budget=None)
-                run.embedded[request_id] = "prompt_token_ids" not in given
+                run.embedded[request_id] = given
             engine.add_request(request_id, given | {"cache_salt": salt}, params, priority=priority, lora_request=lora)
             run.requests[request_id] = prompt, params
             run.loras[request_id] = lora
@@ -484,7 +484,8 @@ def check_outputs(run: Run, tokenizer):
             for completion in output.outputs:
                 if params.logprobs is not None:
                     assert len(completion.logprobs) == len(completion.token_ids), request_id
-        assert list(output.prompt_token_ids) == ([0] * len(kept) if run.embedded.get(request_id) else kept), request_id
+        placeholders = request_id in run.embedded and "prompt_token_ids" not in run.embedded[request_id]
+        assert list(output.prompt_token_ids) == ([0] * len(kept) if placeholders else kept), request_id
         # prefix-cache hits: whole blocks before the last prompt token, none where the request may not read them
         reads_cache = run.config["enable_prefix_caching"] and not params.skip_reading_prefix_cache
         cached = output.num_cached_tokens
@@ -550,8 +551,8 @@ def check_text(tokens: list[int], text: str, prompt: list[int], finish_reason: s
 
 
 def count_differences_alone(model: str, config: dict, run: Run) -> int:
-    """Greedy and seeded requests run again one at a time -> how many completions came out
-    otherwise. Each difference is printed with the logprob by which the token alone led the other
+    """Greedy and seeded requests run again one at a time, in the form they were given -> how many completions
+    came out otherwise. Each difference is printed with the logprob by which the token alone led the other
     (a near tie says rounding): each alone run asks for every token's logprob, so that the lead is known
     wherever the other token was (logprob_token_ids or a top 20 would leave it out where masks or top-k
     made the choice), in the distribution the token was chosen from (processed: after logit_bias and
@@ -565,7 +566,8 @@ def count_differences_alone(model: str, config: dict, run: Run) -> int:
             engine_args = EngineArgs(model=model, **{**alone_config, "logprobs_mode": mode})
             engines[mode] = LLMEngine.from_engine_args(engine_args)
         engine = engines[mode]
-        engine.add_request(request_id, {"prompt_token_ids": prompt}, replace(
+        given = run.embedded.get(request_id, {"prompt_token_ids": prompt})   # (vectors alone too: no text context)
+        engine.add_request(request_id, given, replace(
             params, output_kind=RequestOutputKind.FINAL_ONLY, logprobs=-1, logprob_token_ids=None),
             lora_request=run.loras.get(request_id))
         while engine.has_unfinished_requests():

@@ -279,6 +279,21 @@ def test_draft_model_logprobs_close_to_hf(gpu_model_dir, tmp_path, tokenizer, dr
         assert (llm.llm_engine.model_runner.draft.graphs is None) == enforce_eager
 
 
+def test_draft_model_beside_sleep_mode_on_gpu(gpu_model_dir):
+    """With sleep mode the model's K/V lies in an arena of its size (engine/sleep.py), the draft's beside it: after
+    a sleep and a wake-up the model as its own draft still has nearly every draft accepted, close to HF."""
+    spec = {"model": gpu_model_dir, "num_speculative_tokens": 3}
+    with LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, block_size=16, speculative_config=spec,
+             enable_sleep_mode=True, disable_log_stats=False) as llm:
+        llm.sleep(level=1)
+        llm.wake_up()
+        ours, _ = run(llm)
+        check_logprobs_close(ours, hf_reference(gpu_model_dir))
+        counts = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        drafted, accepted = counts["vllm:spec_decode_num_draft_tokens"], counts["vllm:spec_decode_num_accepted_tokens"]
+        assert drafted > 30 and accepted >= 0.9 * drafted, (drafted, accepted)
+
+
 def test_seeded_sampling_is_batch_independent_on_gpu(gpu_model_dir):
     llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024)
     sp = SamplingParams(temperature=1.0, seed=99, max_tokens=24, ignore_eos=True)

@@ -262,9 +262,9 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> int:
         cfg = self.config
         num_blocks = cfg.num_kvcache_blocks
-        block_bytes = kv_cache.block_bytes(self.attention_layers, self.block_size, cfg.kv_cache_torch_dtype)
-        if self.draft is not None:   # (the draft model's K/V in the same blocks)
-            block_bytes += self.draft.block_bytes(cfg.kv_cache_torch_dtype)
+        own_bytes = kv_cache.block_bytes(self.attention_layers, self.block_size, cfg.kv_cache_torch_dtype)
+        # (a draft model's K/V in the same blocks: a tensor of its own, which sleep mode does not free)
+        block_bytes = own_bytes + (self.draft.block_bytes(cfg.kv_cache_torch_dtype) if self.draft is not None else 0)
         if num_blocks is None:
             if cfg.kv_cache_memory_bytes is not None:
                 budget = cfg.kv_cache_memory_bytes
@@ -282,7 +282,7 @@ class ModelRunner:
                 raise ValueError(f"no memory is left for the KV cache at {setting}; raise it or use a smaller model.")
         memory = None
         if self.arenas is not None:
-            self.arenas["kv_cache"] = Arena(num_blocks * block_bytes, self.device)
+            self.arenas["kv_cache"] = Arena(num_blocks * own_bytes, self.device)
             memory = self.arenas["kv_cache"].tensor()
         self.kv_cache = self._make_kv_cache(num_blocks, memory)
         if self.draft is not None:
