@@ -135,7 +135,6 @@ class ModelRunner:
                                     lambda kv_heads: SplitRules(kv_heads, self.num_sms, config.max_model_len, None))
         # A decode step has a row a sequence; with speculative decoding a row a token (its last and its drafts,
         # step_inputs.token_rows), up to decode_query_len a sequence, while the rows fit a decode graph's.
-        spec = config.speculative_config
         self.decode_query_len = 1 if spec is None else 1 + spec.num_speculative_tokens
         self.max_decode_rows = max(config.max_num_seqs,
                                    min(config.max_num_seqs * self.decode_query_len, MAX_GRAPH_BATCH_SIZE))
@@ -222,6 +221,10 @@ class ModelRunner:
         message = (f"model loaded in {t['load_s']:.1f}s; KV cache: {self.num_kvcache_blocks} blocks of "
                    f"{self.block_size} tokens ({kv_gib:.2f} GiB, {self.config.kv_cache_dtype}) sized in "
                    f"{t['kv_cache_s']:.1f}s; attention backend: {type(self.backend).__name__}")
+        if self.draft is not None:
+            draft_gib = self.draft.kv_cache.numel() * self.draft.kv_cache.element_size() / 2**30
+            message += (f"; draft model {self.config.speculative_config.model!r}, its K/V in the same blocks "
+                        f"({draft_gib:.2f} GiB)")
         if self.graphs is not None:
             pieces = "" if self.pieces is None else f" and in pieces for {len(self.pieces.buckets)} token counts"
             message += (f"; CUDA graphs for {len(self.graphs.buckets)} batch sizes{pieces} captured in "
