@@ -84,6 +84,21 @@ def test_prompt_embeds_in_the_prefix_cache(qwen3_dir):
         assert output.outputs[0].token_ids == hf_greedy_from(hf, v, 12)
 
 
+def test_prompt_embeds_truncated_as_token_ids(qwen3_dir):
+    """truncate_prompt_tokens (SamplingParams' last tokens, or tokenization_kwargs' side) cuts the vectors as it
+    cuts ids: the completion is HF's from the kept vectors."""
+    hf = hf_model(qwen3_dir)
+    v = random_vectors(8, 40)
+    last = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, truncate_prompt_tokens=25)
+    with LLM(qwen3_dir, dtype="float32", enable_prompt_embeds=True) as llm:
+        [by_params] = llm.generate({"prompt_embeds": v}, last, use_tqdm=False)
+        [first] = llm.generate({"prompt_embeds": v}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                               use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 10,
+                                                                    "truncation_side": "right"})
+    assert by_params.prompt_token_ids == [0] * 25 and by_params.outputs[0].token_ids == hf_greedy_from(hf, v[15:], 6)
+    assert len(first.prompt_token_ids) == 10 and first.outputs[0].token_ids == hf_greedy_from(hf, v[:10], 6)
+
+
 def test_prompt_embeds_beside_speculative_decoding(qwen3_dir):
     """Drafts come from token ids, which a prompt given as vectors lacks: such a request decodes without drafts
     beside requests that draft, and completes as HF does."""
