@@ -439,6 +439,7 @@ class Config:
             raise ValueError(f"speculative_config model {spec.model!r} has vocab_size {draft.vocab_size}, the model "
                              f"{self.hf_config.vocab_size}: a draft model must share the model's vocabulary.")
         rope_settings(draft)
+        spec.draft_fp8_checkpoint = fp8_checkpoint(getattr(draft, "quantization_config", None))
 
     def _resolve_runner(self) -> str:
         """runner and convert "auto" resolved as vLLM resolves them -> "generate" or "pooling" (and

@@ -2,6 +2,8 @@
 the model itself has every draft accepted (its K/V kept in step through chunked prompts, preemptions and prefix
 hits), a draft of its own gives the tokens of HF transformers and of an engine without drafts (greedy and
 seeded), and a draft the engine cannot run is a ValueError."""
+import json
+
 import pytest
 
 from conftest import build_model_dir, hf_greedy, make_prompts
@@ -80,10 +82,16 @@ def test_a_draft_model_beside_tensor_parallelism(qwen3_dir):
     (dict(draft_tensor_parallel_size=2), "draft_tensor_parallel_size must be 1"),
     (dict(vocab_size=320), "has vocab_size 320, the model 384: a draft model must share the model's vocabulary"),
     (dict(path="/no/such/draft"), "model must be a local directory or a Hugging Face hub id"),
+    (dict(quantized="gptq"), r"the checkpoint is quantized \(quant_method 'gptq'\)"),
 ])
 def test_draft_models_the_engine_cannot_run(qwen3_dir, tmp_path, tokenizer, engine, message):
     path = engine.pop("path", qwen3_dir)
     if "vocab_size" in engine:
         path = build_model_dir(tmp_path, "qwen3", tokenizer, vocab_size=engine.pop("vocab_size"))
+    if "quantized" in engine:   # (refused as the engine starts, before the model loads)
+        path = build_model_dir(tmp_path, "qwen3", tokenizer)
+        config = json.loads((tmp_path / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": engine.pop("quantized")}
+        (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         LLM(qwen3_dir, speculative_config={"model": path, "num_speculative_tokens": 2} | engine)

@@ -33,7 +33,6 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import HostBatch, paged_batch, token_rows
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.rotary import max_positions
-from nanovllm.model.fp8 import fp8_checkpoint
 from nanovllm.model.loader import init_dummy_weights, load_model
 from nanovllm.model.qwen3 import QwenForCausalLM
 from nanovllm.utils.arrays import padded
@@ -58,8 +57,7 @@ class DraftModel:
         if config.load_format == "dummy":   # (the model's seed: a draft of the model's shape is the same model)
             init_dummy_weights(self.model, config.seed)
         else:
-            load_model(self.model, spec.draft_path, hf.tie_word_embeddings,
-                       fp8_checkpoint(getattr(hf, "quantization_config", None)))
+            load_model(self.model, spec.draft_path, hf.tie_word_embeddings, spec.draft_fp8_checkpoint)
         self.layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.layers:
             layer.backend = backend

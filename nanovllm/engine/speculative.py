@@ -69,9 +69,10 @@ class SpeculativeConfig:
     # sequence proposes at that batch size (num_drafts_for), at most num_speculative_tokens
     num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None
     draft_tensor_parallel_size: int | None = None   # the draft model's: 1 (or None), on the first rank
-    # the draft model's files and config (draft_model; set by Config)
+    # the draft model's files, config and fp8 layout if any (draft_model; set by Config)
     draft_path: str | None = field(default=None, init=False, repr=False)
     draft_hf_config: object = field(default=None, init=False, repr=False)
+    draft_fp8_checkpoint: object = field(default=None, init=False, repr=False)
 
     @classmethod
     def from_engine_args(cls, value, spec_method: str | None = None, spec_model: str | None = None,
