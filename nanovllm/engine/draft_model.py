@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from nanovllm.config import Config
-from nanovllm.distributed import SINGLE
 from nanovllm.engine import kv_cache
 from nanovllm.engine.cuda_graph import DecodeGraphs
 from nanovllm.engine.sequence import Sequence
@@ -34,7 +33,7 @@ from nanovllm.engine.step_inputs import HostBatch, paged_batch, token_rows
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.rotary import max_positions
 from nanovllm.model.loader import init_dummy_weights, load_model
-from nanovllm.model.qwen3 import QwenForCausalLM
+from nanovllm.model.qwen3 import build_model
 from nanovllm.utils.arrays import padded
 
 
@@ -47,13 +46,7 @@ class DraftModel:
         self.config = config
         self.device = device
         self.block_size = config.block_size
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(config.torch_dtype)
-        try:
-            with torch.device(device):
-                self.model = QwenForCausalLM(hf, SINGLE)
-        finally:
-            torch.set_default_dtype(default_dtype)
+        self.model = build_model(hf, config.torch_dtype, device)
         if config.load_format == "dummy":   # (the model's seed: a draft of the model's shape is the same model)
             init_dummy_weights(self.model, config.seed)
         else:
@@ -118,12 +111,13 @@ class DraftModel:
             batch = self._batch([seqs[i] for i in part], [seqs[i].token_ids[starts[i]:end] for i, end in
                                                           zip(part, ends)], [starts[i] for i in part])
             hidden = self._forward(batch, None, None, device_inputs)
-            last = [i for i, end in zip(part, ends) if end == seqs[i].num_tokens]
+            # (the sequences this part ends, by their row in it)
+            last = [(r, i) for r, (i, end) in enumerate(zip(part, ends)) if end == seqs[i].num_tokens]
             if last:
-                at = torch.tensor([batch.query_start_loc[part.index(i) + 1] - 1 for i in last], device=self.device)
+                at = torch.tensor([batch.query_start_loc[r + 1] - 1 for r, _ in last], device=self.device)
                 drafts = self.model.compute_logits(hidden[at]).argmax(-1)
-                for r, i in enumerate(last):
-                    firsts[i] = drafts[r:r + 1]
+                for k, (_, i) in enumerate(last):
+                    firsts[i] = drafts[k:k + 1]
             for i, end in zip(part, ends):
                 starts[i] = end
         for seq in seqs:
@@ -148,7 +142,4 @@ class DraftModel:
         if self.graphs is not None and num_tokens == len(batch.seq_lens) <= self.graphs.max_batch_size:
             return self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping,
                                    np.asarray(batch.seq_lens, np.int32), batch.block_tables, pending, tokens)
-        input_ids, positions, meta = device_inputs(batch, splits=self.splits)
-        if pending is not None:
-            input_ids[:] = tokens[torch.tensor(sources, device=self.device)]
-        return self.model(input_ids, positions, meta)
+        return self.model(*device_inputs(batch, pending, splits=self.splits, sampled=tokens))

@@ -39,7 +39,7 @@ from nanovllm.logger import init_logger
 from nanovllm.lora.adapter import LORA_MODULES, AdapterCache
 from nanovllm.lora.layers import LoRAModel, SlotTable
 from nanovllm.model.loader import init_dummy_weights, load_model
-from nanovllm.model.qwen3 import QwenForCausalLM
+from nanovllm.model.qwen3 import build_model
 from nanovllm.utils.cuda_vmm import Arena, place_in_arena
 from nanovllm.sampling_params import SamplingParams
 
@@ -98,13 +98,8 @@ class ModelRunner:
         self.profiler = RankProfiler(config.profiler_config or ProfilerConfig(), tp.rank, self.device)
         start = time.perf_counter()
         torch.manual_seed(config.seed)
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(config.torch_dtype)
-        try:
-            with torch.device(self.device):
-                self.model = QwenForCausalLM(hf, tp, lm_head=not self.pooling, classifier=config.classifier)
-        finally:
-            torch.set_default_dtype(default_dtype)
+        self.model = build_model(hf, config.torch_dtype, self.device, tp, lm_head=not self.pooling,
+                                 classifier=config.classifier)
         self._load_weights()
         # sleep mode on CUDA: the weights and the KV cache in arenas, so that they can be freed
         # and mapped again at the same addresses (engine/sleep.py)
@@ -393,10 +388,12 @@ class ModelRunner:
         return plan_shared_prefixes(batch.block_tables, batch.seq_lens, self.block_size, self.shared_prefix_tile_seqs)
 
     def _device_inputs(self, batch: HostBatch, pending: tuple[list[int], list[int]] | None = None,
-                       shared: SharedPrefixPlan | None = None, splits: SplitRules | None = None):
+                       shared: SharedPrefixPlan | None = None, splits: SplitRules | None = None,
+                       sampled: torch.Tensor | None = None):
         """-> input_ids, positions, AttentionMetadata on the device, uploaded in one copy.
-        pending: (rows, sources), as DecodeGraphs.run takes them. shared: a decode step's plan of
-        shared prefixes. splits: the attention's SplitRules (the model's if None; the draft model's)."""
+        pending: (rows, sources), as DecodeGraphs.run takes them: row rows[i] takes sampled[sources[i]] (the
+        latest step's sampled tokens if None). shared: a decode step's plan of shared prefixes. splits: the
+        attention's SplitRules (the model's if None; the draft model's)."""
         splits = splits or self.splits
         qsl = batch.query_start_loc
         max_query_len = max(b - a for a, b in zip(qsl, qsl[1:]))
@@ -423,7 +420,7 @@ class ModelRunner:
                                     splits.shared_prefix_splits(len(batch.seq_lens)))
         cu_seqlens_k = rest
         if pending:
-            input_ids[rows] = self.last_sampled[sources]
+            input_ids[rows] = (self.last_sampled if sampled is None else sampled)[sources]
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, block_tables=block_tables, query_start_loc=query_start_loc,
             seq_lens=seq_lens, query_start_loc_cpu=batch.query_start_loc, seq_lens_cpu=batch.seq_lens,

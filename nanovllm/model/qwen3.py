@@ -152,5 +152,17 @@ class QwenForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
 
+def build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup = SINGLE,
+                **heads) -> QwenForCausalLM:
+    """A QwenForCausalLM made on device with its parameters in dtype (torch's default dtype while it is made);
+    heads: lm_head and classifier, as QwenForCausalLM takes them."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return QwenForCausalLM(config, tp, **heads)
+    finally:
+        torch.set_default_dtype(default_dtype)
+
 Qwen3ForCausalLM = Qwen3MoeForCausalLM = Qwen2ForCausalLM = Qwen2MoeForCausalLM = LlamaForCausalLM = \
     MistralForCausalLM = QwenForCausalLM
