@@ -1,6 +1,7 @@
 """generate, chat and stream with a real model: python example.py [path or hub id]
 An embedding model (e.g. Qwen/Qwen3-Embedding-0.6B, a sentence-transformers model) embeds and scores instead;
-a classifier (a *ForSequenceClassification checkpoint, e.g. a reranker converted to one) ranks documents."""
+a classifier (a *ForSequenceClassification checkpoint, e.g. a reranker converted to one) ranks documents; a
+reward model (e.g. Qwen/Qwen2.5-Math-PRM-7B) scores the steps of a solution."""
 import sys
 
 from nanovllm import LLM, SamplingParams
@@ -10,6 +11,8 @@ from nanovllm.sampling_params import RequestOutputKind
 def main():
     model = sys.argv[1] if len(sys.argv) > 1 else "Qwen/Qwen3-0.6B"
     llm = LLM(model, max_model_len=4096)
+    if llm.llm_engine.get_supported_tasks() == ("token_classify",):
+        return reward(llm)
     if llm.model_config.convert_type == "classify":
         return rerank(llm)
     if llm.model_config.runner_type == "pooling":
@@ -55,6 +58,22 @@ def rerank(llm):
     else:
         for document, out in zip(documents, llm.classify(documents)):
             print(f"probabilities {[round(p, 3) for p in out.outputs.probs]}: {document!r}")
+
+
+def reward(llm):
+    """A reward model: a process reward model's probability that each step of a solution is right (it reads the
+    step tag that ends each step, "<extra_0>" for Qwen2.5-Math-PRM), an outcome reward model's score of the whole."""
+    question = "A farm's ducks lay 16 eggs a day. It sells all but 3 at $2 each. How much does it make a day?"
+    steps = ["16 - 3 = 13 eggs are sold.", "13 * 2 = 26.", "It makes $26 a day."]
+    by_steps = llm.llm_engine.config.pooler_config.tok_pooling_type == "STEP"
+    tag = llm.get_tokenizer().decode([llm.llm_engine.config.pooler_config.step_tag_id]) if by_steps else ""
+    conversation = [{"role": "user", "content": question}, {"role": "assistant", "content": tag.join(steps) + tag}]
+    text = llm.get_tokenizer().apply_chat_template(conversation, tokenize=False)
+    [out] = llm.encode(text, pooling_task="token_classify")
+    if by_steps:
+        print(f"P(step is right): {[round(p[1].item(), 3) for p in out.outputs.data]}")
+    else:
+        print(f"reward: {out.outputs.data[-1].item():.3f}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from nanovllm.engine.profiler import ProfilerConfig
 from nanovllm.engine.reasoning import ReasoningConfig, reasoning_markers
 from nanovllm.engine.speculative import SpeculativeConfig
 from nanovllm.engine.structured_output import StructuredOutputsConfig
-from nanovllm.layers.classifier import ClassifierConfig
+from nanovllm.layers.classifier import REWARD_ARCHITECTURES, ClassifierConfig
 from nanovllm.layers.rotary import max_positions, rope_settings
 from nanovllm.logger import init_logger
 from nanovllm.model.fp8 import FP8Checkpoint, fp8_checkpoint
@@ -178,6 +178,7 @@ class Config:
     fp8_checkpoint: FP8Checkpoint | None = field(init=False)   # fp8 weights, dequantized as they load
     runner_type: str = field(init=False)    # "generate" or "pooling": what runner resolved to
     convert_type: str = field(init=False)   # "none", "embed" or "classify": what convert resolved to
+    reward_model: bool = field(init=False, default=False)   # a reward model's checkpoint (classifier.py)
     classifier: ClassifierConfig | None = field(init=False)   # a classifier's head (convert_type "classify")
 
     @classmethod
@@ -447,10 +448,12 @@ class Config:
         combination nanovllm cannot run."""
         architectures = getattr(self.hf_config, "architectures", None) or []
         kinds = [kind for kind, names in (("causal", SUPPORTED_ARCHITECTURES), ("base", BASE_ARCHITECTURES),
-                                          ("classifier", SEQ_CLS_ARCHITECTURES)) if set(architectures) & set(names)]
+                                          ("classifier", SEQ_CLS_ARCHITECTURES), ("reward", REWARD_ARCHITECTURES))
+                 if set(architectures) & set(names)]
         if not kinds:
+            supported = SUPPORTED_ARCHITECTURES + BASE_ARCHITECTURES + SEQ_CLS_ARCHITECTURES + tuple(REWARD_ARCHITECTURES)
             raise ValueError(f"model architectures {architectures} are not supported; supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES + BASE_ARCHITECTURES + SEQ_CLS_ARCHITECTURES)}.")
+                             f"{', '.join(supported)}.")
         kind, runner, convert = kinds[0], self.runner, self.convert
         if runner == "auto":
             pooling = (convert in ("embed", "classify") or kind != "causal"
@@ -469,15 +472,18 @@ class Config:
                                  f"{self.pooler_config!r:.80} with runner='generate'.")
             return runner
         if convert == "auto":
-            convert = {"causal": "embed", "base": "none", "classifier": "classify"}[kind]
+            convert = {"causal": "embed", "base": "none", "classifier": "classify", "reward": "classify"}[kind]
         if kind == "base" and convert == "classify":
             raise ValueError(f"convert='classify' needs a causal LM or a classifier checkpoint; architectures "
                              f"{architectures} have neither an LM head nor a classifier head.")
-        if kind == "classifier" and convert != "classify":
+        if kind in ("classifier", "reward") and convert != "classify":
             raise ValueError(f"a classifier checkpoint (architectures {architectures}) runs with convert 'classify' "
                              f"or 'auto', got convert={convert!r}.")
         self.convert_type = "none" if kind == "base" else convert
+        self.reward_model = kind == "reward"
         self.pooler_config = PoolerConfig.parse(self.pooler_config) or PoolerConfig()
+        if self.reward_model:
+            self.pooler_config.reward_defaults(architectures)
         self.pooler_config.resolve(self.model_path)
         tasks = self.pooling_tasks
         if self.pooler_config.task is not None and self.pooler_config.task not in tasks:
@@ -488,7 +494,10 @@ class Config:
 
     @property
     def pooling_tasks(self) -> tuple[str, ...]:
-        """What a pooling engine does: an embedding model embeds, a classifier classifies."""
+        """What a pooling engine does: an embedding model embeds, a classifier classifies, a reward model scores
+        every token (vLLM's: its pooler is a token classifier's)."""
+        if self.reward_model:
+            return ("token_classify",)
         return CLASSIFY_TASKS if self.convert_type == "classify" else EMBED_TASKS
 
     def _validate_tensor_parallel(self):

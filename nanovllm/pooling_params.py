@@ -9,6 +9,11 @@ keeps only the first N features (before the scaling), for models trained with Ma
 representations. A classifier (convert "classify", layers/classifier.py): "classify" maps the
 pooled vector to its labels' probabilities (with use_activation; else their logits),
 "token_classify" each token's.
+
+STEP pooling (vLLM's tok_pooling_type "STEP", a process reward model's default) trims a token task's
+result: returned_token_ids keeps those columns of each token's logits (an embedding's features), before
+the activation; step_tag_id keeps the rows of the prompt tokens with that id (those that end a step of a
+solution), in prompt order.
 """
 import copy
 import json
@@ -29,7 +34,8 @@ REMOVED_TASKS = {"score": "`score` task was removed; use `classify` instead.",
 TASK_PARAMETERS = {"embed": ["dimensions", "use_activation"], "token_embed": ["dimensions", "use_activation"],
                    "classify": ["use_activation"], "token_classify": ["use_activation"]}
 SEQ_POOLING_TYPES = ("LAST", "CLS", "MEAN")    # "embed": which of a prompt's hidden states make its vector
-TOK_POOLING_TYPES = ("ALL",)                   # "token_embed": every token's
+TOK_POOLING_TYPES = ("ALL", "STEP")           # the token tasks': every token's, or the rows and columns asked for
+STEP_PARAMETERS = ("step_tag_id", "returned_token_ids")
 
 
 def check_task(task, name: str):
@@ -53,18 +59,19 @@ class PoolerConfig:
     dimensions: int | None = None          # the default of PoolingParams.dimensions
     logit_mean: float | None = None
     logit_sigma: float | None = None
+    step_tag_id: int | None = None               # the defaults of PoolingParams' (STEP pooling)
+    returned_token_ids: list[int] | None = None
     # vLLM's fields for what a pooling engine here does not do: accepted at None (or False) only
     enable_chunked_processing: bool = False
     max_embed_len: int | None = None
-    step_tag_id: int | None = None
-    returned_token_ids: list[int] | None = None
 
     def __post_init__(self):
         check_task(self.task, "pooler_config.task")
-        for name in ("enable_chunked_processing", "max_embed_len", "step_tag_id", "returned_token_ids"):
+        for name in ("enable_chunked_processing", "max_embed_len"):
             if getattr(self, name) not in (None, False):
-                raise ValueError(f"pooler_config.{name} is not supported (no chunked processing or step "
-                                 f"pooling), got {getattr(self, name)!r:.80}.")
+                raise ValueError(f"pooler_config.{name} is not supported (no chunked processing), "
+                                 f"got {getattr(self, name)!r:.80}.")
+        check_step_parameters(self, "pooler_config.")
         for name in ("logit_mean", "logit_sigma"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
@@ -82,7 +89,8 @@ class PoolerConfig:
             raise ValueError(f"seq_pooling_type must be one of {', '.join(SEQ_POOLING_TYPES)}, "
                              f"got {self.seq_pooling_type!r}.")
         if self.tok_pooling_type not in (None, *TOK_POOLING_TYPES):
-            raise ValueError(f"tok_pooling_type must be 'ALL' (no STEP pooling), got {self.tok_pooling_type!r}.")
+            raise ValueError(f"tok_pooling_type must be one of {', '.join(TOK_POOLING_TYPES)}, "
+                             f"got {self.tok_pooling_type!r}.")
 
     @classmethod
     def parse(cls, value) -> "PoolerConfig | None":
@@ -105,6 +113,15 @@ class PoolerConfig:
                 setattr(self, name, value)
         self.seq_pooling_type = self.seq_pooling_type or "LAST"
         self.tok_pooling_type = self.tok_pooling_type or "ALL"
+
+    def reward_defaults(self, architectures: list[str]):
+        """vLLM's defaults for a reward model (layers/classifier.py): a process reward model pools by STEP, at
+        token 151651 (Qwen2.5-Math-PRM's step separator, "<extra_0>"); an outcome reward model gives its logits."""
+        if "Qwen2ForProcessRewardModel" in architectures:
+            self.tok_pooling_type = self.tok_pooling_type or "STEP"
+            self.step_tag_id = 151651 if self.step_tag_id is None else self.step_tag_id
+        elif self.use_activation is None:
+            self.use_activation = False
 
     @property
     def needs_whole_prompts(self) -> bool:
@@ -144,6 +161,17 @@ def sentence_transformers_pooling(model_path: str) -> dict:
     return result
 
 
+def check_step_parameters(params, prefix: str = ""):
+    """A ValueError unless params' step_tag_id is a token id (an int >= 0) or None, and its returned_token_ids a
+    list of indices (ints >= 0) or None."""
+    tag, columns = params.step_tag_id, params.returned_token_ids
+    if tag is not None and (isinstance(tag, bool) or not isinstance(tag, int) or tag < 0):
+        raise ValueError(f"{prefix}step_tag_id must be a token id (an int >= 0) or None, got {tag!r:.80}.")
+    if columns is not None and not (isinstance(columns, (list, tuple)) and all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in columns)):
+        raise ValueError(f"{prefix}returned_token_ids must be a list of ints >= 0 or None, got {columns!r:.80}.")
+
+
 def is_sentence_transformers_model(model_path: str) -> bool:
     return os.path.isfile(os.path.join(model_path, "modules.json"))
 
@@ -156,7 +184,7 @@ class PoolingParams:
     model's; None: all)."""
     use_activation: bool | None = None
     dimensions: int | None = None
-    step_tag_id: int | None = None           # vLLM's, for step pooling: None only
+    step_tag_id: int | None = None           # STEP pooling's (see above; None: the engine's pooler_config)
     returned_token_ids: list[int] | None = None
     task: str | None = None                  # one of POOLING_TASKS; LLM.embed / classify / encode set it
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
@@ -166,11 +194,7 @@ class PoolingParams:
             raise ValueError(f"use_activation must be a bool or None, got {self.use_activation!r:.80}.")
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)):
             raise ValueError(f"dimensions must be an int or None, got {self.dimensions!r:.80}.")
-        for name in ("step_tag_id", "returned_token_ids"):
-            if getattr(self, name) is not None:
-                valid = TASK_PARAMETERS.get(self.task, TASK_PARAMETERS["embed"])
-                raise ValueError(f"Task {self.task} only supports {valid} parameters, does not support ['{name}'] "
-                                 f"parameters")
+        check_step_parameters(self)
         check_task(self.task, "task")
 
     def clone(self) -> "PoolingParams":
@@ -186,6 +210,7 @@ class PoolingParams:
         params.task = task
         if params.use_activation is None:
             params.use_activation = True if pooler.use_activation is None else pooler.use_activation
+        params.resolve_step_pooling(pooler, model_config)
         if task in CLASSIFY_TASKS:
             if params.dimensions is not None:
                 raise ValueError(f"Task {task!r} only supports {TASK_PARAMETERS[task]} parameters, does not "
@@ -206,3 +231,24 @@ class PoolingParams:
                 raise ValueError(f"Model {model_name!r} only supports Matryoshka dimensions {matryoshka}, "
                                  f"got {params.dimensions}.")
         return params
+
+    def resolve_step_pooling(self, pooler: PoolerConfig, model_config):
+        """STEP pooling's parameters: the pooler_config's where unset; refused (vLLM's words) unless the engine
+        pools by STEP; the columns checked against the width of a token's result."""
+        if pooler.tok_pooling_type != "STEP":
+            invalid = [name for name in STEP_PARAMETERS if getattr(self, name) is not None]
+            if invalid:
+                raise ValueError(f"Task {self.task} only supports {TASK_PARAMETERS[self.task]} parameters, "
+                                 f"does not support {invalid} parameters")
+            return
+        for name in STEP_PARAMETERS:
+            if getattr(self, name) is None:
+                setattr(self, name, getattr(pooler, name))
+        if self.returned_token_ids is not None and self.task in TOKEN_TASKS:
+            classifier = model_config.classifier
+            width = classifier.num_labels if classifier is not None else model_config.embedding_size
+            outside = [i for i in self.returned_token_ids if i >= width]
+            if outside:
+                what = "labels" if classifier is not None else "features"
+                raise ValueError(f"returned_token_ids {outside} are past the {width} {what} of a token's result.")
+            self.returned_token_ids = list(self.returned_token_ids)

@@ -330,21 +330,32 @@ def test_tp2_matches_tp1(qwen3_dir, tmp_path):
             assert out.outputs.probs == pytest.approx(probs, abs=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["embedding", "cross-encoder", "three labels"])
-def test_example_script_runs_pooling_models(qwen3_dir, tmp_path, kind):
+@pytest.mark.parametrize("kind", ["embedding", "cross-encoder", "three labels", "process reward", "outcome reward"])
+def test_example_script_runs_pooling_models(qwen3_dir, qwen2_dir, tmp_path, kind):
     """example.py on a pooling model: an embedding model embeds and scores, a one-label classifier scores
-    documents against a query, a classifier of several labels gives each document's probabilities."""
+    documents against a query, a classifier of several labels gives each document's probabilities, a reward
+    model scores a solution's steps (its step tag, 151651, is past the test vocabulary: no steps) or the whole."""
     import subprocess
     import sys
     path = tmp_path / kind
-    shutil.copytree(qwen3_dir, path)
+    shutil.copytree(qwen2_dir if kind.endswith("reward") else qwen3_dir, path)
     overrides = {"max_position_embeddings": 4096} | ({"architectures": ["Qwen3Model"]} if kind == "embedding" else {})
     (path / "config.json").write_text(json.dumps(json.loads((path / "config.json").read_text()) | overrides))
-    if kind != "embedding":
+    if kind.endswith("reward"):
+        from test_reward import reward_dir
+        process = kind == "process reward"
+        path = reward_dir(path, tmp_path / "rm", "Qwen2ForProcessRewardModel" if process else "Qwen2ForRewardModel",
+                          2 if process else 1)
+    elif kind != "embedding":
         path = seq_cls_dir(path, tmp_path / "cls", num_labels=1 if kind == "cross-encoder" else 3)
     root = __file__.rsplit("/tests/", 1)[0]
     done = subprocess.run([sys.executable, "example.py", str(path)], cwd=root, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    if kind.endswith("reward"):
+        expected = "P(step is right): []" if kind == "process reward" else "reward: "
+        assert sum(line.startswith(expected) for line in lines) == 1, done.stdout
+        return
     prefix = "probabilities [" if kind == "three labels" else "score "
-    assert sum(line.startswith(prefix) for line in done.stdout.splitlines()) == 2, done.stdout
+    assert sum(line.startswith(prefix) for line in lines) == 2, done.stdout

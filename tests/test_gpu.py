@@ -537,6 +537,30 @@ def test_classifier_close_to_hf(gpu_model_dir, variant):
     assert_pooling_idle(llm)
 
 
+@torch.no_grad()
+def test_process_reward_model_close_to_reference_on_gpu(tmp_path, tokenizer):
+    """A process reward model (Qwen2 architecture, head in float32) on the GPU, by STEP pooling: at each step tag,
+    the probabilities close to HF transformers' Qwen2Model in bf16 with the checkpoint's head, chunked prompts."""
+    from test_reward import common_token, load_state, reward_dir
+    from transformers import AutoModel
+    base = build_model_dir(tmp_path / "qwen2", "qwen2", tokenizer, seed=1, **SIZES)
+    path = reward_dir(base, tmp_path / "prm", "Qwen2ForProcessRewardModel", 2)
+    tag = common_token(PROMPTS)
+    llm = LLM(path, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3, block_size=16,
+              max_num_batched_tokens=48, pooler_config={"step_tag_id": tag})
+    model = AutoModel.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    state = {name: t.cuda() for name, t in load_state(path).items() if name.startswith("score.")}
+    outs = llm.encode([{"prompt_token_ids": p} for p in PROMPTS], pooling_task="token_classify", use_tqdm=False)
+    for out, ids in zip(outs, PROMPTS):
+        hidden = model(torch.tensor([ids], device="cuda")).last_hidden_state[0].float()
+        hidden = torch.relu(hidden @ state["score.0.weight"].T + state["score.0.bias"])
+        probs = (hidden @ state["score.2.weight"].T + state["score.2.bias"]).softmax(-1).cpu()
+        keep = [i for i, t in enumerate(ids) if t == tag]
+        torch.testing.assert_close(out.outputs.data, probs[keep], atol=0.02, rtol=0)
+    assert sum(len(out.outputs.data) for out in outs) >= 8
+    assert_pooling_idle(llm)
+
+
 def test_sleep_gives_memory_back_and_wakes_up_to_the_same_tokens(gpu_model_dir):
     """Sleep mode on the GPU: sleep(level=1) returns the weights' and the KV cache's memory to the
     driver, and wake_up maps memory again at the same addresses (a tensor allocated meanwhile does

@@ -298,15 +298,18 @@ def test_bad_input_is_refused_and_engine_stays_usable(qwen3_dir):
 @pytest.mark.parametrize("kwargs,message", [
     (dict(task="embed"), "LLM() got an unexpected keyword argument 'task' ('embed'): vLLM 0.26 makes an embedding "
                          "model with runner='pooling'; pass that instead."),
-    (dict(pooler_config={"pooling_type": "STEP"}), "seq_pooling_type must be one of LAST, CLS, MEAN, got 'STEP'."),
+    (dict(pooler_config={"pooling_type": "NONE"}), "seq_pooling_type must be one of LAST, CLS, MEAN, got 'NONE'."),
+    (dict(pooler_config={"tok_pooling_type": "MEAN"}), "tok_pooling_type must be one of ALL, STEP, got 'MEAN'."),
     (dict(pooler_config={"task": "classify"}), "pooler_config.task='classify' is not a task of this model "
                                                "(supported: embed, token_embed); try converting the model using "
                                                "`--convert classify`."),
     (dict(pooler_config={"task": "reward"}), "pooler_config.task must be one of 'embed', 'token_embed', 'classify', "
                                              "'token_classify', got 'reward'."),
     (dict(pooler_config={"normalize": True}), "Parameter `normalize` was removed; use `use_activation` instead."),
-    (dict(pooler_config={"max_embed_len": 64}), "pooler_config.max_embed_len is not supported (no chunked processing "
-                                                "or step pooling), got 64."),
+    (dict(pooler_config={"max_embed_len": 64}), "pooler_config.max_embed_len is not supported (no chunked "
+                                                "processing), got 64."),
+    (dict(pooler_config={"step_tag_id": -1}), "pooler_config.step_tag_id must be a token id (an int >= 0) or None, "
+                                              "got -1."),
     (dict(pooler_config={"logit_sigma": "2"}), "pooler_config.logit_sigma must be a number or None, got '2'."),
     (dict(pooler_config={"logit_sigma": 0}), "pooler_config.logit_sigma must not be 0."),
     (dict(pooler_config={"pooling_type": "MEAN", "seq_pooling_type": "LAST"}), "Cannot set both `pooling_type`"),
@@ -321,7 +324,9 @@ def test_pooler_config_refusals(qwen3_dir, kwargs, message):
 def test_pooling_params_refusals():
     for kwargs, message in [(dict(dimensions="8"), "dimensions must be an int or None, got '8'."),
                             (dict(use_activation=1), "use_activation must be a bool or None, got 1."),
-                            (dict(step_tag_id=3), "does not support ['step_tag_id'] parameters"),
+                            (dict(step_tag_id="3"), "step_tag_id must be a token id (an int >= 0) or None, got '3'."),
+                            (dict(returned_token_ids=[0, True]), "returned_token_ids must be a list of ints >= 0 or "
+                                                                 "None, got [0, True]."),
                             (dict(task="reward"), "task must be one of 'embed', 'token_embed', 'classify', "
                                                   "'token_classify', got 'reward'."),
                             (dict(task="score"), "`score` task was removed; use `classify` instead."),

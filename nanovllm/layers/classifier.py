@@ -7,7 +7,12 @@ classifier without one when hf_overrides name tokens of its vocabulary (vLLM's r
 Qwen3-Reranker, an LM that answers "yes" or "no"): the head is made of those tokens' LM-head rows,
 so the logits are the LM's logits of those tokens. method "from_2_way_softmax" makes one label, the
 "yes" row minus the "no" row: its sigmoid is the LM's softmax probability of "yes" against "no".
-method "no_post_processing" keeps one label a token."""
+method "no_post_processing" keeps one label a token.
+
+A reward model (vLLM's Qwen2ForRewardModel and Qwen2ForProcessRewardModel) scores every token with a head of
+two layers: score.0 (hidden -> hidden, with bias), ReLU, score.2 (hidden -> num_labels, with bias); one label
+for an outcome reward model, two (wrong, right) for a process reward model, which the pooler reads at the
+tokens that end the steps of a solution (pooling_params.py: STEP pooling)."""
 import importlib
 from dataclasses import dataclass
 
@@ -16,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 SEQ_CLS_METHODS = ("from_2_way_softmax", "no_post_processing")   # vLLM's
+REWARD_ARCHITECTURES = {"Qwen2ForRewardModel": 1, "Qwen2ForProcessRewardModel": 2}   # -> their number of labels
 HEAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -30,11 +36,17 @@ class ClassifierConfig:
     method: str | None = None
     rows_dtype: torch.dtype | None = None     # those rows rounded to it first: the model's, in which vLLM
                                               # holds the loaded LM head it takes them from
+    reward: bool = False                      # a reward model's head of two layers (score.0, score.2)
 
     @classmethod
     def resolve(cls, hf_config, model_dtype: torch.dtype, tokenizer_path: str) -> "ClassifierConfig":
         """The classifier an HF config asks for (with its hf_overrides applied), as vLLM reads it.
         hf_config.num_labels is set to the head's size. ValueError for what cannot be built."""
+        reward = [name for name in getattr(hf_config, "architectures", None) or [] if name in REWARD_ARCHITECTURES]
+        if reward:   # (as vLLM: the architecture fixes the number of labels)
+            hf_config.num_labels = REWARD_ARCHITECTURES[reward[0]]
+            return cls(hf_config.num_labels, head_dtype(hf_config, model_dtype), activation_name(hf_config), False,
+                       reward=True)
         tokens = getattr(hf_config, "classifier_from_token", None)
         method = getattr(hf_config, "method", None)
         if getattr(hf_config, "is_original_qwen3_reranker", False):
@@ -133,6 +145,10 @@ def activation_fn(name: str):
     return getattr(importlib.import_module(module_name), class_name)()
 
 
+def classifier_head(hidden_size: int, config: ClassifierConfig) -> nn.Module:
+    return RewardHead(hidden_size, config) if config.reward else ClassifierHead(hidden_size, config)
+
+
 class ClassifierHead(nn.Module):
     """score: hidden states [n, hidden] -> logits [n, num_labels] in the head's dtype (the same on every
     tensor-parallel rank: the pooler runs on rank 0 only)."""
@@ -154,3 +170,17 @@ class ClassifierHead(nn.Module):
         if self.config.method == "from_2_way_softmax":   # [false, true] -> true - false
             rows = rows[1:] - rows[:1]
         self.weight.copy_(rows)
+
+
+class RewardHead(nn.Sequential):
+    """A reward model's score: hidden states [n, hidden] -> logits [n, num_labels] in the head's dtype, through
+    Linear(hidden, hidden), ReLU, Linear(hidden, num_labels)."""
+
+    def __init__(self, hidden_size: int, config: ClassifierConfig):
+        super().__init__(nn.Linear(hidden_size, hidden_size, dtype=config.dtype), nn.ReLU(),
+                         nn.Linear(hidden_size, config.num_labels, dtype=config.dtype))
+        self.requires_grad_(False)
+        self.config = config
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return super().forward(hidden.to(self[0].weight.dtype))

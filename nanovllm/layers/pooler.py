@@ -12,16 +12,20 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers.classifier import ClassifierHead, activation_fn
+from torch import nn
+
+from nanovllm.layers.classifier import activation_fn
 from nanovllm.pooling_params import CLASSIFY_TASKS, TOKEN_TASKS, PoolerConfig
 
 
 @dataclass
 class PooledStep:
-    """One step's finished prompts: seq_ids[i]'s result is parts[i] (host tensors, joined by rows),
-    to be read once event has passed (None on the CPU: at once)."""
+    """One step's finished prompts: seq_ids[i]'s result is parts[i] (host tensors, joined by rows; of
+    those, the rows keep[i] where given: STEP pooling's), to be read once event has passed (None on the
+    CPU: at once)."""
     seq_ids: list[int]
     parts: list[list[torch.Tensor]]
+    keep: list[list[int] | None]
     params: list
     event: "torch.cuda.Event | None"
     finish: Callable   # (rows, params) -> the result (Pooler.finish)
@@ -30,8 +34,10 @@ class PooledStep:
         """{seq_id: its result}, finished as its params say. Call after the event. (The results are
         copies: the pinned buffers go back to torch's cache once the step is dropped.)"""
         results, vectors = {}, {}   # (task, dimensions, use_activation) -> (params, seq_ids, one-vector results)
-        for seq_id, parts, params in zip(self.seq_ids, self.parts, self.params):
-            if len(parts) == 1 and parts[0].ndim == 1:
+        for seq_id, parts, keep, params in zip(self.seq_ids, self.parts, self.keep, self.params):
+            if keep is not None:
+                results[seq_id] = self.finish(torch.cat(parts)[keep], params)
+            elif len(parts) == 1 and parts[0].ndim == 1:
                 _, ids, rows = vectors.setdefault((params.task, params.dimensions, params.use_activation),
                                                   (params, [], []))
                 ids.append(seq_id)
@@ -44,7 +50,7 @@ class PooledStep:
 
 
 class Pooler:
-    def __init__(self, config: PoolerConfig, head: ClassifierHead | None = None):
+    def __init__(self, config: PoolerConfig, head: nn.Module | None = None):
         """head: a classifier's (None for an embedding model)."""
         self.config = config
         self.head = head
@@ -85,7 +91,8 @@ class Pooler:
             event.record()
         finished = [seq for seq in seqs if seq.seq_id in done]
         return PooledStep([seq.seq_id for seq in finished], [done[seq.seq_id] for seq in finished],
-                          [seq.pooling_params for seq in finished], event, self.finish)
+                          [step_rows(seq) for seq in finished], [seq.pooling_params for seq in finished], event,
+                          self.finish)
 
     def project(self, rows: torch.Tensor) -> torch.Tensor:
         """Pooled hidden states [n, hidden] -> what a result is made of: themselves, or a classifier's logits."""
@@ -94,7 +101,10 @@ class Pooler:
     def finish(self, data: torch.Tensor, params) -> torch.Tensor:
         """A result's rows (host, float32) as its params ask: an embedding cut to its first `dimensions`
         features and, with use_activation, scaled to length 1 (vLLM's order); a classifier's logits
-        calibrated by logit_mean and logit_sigma, then, with use_activation, made probabilities."""
+        calibrated by logit_mean and logit_sigma, then, with use_activation, made probabilities. Either
+        keeps only the columns returned_token_ids first (STEP pooling)."""
+        if params.returned_token_ids is not None and params.task in TOKEN_TASKS:
+            data = data[:, params.returned_token_ids]
         if params.task not in CLASSIFY_TASKS:
             if params.dimensions is not None:
                 data = data[..., :params.dimensions]
@@ -108,6 +118,19 @@ class Pooler:
     def forget(self, seq_id: int):
         """Drop what was kept of an aborted sequence."""
         self.chunks.pop(seq_id, None)
+
+
+def step_rows(seq) -> list[int] | None:
+    """The rows a token task's result keeps (STEP pooling): those of the prompt tokens whose id is the request's
+    step_tag_id (never a position given as a vector); None: every row."""
+    params = seq.pooling_params
+    if params.task not in TOKEN_TASKS or params.step_tag_id is None:
+        return None
+    ids = seq.token_ids[:seq.num_prompt_tokens]
+    if seq.prompt_embeds is None:
+        return [i for i, t in enumerate(ids) if t == params.step_tag_id]
+    known = seq.prompt_embeds.is_token_ids or []   # (None: every position a vector)
+    return [i for i, (t, given) in enumerate(zip(ids, known)) if given and t == params.step_tag_id]
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

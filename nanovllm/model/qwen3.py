@@ -11,7 +11,7 @@ from transformers import PretrainedConfig
 
 from nanovllm.distributed import SINGLE, TPGroup
 from nanovllm.layers.attention import Attention, AttentionMetadata
-from nanovllm.layers.classifier import ClassifierConfig, ClassifierHead
+from nanovllm.layers.classifier import ClassifierConfig, classifier_head
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import Partials, QKVParallelLinear, RowParallelLinear
@@ -135,7 +135,7 @@ class QwenForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp) if lm_head else None
         if lm_head and config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.score = ClassifierHead(config.hidden_size, classifier) if classifier is not None else None
+        self.score = classifier_head(config.hidden_size, classifier) if classifier is not None else None
         # the checkpoint tensor a head made of LM-head rows comes from (the LM head, or the embedding it is tied to)
         self.score_source = None
         if classifier is not None and classifier.from_token_ids is not None:
