@@ -247,6 +247,8 @@ def main():
     p.add_argument("--attention-backend", choices=["auto", "triton", "flash_attn", "torch"], default="auto",
                    help="nanovllm's attention_backend (auto: flash-attn when installed, else Triton)")
     p.add_argument("--kv-cache-dtype", default="auto", help="'auto' (the model's dtype), 'fp8', 'fp8_e5m2', ...")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="quantization: 'fp8' runs the projections' products in fp8 (the weights quantized as they load)")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="LLM(async_scheduling=False): each step's tokens read before the next step is scheduled")
     p.add_argument("--speculative-config", type=json.loads, default=None,
@@ -294,6 +296,8 @@ def main():
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.logprobs_mode is not None:
         kwargs["logprobs_mode"] = args.logprobs_mode
+    if args.quantization is not None:
+        kwargs["quantization"] = args.quantization
     if args.no_async_scheduling:
         kwargs["async_scheduling"] = False
     if args.speculative_config is not None:   # (with the metrics on, for the drafts' counters)
@@ -423,6 +427,7 @@ def run_workload(llm, SamplingParams, args, on_cpu: bool, startup: float, run: i
     num_chars = sum(len(c.text or "") for c in completions)
     options = filters | request_options(args)
     options |= {} if args.logprobs_mode is None else dict(logprobs_mode=args.logprobs_mode)
+    options |= {} if args.quantization is None else dict(quantization=args.quantization)
     options |= dict(num_loras=args.num_loras, lora_rank=args.lora_rank) if args.num_loras else {}
     options |= dict(lora_target_modules=",".join(args.lora_target_modules)) if args.lora_target_modules else {}
     workload = args.workload + "".join(f" {k}={v}" for k, v in options.items())

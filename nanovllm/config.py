@@ -92,7 +92,8 @@ class Config:
     # StructuredOutputsConfig, or a dict of its fields
     structured_outputs_config: object = None
     dtype: str | torch.dtype = "auto"       # "auto", a name in DTYPES, or one of their torch dtypes
-    quantization: str | None = None         # None, or "fp8" for an fp8 checkpoint (read from it when None)
+    quantization: str | None = None         # None, or "fp8": an fp8 checkpoint's (read from it when None), or on an
+                                            # unquantized one the projections in fp8, with fp8 products (layers/linear.py)
     device: str = "auto"
     seed: int | None = 0                    # None: a random seed (vLLM's meaning)
     max_model_len: int | None = None        # None: the model's; -1: the model's, cut to what the KV cache holds
@@ -176,6 +177,7 @@ class Config:
     reasoning_markers: tuple[str, str] | None = field(init=False)   # (start, end); None: no budget
     fit_max_model_len: bool = field(init=False)   # max_model_len=-1: cut to the KV cache once it is sized
     fp8_checkpoint: FP8Checkpoint | None = field(init=False)   # fp8 weights, dequantized as they load
+    fp8_products: bool = field(init=False)   # quantization="fp8" on an unquantized checkpoint (layers/linear.py)
     runner_type: str = field(init=False)    # "generate" or "pooling": what runner resolved to
     convert_type: str = field(init=False)   # "none", "embed" or "classify": what convert resolved to
     reward_model: bool = field(init=False, default=False)   # a reward model's checkpoint (classifier.py)
@@ -255,9 +257,10 @@ class Config:
                 raise ValueError(f"quantization={self.quantization!r} does not match the checkpoint's "
                                  f"quant_method 'fp8'.")
             self.quantization = "fp8"   # (as vLLM's model_config reads it)
-        elif self.quantization == "fp8":
-            raise ValueError("quantization='fp8' is not supported for an unquantized checkpoint: nanovllm does not "
-                             "quantize weights as they load; it loads fp8 checkpoints (quant_method 'fp8').")
+        self.fp8_products = self.quantization == "fp8" and not self.fp8_checkpoint   # (vLLM's online quantization)
+        if self.fp8_products and self.enable_lora:
+            raise ValueError("enable_lora with quantization='fp8' (on an unquantized checkpoint) is not supported: "
+                             "LoRA's products join the 16-bit ones.")
         self.runner_type = self._resolve_runner()
         if self.runner_type == "pooling" and self.speculative_config is not None:
             raise ValueError(f"speculative_config is for generative models; a pooling model (runner='pooling') "

@@ -34,6 +34,15 @@ def hf_reference(path, dtype=torch.bfloat16):
     """Greedy tokens and top-N logprobs per step from HF transformers on the GPU."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+    results = greedy_with_tops(model)
+    del model
+    torch.cuda.empty_cache()
+    return results
+
+
+@torch.no_grad()
+def greedy_with_tops(model):
+    """An HF model's greedy tokens and top-N logprobs per step, for each of PROMPTS."""
     model.generation_config.eos_token_id = None
     results = []
     for ids in PROMPTS:
@@ -47,8 +56,6 @@ def hf_reference(path, dtype=torch.bfloat16):
             vals, idx = logits[0].float().log_softmax(-1).topk(NUM_LOGPROBS)
             tops.append(dict(zip(idx.tolist(), vals.tolist())))
         results.append((tokens, tops))
-    del model
-    torch.cuda.empty_cache()
     return results
 
 
@@ -459,6 +466,43 @@ def test_del_frees_the_engine_at_once(gpu_model_dir, enforce_eager):
         assert runner() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("rows", [1, 16, 100])
+def test_fp8_linear_on_gpu_close_to_its_reference(rows):
+    """torch._scaled_mm's row-wise scaled product against the quantized operands multiplied out in float32 (the
+    CPU path), at a Qwen3-8B projection's shape, with a bias."""
+    import torch.nn.functional as F
+    from nanovllm.layers.linear import fp8_linear, quantize_rows_fp8
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 4096, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(1536, 4096, device="cuda", generator=gen) * 0.02
+    bias = torch.randn(1536, device="cuda", generator=gen).bfloat16()
+    wq, wscale = quantize_rows_fp8(w)
+    y = fp8_linear(x, wq, wscale.view(-1), bias)
+    xq, xscale = quantize_rows_fp8(x)
+    expected = F.linear(xq.float() * xscale, wq.float() * wscale) + bias.float()
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), expected, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@torch.no_grad()
+def test_fp8_products_close_to_hf_with_the_same_quantization(gpu_model_dir, enforce_eager):
+    """quantization="fp8": bf16 logprobs close to HF transformers' with its projections' weights and inputs
+    quantized as ours (fp8, a scale a row), multiplied out in bf16; prompts in 48-token chunks."""
+    from transformers import AutoModelForCausalLM
+    from test_fp8_products import PROJECTIONS, fake_quantized
+    llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, quantization="fp8", enforce_eager=enforce_eager,
+              block_size=16, max_num_batched_tokens=48)
+    assert llm.llm_engine.model_runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    ours, _ = run(llm)
+    model = AutoModelForCausalLM.from_pretrained(gpu_model_dir, dtype=torch.bfloat16).cuda().eval()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.endswith(PROJECTIONS):
+            module.weight.copy_(fake_quantized(module.weight.float()).bfloat16())
+            module.register_forward_pre_hook(lambda _, args: (fake_quantized(args[0]).to(args[0].dtype),))
+    assert check_logprobs_close(ours, greedy_with_tops(model)) >= len(PROMPTS) // 2
 
 
 def test_fp8_checkpoint_logprobs_close_to_hf(gpu_model_dir, tmp_path):

@@ -119,9 +119,6 @@ def test_fp8_checkpoint_errors(qwen3_dir, tmp_path):
                                                 | {"quantization_config": None}))
     with pytest.raises(ValueError, match="it is torch.float8_e4m3fn, but config.json has no fp8 quantization_config."):
         LLM(str(bad))
-    with pytest.raises(ValueError, match=re.escape("quantization='fp8' is not supported for an unquantized "
-                                                   "checkpoint: nanovllm does not quantize weights as they load")):
-        LLM(qwen3_dir, quantization="fp8")
 
 
 def test_fp8_dequantize_by_tensor_row_or_block():

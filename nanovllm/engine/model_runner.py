@@ -98,8 +98,8 @@ class ModelRunner:
         self.profiler = RankProfiler(config.profiler_config or ProfilerConfig(), tp.rank, self.device)
         start = time.perf_counter()
         torch.manual_seed(config.seed)
-        self.model = build_model(hf, config.torch_dtype, self.device, tp, lm_head=not self.pooling,
-                                 classifier=config.classifier)
+        self.model = build_model(hf, config.torch_dtype, self.device, tp, fp8=config.fp8_products,
+                                 lm_head=not self.pooling, classifier=config.classifier)
         self._load_weights()
         # sleep mode on CUDA: the weights and the KV cache in arenas, so that they can be freed
         # and mapped again at the same addresses (engine/sleep.py)

@@ -3,6 +3,12 @@
 Each parameter carries a `weight_loader(param, loaded_weight, shard_id)` that copies this
 rank's slice of a full checkpoint tensor into it and checks the shape. Fused projections
 (q/k/v, gate/up) load one checkpoint tensor per `shard_id`.
+
+With quantization="fp8" (vLLM's online quantization of an unquantized checkpoint) the layers of the
+decoder keep their weights in fp8 (e4m3), a scale an output row (`use_fp8`): each row is quantized
+as it loads, so fused and sharded weights load as before. Their products are fp8 products
+(`fp8_linear`): the activations quantized a row (token) at a time as they come, both scales applied
+to the product's float32 sums (torch._scaled_mm's row-wise scaling on CUDA).
 """
 from typing import NamedTuple
 
@@ -11,7 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed import SINGLE, TPGroup
+from nanovllm.kernels.triton_fp8 import FP8_MAX, MIN_SCALE
 from nanovllm.layers.activation import silu_and_mul
+
+FP8 = torch.float8_e4m3fn
 
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str = "parameter"):
@@ -53,6 +62,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if bias is None:
         return torch.mm(x, weight.t(), out=out)
     return torch.addmm(bias, x, weight.t(), out=out)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x in fp8 [M, K], float32 scales [M, 1]): each row divided by its largest magnitude over
+    FP8_MAX (kernels/triton_fp8.py on CUDA; this is its reference)."""
+    if x.is_cuda:
+        from nanovllm.kernels.triton_fp8 import quantize_rows
+        return quantize_rows(x.contiguous())
+    x = x.float()
+    scale = (x.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+               silu_mul: bool = False) -> torch.Tensor:
+    """x @ (weight * weight_scale[:, None]).T (+ bias), weight in fp8 with a float32 scale a row: x quantized a
+    row at a time (quantize_rows_fp8), then one product of the fp8 operands scaled by both. On the CPU the
+    operands are multiplied out in float32 (the same values; for tests). silu_mul as in linear()."""
+    shape = x.shape
+    q, scale = quantize_rows_fp8(x.reshape(-1, shape[-1]))
+    if x.is_cuda:   # (row-wise scaling gives bf16 only)
+        y = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.view(1, -1),
+                             out_dtype=torch.bfloat16).to(x.dtype)
+    else:
+        y = F.linear(q.float() * scale, weight.float() * weight_scale[:, None]).to(x.dtype)
+    if bias is not None:
+        y += bias
+    y = y.view(*shape[:-1], weight.shape[0])
+    return silu_and_mul(y) if silu_mul else y
 
 
 # Row-parallel products whose output an RMSNorm takes next (o_proj, down_proj) have few output
@@ -107,13 +145,43 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.lora = None   # with LoRA adapters: lora/layers.py's LoRALinear, which adds its products to the output
+        self.weight_scale: torch.Tensor | None = None   # an fp8 weight's, a float32 scale an output row
+
+    def use_fp8(self):
+        """Keep the weight in fp8 from now on (to be loaded: its values are gone), quantized a row at a time."""
+        rows, columns = self.weight.shape
+        device = self.weight.device
+        self.weight = nn.Parameter(torch.empty(rows, columns, dtype=FP8, device=device), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.weight.store_rows = self.store_rows
+        self.weight_scale = torch.empty(rows, dtype=torch.float32, device=device)
+
+    @property
+    def fp8(self) -> bool:
+        return self.weight_scale is not None
+
+    def store_rows(self, param: nn.Parameter, loaded: torch.Tensor, offset: int = 0, name: str = "parameter"):
+        """Copy loaded into param's rows from offset on, checking the shape; an fp8 weight's quantized, its
+        scales beside."""
+        target = param.data.narrow(0, offset, loaded.shape[0])
+        if param is not self.weight or not self.fp8:
+            return copy_checked(target, loaded, name)
+        if target.shape != loaded.shape:
+            copy_checked(target, loaded, name)   # (its shape error)
+        q, scale = quantize_rows_fp8(loaded.to(target.device))
+        target.copy_(q)
+        self.weight_scale[offset:offset + len(q)] = scale.view(-1)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
         if self.shard_dim is not None and param.dim() > self.shard_dim:
             loaded = loaded.chunk(self.tp_size, self.shard_dim)[self.tp_rank]
-        copy_checked(param, loaded)
+        if loaded.shape != param.shape:
+            return copy_checked(param, loaded)   # (its shape error)
+        self.store_rows(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8:
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
         if self.lora is None:
             return linear(x, self.weight, self.bias)
         shrunk = self.lora.shrink(x)   # (beside the base product, on CUDA)
@@ -143,6 +211,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
         """silu_mul: the two parts are a gated MLP's gate and up; return silu(gate) * up (see linear)."""
         assert not silu_mul or len(self.output_sizes) == 2
+        if self.fp8:
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias, silu_mul)
         if self.lora is not None:   # (the adapters' products join before the activation)
             shrunk = self.lora.shrink(x)
             return self.lora.add_to(linear(x, self.weight, self.bias), x, shrunk, silu_mul)
@@ -155,7 +225,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
         offset, size = self.shard_range(shard_id)
         loaded = loaded.chunk(self.tp_size, 0)[self.tp_rank]
-        copy_checked(param.data.narrow(0, offset, size), loaded, f"shard {shard_id!r}")
+        if loaded.shape[0] != size:
+            return copy_checked(param.data.narrow(0, offset, size), loaded, f"shard {shard_id!r}")   # (its error)
+        self.store_rows(param, loaded, offset, f"shard {shard_id!r}")
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -184,6 +256,9 @@ class RowParallelLinear(LinearBase):
         self.to_norm = to_norm and tp.size == 1 and not bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | Partials:
+        if self.fp8:   # (bias added once, on rank 0, before the sum)
+            return self.tp.all_reduce(fp8_linear(x, self.weight, self.weight_scale,
+                                                 self.bias if self.tp_rank == 0 else None))
         shrunk = None if self.lora is None else self.lora.shrink(x)   # (beside the base product, on CUDA)
         if self.to_norm and (self.lora is None or self.lora.slots.fused) and is_16bit_cuda_matrix(x):
             splits = split_k_before_norm(x.shape[0], *self.weight.shape[::-1])

@@ -129,5 +129,7 @@ def init_dummy_weights(model: nn.Module, seed: int):
             param.fill_(1.0)
         elif name.endswith("bias"):
             param.zero_()
+        elif hasattr(param, "store_rows"):   # an fp8 weight (quantization="fp8"): drawn, then quantized
+            param.store_rows(param, torch.empty(param.shape, device=param.device).normal_(0.0, 0.02, generator=gen))
         else:
             param.normal_(0.0, 0.02, generator=gen)

@@ -14,7 +14,7 @@ from nanovllm.layers.attention import Attention, AttentionMetadata
 from nanovllm.layers.classifier import ClassifierConfig, classifier_head
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import Partials, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.linear import ColumnParallelLinear, Partials, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.mlp import GatedMLP
 from nanovllm.layers.moe import SparseMoeBlock, is_moe_layer
 from nanovllm.layers.rotary import RotaryEmbedding, max_positions, rope_settings
@@ -153,16 +153,22 @@ class QwenForCausalLM(nn.Module):
 
 
 def build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup = SINGLE,
-                **heads) -> QwenForCausalLM:
+                fp8: bool = False, **heads) -> QwenForCausalLM:
     """A QwenForCausalLM made on device with its parameters in dtype (torch's default dtype while it is made);
-    heads: lm_head and classifier, as QwenForCausalLM takes them."""
+    fp8: the decoder's projections (q/k/v, o, gate/up, down; not the MoE experts and routers) in fp8, with fp8
+    products (layers/linear.py); heads: lm_head and classifier, as QwenForCausalLM takes them."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            return QwenForCausalLM(config, tp, **heads)
+            model = QwenForCausalLM(config, tp, **heads)
     finally:
         torch.set_default_dtype(default_dtype)
+    if fp8:
+        for module in model.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.use_fp8()
+    return model
 
 Qwen3ForCausalLM = Qwen3MoeForCausalLM = Qwen2ForCausalLM = Qwen2MoeForCausalLM = LlamaForCausalLM = \
     MistralForCausalLM = QwenForCausalLM
