@@ -19,8 +19,10 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, FP8_MAX: tl.cons
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, MIN_SCALE)
-    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    amax = tl.max(tl.abs(x), axis=0)
+    # (IEEE divisions, as torch's: Triton's "/" on float32 is an approximate one)
+    scale = tl.maximum(tl.div_rn(amax, tl.zeros_like(amax) + FP8_MAX), MIN_SCALE)
+    q = tl.clamp(tl.div_rn(x, tl.zeros_like(x) + scale), -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
