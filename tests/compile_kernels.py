@@ -109,11 +109,11 @@ def main():
             print(report(f"{cache} {(block_m, block_n, warps, stages)}", compiled, warps))
     print("skinny linear, 1-16 rows (split_k, block_n, block_k, stages, warps):")
     from nanovllm.kernels import triton_skinny as ts
-    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16",
-             "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32"}
+    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
+             "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32"}
     for split_k, block_n, block_k, stages, warps in ((1, 64, 256, 4, 4), (8, 64, 256, 4, 4), (1, 32, 128, 6, 4)):
-        constants = dict(W_SCALED=False, HAS_BIAS=False, SILU_MUL=False, EVEN_K=True, SPLIT_K=split_k,
-                         BLOCK_M=ts.MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, LINE=64, PREFETCH_LINES=16, PDL=False)
+        constants = dict(HAS_BIAS=False, SILU_MUL=False, EVEN_K=True, SPLIT_K=split_k, BLOCK_M=ts.MAX_ROWS,
+                         BLOCK_N=block_n, BLOCK_K=block_k, LINE=64, PREFETCH_LINES=16, PDL=False)
         compiled = compile_kernel(ts._skinny_linear_kernel, types, constants, warps, stages, None)
         ptx = compiled.asm["ptx"]
         print(report(f"{(split_k, block_n, block_k, stages, warps)}", compiled, warps) +
@@ -126,8 +126,8 @@ def main():
     ptx = compile_kernel(ts._skinny_linear_kernel, types, constants | dict(PREFETCH_LINES=0), 4, 4, None).asm["ptx"]
     print(f"(1, 32, 128, 6, 4) PDL, no prefetch: prefetch.global.L2 {ptx.count('prefetch.global.L2')}, "
           f"griddepcontrol.wait {ptx.count('griddepcontrol.wait')}")
-    constants = dict(W_SCALED=False, HAS_BIAS=False, SILU_MUL=True, EVEN_K=True, SPLIT_K=1, BLOCK_M=ts.MAX_ROWS,
-                     BLOCK_N=64, BLOCK_K=256, LINE=64, PREFETCH_LINES=16, PDL=True)   # gate_up_proj, writing SiLU x up
+    constants = dict(HAS_BIAS=False, SILU_MUL=True, EVEN_K=True, SPLIT_K=1, BLOCK_M=ts.MAX_ROWS, BLOCK_N=64,
+                     BLOCK_K=256, LINE=64, PREFETCH_LINES=16, PDL=True)   # gate_up_proj, writing SiLU x up
     print(report("(1, 64, 256, 4, 4) PDL, SiLU x up", compile_kernel(ts._skinny_linear_kernel, types, constants,
                                                                    4, 4, None), 4))
 

@@ -492,9 +492,8 @@ def test_fp8_products_close_to_hf_with_the_same_quantization(gpu_model_dir, enfo
     """quantization="fp8": bf16 logprobs close to HF transformers' with its projections' weights and inputs
     quantized as ours (fp8, a scale a row), multiplied out in bf16; prompts in 48-token chunks. The check is
     vLLM's (where the tokens first differ, each in the other's top N) and each first token's logprob within 0.25:
-    a token's quantized input jumps a step of fp8 where bf16-sized differences cross a rounding boundary, and the
-    decode steps here (16 rows) take the small-batch kernel, whose inputs are not quantized, so the sequences part
-    sooner than bf16 ones do (one of 16 matched HF fully, sixty-eighth session)."""
+    a token's quantized input jumps a step of fp8 where bf16-sized differences cross a rounding boundary, so the
+    sequences part sooner than bf16 ones do (one of 16 matched HF fully, sixty-eighth session, call A)."""
     from transformers import AutoModelForCausalLM
     from test_fp8_products import PROJECTIONS, fake_quantized
     llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, quantization="fp8", enforce_eager=enforce_eager,

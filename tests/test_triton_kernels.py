@@ -1307,24 +1307,3 @@ def test_fp8_row_quantizer_equals_its_reference(rows, k):
     assert torch.equal(scale.cpu(), ref_scale)
     assert same_bits(q, ref_q)
 
-
-@pytest.mark.parametrize("rows,n,k,split_k,silu_mul", [(1, 256, 512, 1, False), (3, 200, 1024, 4, False),
-                                                       (16, 128, 768, 1, True), (5, 96, 640, 1, False)])
-def test_skinny_linear_with_an_fp8_weight(rows, n, k, split_k, silu_mul):
-    """An fp8 weight with a scale a row (quantization="fp8" at small batch): the weight widened in registers, the
-    sums scaled by its rows' scales (the up rows' their own with silu_mul), against the float32 product."""
-    import torch.nn.functional as F
-    from nanovllm.kernels.triton_fused import silu_and_mul
-    from nanovllm.kernels.triton_skinny import skinny_linear
-    gen = torch.Generator().manual_seed(n + k + rows)
-    x = torch.randn(rows, k, generator=gen).to(DTYPE)
-    w = (torch.randn(n, k, generator=gen) * 8).to(torch.float8_e4m3fn)
-    scale = torch.rand(n, generator=gen) * 0.01 + 0.001
-    b = None if silu_mul else torch.randn(n, generator=gen).to(DTYPE)
-    ref = F.linear(x.float(), w.float() * scale[:, None], None if b is None else b.float())
-    if silu_mul:
-        ref = silu_and_mul(ref.to(DTYPE)).float()
-    out = skinny_linear(x.to(DEVICE), w.to(DEVICE), None if b is None else b.to(DEVICE), split_k=None if silu_mul
-                        else split_k, silu_mul=silu_mul, weight_scale=scale.to(DEVICE))
-    assert out.dtype == DTYPE and out.shape == ref.shape
-    assert rel_err(out.cpu(), ref) < TOL

@@ -11,9 +11,6 @@ its partial sums to a workspace and counts itself in on a per-block counter (ker
 the last one of a block adds the partials up in split order (deterministic), writes y and zeroes
 the counter again. Measured against cuBLAS in docs/perf_notes.md row 18
 (tests/bench_skinny.py).
-
-An fp8 weight (quantization="fp8": a float32 scale an output row) is streamed as it is stored, half
-the bytes, and widened to x's dtype in registers; its rows' scales multiply the float32 sums.
 """
 import functools
 import os
@@ -40,9 +37,8 @@ def enabled() -> bool:
 
 
 @triton.jit
-def _skinny_linear_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
-                          stride_x, stride_w, stride_o, W_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          SILU_MUL: tl.constexpr,
+def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
+                          stride_x, stride_w, stride_o, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
                           EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, LINE: tl.constexpr, PREFETCH_LINES: tl.constexpr,
                           PDL: tl.constexpr):
@@ -76,10 +72,10 @@ def _skinny_linear_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, count_
             k_ok = (offs_k < K - k)[None, :]
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok, other=0.0)
         x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
-        acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
+        acc = tl.dot(w, tl.trans(x), acc)
         if SILU_MUL:
             up = tl.load(w_ptrs + N * stride_w, mask=n_ok[:, None] & k_ok, other=0.0)
-            acc_up = tl.dot(up.to(x.dtype), tl.trans(x), acc_up)
+            acc_up = tl.dot(up, tl.trans(x), acc_up)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if SPLIT_K > 1:
@@ -92,15 +88,9 @@ def _skinny_linear_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, count_
             acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
             for s in range(SPLIT_K):
                 acc += tl.load(parts + s * N * BLOCK_M, mask=n_ok[:, None], other=0.0, cache_modifier=".cg")
-            if W_SCALED:
-                acc *= tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
             _store(acc, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_o, HAS_BIAS)
             tl.atomic_xchg(count_ptr + block, 0, sem="relaxed", scope="gpu")
     else:
-        if W_SCALED:   # (with SILU_MUL the up rows' scales follow the gate rows')
-            acc *= tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
-            if SILU_MUL:
-                acc_up *= tl.load(ws_ptr + N + offs_n, mask=n_ok, other=0.0)[:, None]
         if SILU_MUL:   # each product rounded first, as silu_and_mul after the product rounds them
             acc = silu_mul(acc.to(out_ptr.dtype.element_ty), acc_up.to(out_ptr.dtype.element_ty))
         _store(acc, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_o, HAS_BIAS)
@@ -139,9 +129,9 @@ def prefetch_lines(programs: int, rows: int, lines: int, num_sms: int, l2_bytes:
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   out: torch.Tensor | None = None, split_k: int | None = None, block_n: int = BLOCK_N,
                   block_k: int = BLOCK_K, num_stages: int = NUM_STAGES, num_warps: int = 4,
-                  silu_mul: bool = False, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  silu_mul: bool = False) -> torch.Tensor:
     """x: [M, K] with M <= MAX_ROWS, weight: [N, K], bias: [N] or None -> [M, N] in x's dtype
-    (written to out if given); weight_scale: an fp8 weight's float32 scales, one a row ([N]). silu_mul: weight's rows hold gate | up (a gated MLP's gate_up_proj,
+    (written to out if given). silu_mul: weight's rows hold gate | up (a gated MLP's gate_up_proj,
     no bias), and the result is silu(gate) * up, [M, N / 2] (the activation applied to the
     products in registers, no kernel of its own; never split). The keyword arguments from split_k
     to num_warps are tuning knobs (tests/bench_skinny.py sweeps them); split_k None: split_k_for's
@@ -167,12 +157,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         counters = arrival_counters(x.device)
         assert blocks <= counters.numel()
     launch(_skinny_linear_kernel, (blocks, split_k),
-        x, weight, weight_scale if weight_scale is not None else weight, bias if bias is not None else weight, out,
-        parts, counters, m, n, k, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
-        W_SCALED=weight_scale is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        x, weight, bias if bias is not None else weight, out, parts, counters, m, n, k, k_per_split,
+        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         EVEN_K=k % block_k == 0, SPLIT_K=split_k, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-        LINE=LINE_BYTES // weight.element_size(),
+        LINE=LINE_BYTES // x.element_size(),
         PREFETCH_LINES=prefetch_lines(blocks * split_k, block_n, triton.next_power_of_2(
-            triton.cdiv(k_per_split * weight.element_size(), LINE_BYTES)), num_sms, l2_bytes),
+            triton.cdiv(k_per_split * x.element_size(), LINE_BYTES)), num_sms, l2_bytes),
         num_stages=num_stages, num_warps=num_warps, **pdl.launch_options(m))
     return out

@@ -79,12 +79,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                silu_mul: bool = False) -> torch.Tensor:
     """x @ (weight * weight_scale[:, None]).T (+ bias), weight in fp8 with a float32 scale a row: x quantized a
     row at a time (quantize_rows_fp8), then one product of the fp8 operands scaled by both. On the CPU the
-    operands are multiplied out in float32 (the same values; for tests). silu_mul as in linear().
-    A few rows on CUDA (a decode step at small batch) take the small-batch kernel instead, which streams the fp8
-    weight and widens it in registers: x is not quantized there (a weight-only fp8 product)."""
-    if takes_small_batch_kernel(x):
-        from nanovllm.kernels.triton_skinny import skinny_linear
-        return skinny_linear(x, weight, bias, silu_mul=silu_mul, weight_scale=weight_scale)
+    operands are multiplied out in float32 (the same values; for tests). silu_mul as in linear()."""
     shape = x.shape
     q, scale = quantize_rows_fp8(x.reshape(-1, shape[-1]))
     if x.is_cuda:   # (row-wise scaling gives bf16 only)
