@@ -98,7 +98,7 @@ def test_process_reward_model_step_pooling(prm_dir, async_scheduling):
             torch.testing.assert_close(out.outputs.data, expected[keep].softmax(-1), atol=2e-6, rtol=0)
         # one column: its sigmoid (vLLM's activation for one label); raw logits without the activation
         params = [PoolingParams(step_tag_id=tag, returned_token_ids=[1]),
-                  PoolingParams(step_tag_id=tag, use_activation=False)]
+                  PoolingParams(step_tag_id=tag, use_activation=False, returned_token_ids=[])]   # ([]: every one)
         outs = llm.encode(as_prompts(PROMPTS[:2] * 2), params * 2, pooling_task="token_classify", use_tqdm=False)
         for i, out in enumerate(outs):
             expected = logits[i % 2][rows[i % 2]]

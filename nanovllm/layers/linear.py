@@ -164,10 +164,8 @@ class LinearBase(nn.Module):
         """Copy loaded into param's rows from offset on, checking the shape; an fp8 weight's quantized, its
         scales beside."""
         target = param.data.narrow(0, offset, loaded.shape[0])
-        if param is not self.weight or not self.fp8:
-            return copy_checked(target, loaded, name)
-        if target.shape != loaded.shape:
-            copy_checked(target, loaded, name)   # (its shape error)
+        if param is not self.weight or not self.fp8 or target.shape != loaded.shape:
+            return copy_checked(target, loaded, name)   # (a shape error, if any, from there)
         q, scale = quantize_rows_fp8(loaded.to(target.device))
         target.copy_(q)
         self.weight_scale[offset:offset + len(q)] = scale.view(-1)

@@ -11,7 +11,6 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-
 from torch import nn
 
 from nanovllm.layers.classifier import activation_fn
@@ -103,7 +102,7 @@ class Pooler:
         features and, with use_activation, scaled to length 1 (vLLM's order); a classifier's logits
         calibrated by logit_mean and logit_sigma, then, with use_activation, made probabilities. Either
         keeps only the columns returned_token_ids first (STEP pooling)."""
-        if params.returned_token_ids is not None and params.task in TOKEN_TASKS:
+        if params.returned_token_ids and params.task in TOKEN_TASKS:   # (an empty list: every column, as vLLM)
             data = data[:, params.returned_token_ids]
         if params.task not in CLASSIFY_TASKS:
             if params.dimensions is not None:
