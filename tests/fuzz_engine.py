@@ -15,7 +15,8 @@ adapters and the base model drawn per request, and in one of those four some mod
 (lora_target_modules). A third of the seeds without speculative decoding run a custom logits processor that
 checks the engine's persistent batch of sampling requests (BatchCheck). A fourth of the seeds without an
 adapted embedding give half their prompts as their tokens' embeddings (prompt_embeds; half of those in vLLM's
-mixed form), which must complete as the ids do (random_embeds). Checked:
+mixed form), which must complete as the ids do (random_embeds). A fifth of the seeds without LoRA run fp8
+products (quantization="fp8", random_quantization). Checked:
 - a bad request (out-of-vocabulary id, a prompt too long, an unfinished request's id, ...) is a
   ValueError and changes nothing else;
 - every request that is not aborted is reported finished exactly once, and the engine counts as
@@ -190,6 +191,14 @@ def random_draft(seed: int, config: dict, model: str) -> dict:
             | {"method": "draft_model", "model": model}}
 
 
+def random_quantization(seed: int, config: dict) -> dict:
+    """quantization="fp8" (the projections' products in fp8) in a fifth of the seeds without LoRA (which refuses
+    it), drawn from an RNG of its own."""
+    if config.get("enable_lora") or random.Random(f"quantization {seed}").random() >= 0.2:
+        return {}
+    return {"quantization": "fp8"}
+
+
 def random_processors(seed: int, config: dict) -> dict:
     """LLM(logits_processors=[BatchCheck]) in a third of the seeds without speculative decoding (which refuses
     them), drawn from an RNG of its own."""
@@ -297,6 +306,7 @@ def run_seed(model: str, seed: int, **engine_kwargs) -> int:
     config = random_config(rng, **engine_kwargs) | lora_config
     config |= random_draft(seed, config, model)
     config |= random_processors(seed, config)
+    config |= random_quantization(seed, config)
     embeds_config, embeds_rng, table = random_embeds(seed, config, model)
     config |= embeds_config
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, **config))
