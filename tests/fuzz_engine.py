@@ -44,7 +44,9 @@ their runs alone.
 With --pooling a seed runs a pooling engine (runner="pooling", run_pooling_seed): an embedding model's embed
 and token_embed requests, or a classifier's classify and token_classify (a head made of LM-head rows, as vLLM's
 reranker recipe), with random options, bad requests, aborts and sleeps between steps; each request not aborted
-is reported once, the engine ends idle, and each result is its prompt's result alone, in a fresh engine.
+is reported once, the engine ends idle, and each result is its prompt's result alone, in a fresh engine. A third
+of those seeds pool the token tasks by STEP (random_step_pooling: a request's step tag one of its prompt's ids,
+and at times its result's first column only).
 
     python tests/fuzz_engine.py [--llm | --pooling] [--seeds 0:50] [--arch qwen3_moe] [--device cuda --dtype bfloat16]
         [--tensor-parallel-size 2]
@@ -375,11 +377,31 @@ def random_pooling_config(rng: random.Random, **engine_kwargs) -> dict:
                 kv_cache_dtype=rng.choice(["auto", "auto", "fp8"]), enable_sleep_mode=True, **engine_kwargs)
 
 
+def random_step_pooling(seed: int, config: dict) -> random.Random | None:
+    """STEP pooling for the token tasks in a third of the pooling seeds (config's pooler_config set so), drawn from
+    an RNG of its own, which then draws each request's step parameters (step_parameters); None in the others."""
+    rng = random.Random(f"step {seed}")
+    if rng.random() >= 1 / 3:
+        return None
+    config["pooler_config"] = {"seq_pooling_type": config["pooler_config"]["pooling_type"], "tok_pooling_type": "STEP"}
+    return rng
+
+
+def step_parameters(rng: random.Random | None, prompt: list[int]) -> dict:
+    """A request's STEP pooling parameters: a step tag from its prompt (or none: every row), at times the first
+    column only."""
+    if rng is None:
+        return {}
+    return dict(step_tag_id=rng.choice(prompt) if rng.random() < 0.8 else None,
+                returned_token_ids=[0] if rng.random() < 0.3 else None)
+
+
 def run_pooling_seed(model: str, seed: int, **engine_kwargs) -> int:
     """One seed of a pooling engine's run (see the module's docstring); AssertionError on a broken
     invariant -> the number of results that differ from their prompt's alone by more than rounding."""
     rng = random.Random(seed)
     config = random_pooling_config(rng, **engine_kwargs)
+    step_rng = random_step_pooling(seed, config)
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, **config))
     task, token_task = engine.get_supported_tasks()
     other_task = "embed" if task == "classify" else "classify"   # (the other kind of model's)
@@ -393,6 +415,8 @@ def run_pooling_seed(model: str, seed: int, **engine_kwargs) -> int:
                                                                 for _ in range(rng.randint(1, 120))])[:MAX_MODEL_LEN]
             params = PoolingParams(task=rng.choice([task, task, token_task]),
                                    use_activation=rng.choice([None, True, False]))
+            if params.task == token_task:
+                params = PoolingParams(**{**vars(params), **step_parameters(step_rng, prompt)})
             engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
             requests[f"r{i}"] = prompt, params
         elif action < 0.4:   # a request the engine must refuse, with nothing else changed
