@@ -488,6 +488,9 @@ class Config:
         if self.reward_model:
             self.pooler_config.reward_defaults(architectures)
         self.pooler_config.resolve(self.model_path)
+        if self.pooler_config.enable_chunked_processing or self.pooler_config.max_embed_len is not None:
+            logger.warning("pooler_config.enable_chunked_processing and max_embed_len act in vLLM's API server only; "
+                           "the offline calls (vLLM's and these) refuse a prompt longer than max_model_len.")
         tasks = self.pooling_tasks
         if self.pooler_config.task is not None and self.pooler_config.task not in tasks:
             fix = "--convert classify" if tasks == EMBED_TASKS else "--convert embed"

@@ -61,16 +61,20 @@ class PoolerConfig:
     logit_sigma: float | None = None
     step_tag_id: int | None = None               # the defaults of PoolingParams' (STEP pooling)
     returned_token_ids: list[int] | None = None
-    # vLLM's fields for what a pooling engine here does not do: accepted at None (or False) only
+    # vLLM's fields for its API server's chunking of over-long inputs: its offline calls, as ours, do not use them
+    # (an over-long prompt is refused); checked, and logged as unused (Config)
     enable_chunked_processing: bool = False
     max_embed_len: int | None = None
 
     def __post_init__(self):
         check_task(self.task, "pooler_config.task")
-        for name in ("enable_chunked_processing", "max_embed_len"):
-            if getattr(self, name) not in (None, False):
-                raise ValueError(f"pooler_config.{name} is not supported (no chunked processing), "
-                                 f"got {getattr(self, name)!r:.80}.")
+        if not isinstance(self.enable_chunked_processing, bool):
+            raise ValueError(f"pooler_config.enable_chunked_processing must be a bool, "
+                             f"got {self.enable_chunked_processing!r:.80}.")
+        if self.max_embed_len is not None and (isinstance(self.max_embed_len, bool)
+                                               or not isinstance(self.max_embed_len, int) or self.max_embed_len < 1):
+            raise ValueError(f"pooler_config.max_embed_len must be a positive int or None, "
+                             f"got {self.max_embed_len!r:.80}.")
         check_step_parameters(self, "pooler_config.")
         for name in ("logit_mean", "logit_sigma"):
             value = getattr(self, name)

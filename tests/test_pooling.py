@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModel
 
-from conftest import as_prompts, assert_pooling_idle, make_prompts
+from conftest import as_prompts, assert_pooling_idle, log_lines, make_prompts
 from nanovllm import (LLM, EmbeddingRequestOutput, EngineArgs, LLMEngine, PoolingParams, PoolingRequestOutput,
                       SamplingParams, ScoringRequestOutput)
 from nanovllm.pooling_params import PoolerConfig
@@ -306,8 +306,9 @@ def test_bad_input_is_refused_and_engine_stays_usable(qwen3_dir):
     (dict(pooler_config={"task": "reward"}), "pooler_config.task must be one of 'embed', 'token_embed', 'classify', "
                                              "'token_classify', got 'reward'."),
     (dict(pooler_config={"normalize": True}), "Parameter `normalize` was removed; use `use_activation` instead."),
-    (dict(pooler_config={"max_embed_len": 64}), "pooler_config.max_embed_len is not supported (no chunked "
-                                                "processing), got 64."),
+    (dict(pooler_config={"max_embed_len": 0}), "pooler_config.max_embed_len must be a positive int or None, got 0."),
+    (dict(pooler_config={"enable_chunked_processing": "yes"}), "pooler_config.enable_chunked_processing must be a "
+                                                               "bool, got 'yes'."),
     (dict(pooler_config={"step_tag_id": -1}), "pooler_config.step_tag_id must be a token id (an int >= 0) or None, "
                                               "got -1."),
     (dict(pooler_config={"logit_sigma": "2"}), "pooler_config.logit_sigma must be a number or None, got '2'."),
@@ -319,6 +320,19 @@ def test_pooler_config_refusals(qwen3_dir, kwargs, message):
     with pytest.raises(ValueError) as error:
         LLM(qwen3_dir, runner="pooling", **SMALL, **kwargs)
     assert message in str(error.value)
+
+
+def test_chunked_processing_is_taken_and_does_nothing_offline(qwen3_dir):
+    """vLLM's enable_chunked_processing and max_embed_len act in its API server; its offline calls take them and
+    still refuse an over-long prompt, as these do (with a warning that says so)."""
+    with log_lines("nanovllm.config") as lines:
+        llm = LLM(qwen3_dir, runner="pooling", pooler_config={"enable_chunked_processing": True, "max_embed_len": 4096},
+                  **SMALL)
+    assert any("act in vLLM's API server only" in line for line in lines)
+    with llm:
+        with pytest.raises(ValueError, match="longer than the maximum model length"):
+            llm.embed([{"prompt_token_ids": [5] * 513}], use_tqdm=False)
+        assert len(llm.embed([{"prompt_token_ids": [5] * 512}], use_tqdm=False)) == 1
 
 
 def test_pooling_params_refusals():
