@@ -248,7 +248,7 @@ def main():
                    help="nanovllm's attention_backend (auto: flash-attn when installed, else Triton)")
     p.add_argument("--kv-cache-dtype", default="auto", help="'auto' (the model's dtype), 'fp8', 'fp8_e5m2', ...")
     p.add_argument("--quantization", choices=["fp8"], default=None,
-                   help="quantization: 'fp8' runs the projections' products in fp8 (the weights quantized as they load)")
+                   help="quantization: 'fp8' runs the projections' products in fp8 (weights quantized as they load)")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="LLM(async_scheduling=False): each step's tokens read before the next step is scheduled")
     p.add_argument("--speculative-config", type=json.loads, default=None,
