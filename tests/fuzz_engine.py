@@ -416,7 +416,7 @@ def run_pooling_seed(model: str, seed: int, **engine_kwargs) -> int:
             params = PoolingParams(task=rng.choice([task, task, token_task]),
                                    use_activation=rng.choice([None, True, False]))
             if params.task == token_task:
-                params = PoolingParams(**{**vars(params), **step_parameters(step_rng, prompt)})
+                params = replace(params, **step_parameters(step_rng, prompt))
             engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
             requests[f"r{i}"] = prompt, params
         elif action < 0.4:   # a request the engine must refuse, with nothing else changed

@@ -160,10 +160,11 @@ class LinearBase(nn.Module):
     def fp8(self) -> bool:
         return self.weight_scale is not None
 
-    def store_rows(self, param: nn.Parameter, loaded: torch.Tensor, offset: int = 0, name: str = "parameter"):
-        """Copy loaded into param's rows from offset on, checking the shape; an fp8 weight's quantized, its
-        scales beside."""
-        target = param.data.narrow(0, offset, loaded.shape[0])
+    def store_rows(self, param: nn.Parameter, loaded: torch.Tensor, offset: int = 0, size: int | None = None,
+                   name: str = "parameter"):
+        """Copy loaded into param's rows offset .. offset + size (None: to the end), checking the shape; an fp8
+        weight's quantized, its scales beside."""
+        target = param.data.narrow(0, offset, param.shape[0] - offset if size is None else size)
         if param is not self.weight or not self.fp8 or target.shape != loaded.shape:
             return copy_checked(target, loaded, name)   # (a shape error, if any, from there)
         q, scale = quantize_rows_fp8(loaded.to(target.device))
@@ -173,8 +174,6 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
         if self.shard_dim is not None and param.dim() > self.shard_dim:
             loaded = loaded.chunk(self.tp_size, self.shard_dim)[self.tp_rank]
-        if loaded.shape != param.shape:
-            return copy_checked(param, loaded)   # (its shape error)
         self.store_rows(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -223,9 +222,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
         offset, size = self.shard_range(shard_id)
         loaded = loaded.chunk(self.tp_size, 0)[self.tp_rank]
-        if loaded.shape[0] != size:
-            return copy_checked(param.data.narrow(0, offset, size), loaded, f"shard {shard_id!r}")   # (its error)
-        self.store_rows(param, loaded, offset, f"shard {shard_id!r}")
+        self.store_rows(param, loaded, offset, size, f"shard {shard_id!r}")
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
