@@ -113,6 +113,18 @@ def test_reload_weights_quantizes_again_and_dummy_weights_load(qwen3_dir):
         assert len(llm.generate(prompts, GREEDY, use_tqdm=False)) == 4
 
 
+def test_weights_rounded_to_the_model_dtype_before_they_are_quantized(qwen3_dir):
+    """A bfloat16 engine on this float32 checkpoint quantizes each weight as rounded to bfloat16 (as vLLM quantizes
+    the weights it loaded), which gives other fp8 values than the float32 ones would in some rows."""
+    from safetensors.torch import load_file
+    loaded = load_file(f"{qwen3_dir}/model.safetensors")["model.layers.0.mlp.down_proj.weight"]
+    with LLM(qwen3_dir, dtype="bfloat16", quantization="fp8") as llm:
+        down = llm.llm_engine.model_runner.model.model.layers[0].mlp.down_proj
+        q, scale = quantize_rows_fp8(loaded.bfloat16())
+        assert torch.equal(down.weight.float(), q.float()) and torch.equal(down.weight_scale, scale.view(-1))
+        assert not torch.equal(q.float(), quantize_rows_fp8(loaded)[0].float())
+
+
 def test_tensor_parallel_quantizes_each_shard(qwen3_dir):
     """Two gloo ranks: each quantizes its own shard (a row-parallel shard's rows and inputs are part rows); the
     greedy tokens equal HF's with that quantization."""

@@ -431,6 +431,34 @@ def test_skinny_linear_silu_mul_as_the_product_then_silu_and_mul(rows, n, k):
     assert rel_err(out.cpu(), (F.silu(gate) * up).cpu()) < TOL
 
 
+@pytest.mark.parametrize("rows, n, k, bias, split_k, silu_mul", [
+    (1, 4096, 1024, False, None, False), (3, 1000, 700, True, 1, False), (16, 48, 2048, False, 2, False),
+    (7, 33, 1000, True, 4, False), (2, 1024, 3072, True, None, False), (1, 6144, 1024, False, None, True),
+    (5, 300, 1000, False, None, True)])
+def test_skinny_linear_fp8(rows, n, k, bias, split_k, silu_mul):
+    """fp8 operands with a float32 scale a row (quantization="fp8" at a few rows) against the operands
+    multiplied out in float32: both scales applied to the product's sums, the bias after, silu_mul's halves
+    scaled each by their own rows' scales; in split-K products the partial sums are scaled once summed."""
+    import torch.nn.functional as F
+    from nanovllm.kernels.triton_skinny import skinny_linear
+    from nanovllm.layers.linear import quantize_rows_fp8
+    gen = torch.Generator().manual_seed(n + k)
+    x, w = torch.randn(rows, k, generator=gen) * 3, torch.randn(n, k, generator=gen) * 0.05
+    w[0] *= 100                                                   # rows of unlike scales
+    b = torch.randn(n, generator=gen) if bias else None
+    (xq, xs), (wq, ws) = quantize_rows_fp8(x), quantize_rows_fp8(w)   # (the CPU reference: exact fp8 values)
+    ref = F.linear(xq.float() * xs, wq.float() * ws, b)
+    if silu_mul:
+        gate, up = ref.chunk(2, -1)
+        ref = F.silu(gate.to(DTYPE).float()) * up.to(DTYPE).float()
+    for _ in range(2):
+        out = skinny_linear(xq.to(DEVICE), wq.to(DEVICE), None if b is None else b.to(DEVICE, DTYPE),
+                            x_scale=xs.to(DEVICE), weight_scale=ws.view(-1).to(DEVICE), out_dtype=DTYPE,
+                            split_k=split_k, silu_mul=silu_mul)
+        assert out.shape == (rows, n // 2 if silu_mul else n) and out.dtype == DTYPE
+        assert rel_err(out.cpu().float(), ref) < TOL
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
 def test_skinny_linear_split_k_in_a_cuda_graph():
     """Split-K calls back to back in one graph, replayed: bitwise the eager result every time."""

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels import pdl
 from nanovllm.kernels.compile_ahead import launch
 
 FP8_MAX = 448.0                     # e4m3's largest finite value
@@ -14,7 +15,8 @@ MIN_SCALE = 1.0 / (FP8_MAX * 512)   # (a row of zeros keeps a finite scale)
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
@@ -34,5 +36,5 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(k)
     launch(_quantize_rows_kernel, (m,), x, q, scale, k, x.stride(0), FP8_MAX, MIN_SCALE, block,
-           num_warps=min(16, max(4, block // 1024)))
+           num_warps=min(16, max(4, block // 1024)), **pdl.launch_options(m))
     return q, scale

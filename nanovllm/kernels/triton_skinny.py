@@ -26,6 +26,7 @@ from nanovllm.kernels.triton_fused import silu_mul
 
 MAX_ROWS = 16           # x's rows padded to this: the MMA's smallest width
 BLOCK_N, BLOCK_K, NUM_STAGES = 64, 256, 4   # the best at 1 row for every shape tried (tests/bench_skinny.py)
+FP8_BLOCK_K, FP8_NUM_STAGES = 512, 4         # fp8 weights: the same bytes a tile
 LINE_BYTES = 128        # prefetch granularity (an L2 cache line)
 INTERPRETER_SMS, INTERPRETER_L2 = 132, 50 << 20   # (TRITON_INTERPRET=1 on the CPU: as on an H200)
 
@@ -37,8 +38,9 @@ def enabled() -> bool:
 
 
 @triton.jit
-def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
-                          stride_x, stride_w, stride_o, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, xs_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
+                          stride_x, stride_w, stride_o, HAS_BIAS: tl.constexpr, FP8: tl.constexpr,
+                          SILU_MUL: tl.constexpr,
                           EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, LINE: tl.constexpr, PREFETCH_LINES: tl.constexpr,
                           PDL: tl.constexpr):
@@ -78,6 +80,9 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, 
             acc_up = tl.dot(up, tl.trans(x), acc_up)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if FP8 and SPLIT_K == 1:
+        acc = _scaled(acc, xs_ptr, ws_ptr, offs_n, offs_m, n_ok, m_ok)
+        acc_up = _scaled(acc_up, xs_ptr, ws_ptr + N, offs_n, offs_m, n_ok, m_ok)
     if SPLIT_K > 1:
         # part: [SPLIT_K, N, BLOCK_M] float32
         parts = part_ptr + offs_n[:, None] * BLOCK_M + offs_m[None, :]
@@ -88,12 +93,22 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, 
             acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
             for s in range(SPLIT_K):
                 acc += tl.load(parts + s * N * BLOCK_M, mask=n_ok[:, None], other=0.0, cache_modifier=".cg")
+            if FP8:
+                acc = _scaled(acc, xs_ptr, ws_ptr, offs_n, offs_m, n_ok, m_ok)
             _store(acc, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_o, HAS_BIAS)
             tl.atomic_xchg(count_ptr + block, 0, sem="relaxed", scope="gpu")
     else:
         if SILU_MUL:   # each product rounded first, as silu_and_mul after the product rounds them
             acc = silu_mul(acc.to(out_ptr.dtype.element_ty), acc_up.to(out_ptr.dtype.element_ty))
         _store(acc, b_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_o, HAS_BIAS)
+
+
+@triton.jit
+def _scaled(acc, xs_ptr, ws_ptr, offs_n, offs_m, n_ok, m_ok):
+    """A product of fp8 operands (acc: y transposed) times the weight rows' and the input rows' scales."""
+    ws = tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
+    xs = tl.load(xs_ptr + offs_m, mask=m_ok, other=0.0)
+    return acc * ws[:, None] * xs[None, :]
 
 
 @triton.jit
@@ -127,17 +142,24 @@ def prefetch_lines(programs: int, rows: int, lines: int, num_sms: int, l2_bytes:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  out: torch.Tensor | None = None, split_k: int | None = None, block_n: int = BLOCK_N,
-                  block_k: int = BLOCK_K, num_stages: int = NUM_STAGES, num_warps: int = 4,
-                  silu_mul: bool = False) -> torch.Tensor:
+                  out: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
+                  weight_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                  split_k: int | None = None, block_n: int = BLOCK_N, block_k: int | None = None,
+                  num_stages: int | None = None, num_warps: int = 4, silu_mul: bool = False) -> torch.Tensor:
     """x: [M, K] with M <= MAX_ROWS, weight: [N, K], bias: [N] or None -> [M, N] in x's dtype
     (written to out if given). silu_mul: weight's rows hold gate | up (a gated MLP's gate_up_proj,
     no bias), and the result is silu(gate) * up, [M, N / 2] (the activation applied to the
-    products in registers, no kernel of its own; never split). The keyword arguments from split_k
-    to num_warps are tuning knobs (tests/bench_skinny.py sweeps them); split_k None: split_k_for's
-    choice."""
+    products in registers, no kernel of its own; never split).
+    fp8 operands (quantization="fp8"): x and weight in float8_e4m3fn with float32 scales a row, x_scale
+    [M, 1] and weight_scale [N]; the product of the fp8 values is scaled by both, and the result is in
+    out_dtype. The keyword arguments from split_k to num_warps are tuning knobs (tests/bench_skinny.py
+    sweeps them); None: split_k_for's choice, the best tile for the weight's dtype."""
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     assert m <= MAX_ROWS and x.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    assert x.dtype == weight.dtype and (x_scale is not None) == (weight_scale is not None) == fp8
+    default_k, default_stages = (FP8_BLOCK_K, FP8_NUM_STAGES) if fp8 else (BLOCK_K, NUM_STAGES)
+    block_k, num_stages = block_k or default_k, num_stages or default_stages
     if silu_mul:
         assert bias is None and n % 2 == 0 and split_k in (None, 1)
         n, split_k = n // 2, 1
@@ -148,7 +170,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)          # (no empty split)
     if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     assert out.shape == (m, n) and out.stride(1) == 1
     blocks = triton.cdiv(n, block_n // 2 if silu_mul else block_n)
     parts = counters = out
@@ -157,11 +179,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         counters = arrival_counters(x.device)
         assert blocks <= counters.numel()
     launch(_skinny_linear_kernel, (blocks, split_k),
-        x, weight, bias if bias is not None else weight, out, parts, counters, m, n, k, k_per_split,
-        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-        EVEN_K=k % block_k == 0, SPLIT_K=split_k, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-        LINE=LINE_BYTES // x.element_size(),
+        x, weight, bias if bias is not None else weight, x_scale if fp8 else out, weight_scale if fp8 else out,
+        out, parts, counters, m, n, k, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, FP8=fp8, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0, SPLIT_K=split_k,
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, LINE=LINE_BYTES // weight.element_size(),
         PREFETCH_LINES=prefetch_lines(blocks * split_k, block_n, triton.next_power_of_2(
-            triton.cdiv(k_per_split * x.element_size(), LINE_BYTES)), num_sms, l2_bytes),
+            triton.cdiv(k_per_split * weight.element_size(), LINE_BYTES)), num_sms, l2_bytes),
         num_stages=num_stages, num_warps=num_warps, **pdl.launch_options(m))
     return out

@@ -8,7 +8,7 @@ With quantization="fp8" (vLLM's online quantization of an unquantized checkpoint
 decoder keep their weights in fp8 (e4m3), a scale an output row (`use_fp8`): each row is quantized
 as it loads, so fused and sharded weights load as before. Their products are fp8 products
 (`fp8_linear`): the activations quantized a row (token) at a time as they come, both scales applied
-to the product's float32 sums (torch._scaled_mm's row-wise scaling on CUDA).
+to the product's float32 sums (torch._scaled_mm's row-wise scaling on CUDA, the small-batch kernel at a few rows).
 """
 from typing import NamedTuple
 
@@ -81,7 +81,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     row at a time (quantize_rows_fp8), then one product of the fp8 operands scaled by both. On the CPU the
     operands are multiplied out in float32 (the same values; for tests). silu_mul as in linear()."""
     shape = x.shape
-    q, scale = quantize_rows_fp8(x.reshape(-1, shape[-1]))
+    x = x.reshape(-1, shape[-1])
+    q, scale = quantize_rows_fp8(x)
+    if takes_small_batch_kernel(x):   # (streams the fp8 weight at a few rows; torch's product does not)
+        from nanovllm.kernels.triton_skinny import skinny_linear
+        y = skinny_linear(q, weight, bias, x_scale=scale, weight_scale=weight_scale, out_dtype=x.dtype,
+                          silu_mul=silu_mul)
+        return y.view(*shape[:-1], y.shape[-1])
     if x.is_cuda:   # (row-wise scaling gives bf16 only)
         y = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.view(1, -1),
                              out_dtype=torch.bfloat16).to(x.dtype)
@@ -151,6 +157,7 @@ class LinearBase(nn.Module):
         """Keep the weight in fp8 from now on (to be loaded: its values are gone), quantized a row at a time."""
         rows, columns = self.weight.shape
         device = self.weight.device
+        self.model_dtype = self.weight.dtype   # (a loaded weight is rounded to it first: vLLM quantizes what it loaded)
         self.weight = nn.Parameter(torch.empty(rows, columns, dtype=FP8, device=device), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.weight.store_rows = self.store_rows
@@ -167,7 +174,7 @@ class LinearBase(nn.Module):
         target = param.data.narrow(0, offset, param.shape[0] - offset if size is None else size)
         if param is not self.weight or not self.fp8 or target.shape != loaded.shape:
             return copy_checked(target, loaded, name)   # (a shape error, if any, from there)
-        q, scale = quantize_rows_fp8(loaded.to(target.device))
+        q, scale = quantize_rows_fp8(loaded.to(target.device, self.model_dtype))
         target.copy_(q)
         self.weight_scale[offset:offset + len(q)] = scale.view(-1)
 
