@@ -489,13 +489,15 @@ def test_fp8_linear_on_gpu_close_to_its_reference(rows):
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 @torch.no_grad()
 def test_fp8_products_close_to_hf_with_the_same_quantization(gpu_model_dir, enforce_eager):
-    """quantization="fp8": bf16 logprobs close to HF transformers' with its projections' weights and inputs
-    quantized as ours (fp8, a scale a row), multiplied out in bf16; prompts in 48-token chunks. The check is
-    vLLM's (where the tokens first differ, each in the other's top N) and each first token's logprob within 0.25:
-    a token's quantized input jumps a step of fp8 where bf16-sized differences cross a rounding boundary, so the
-    sequences part sooner than bf16 ones do (one of 16 matched HF fully, sixty-eighth session, call A)."""
+    """quantization="fp8": bf16 logprobs close to HF transformers' with fp8_linear as its projections (its bf16
+    weights quantized a row at a time, as ours are), in vLLM's check (where the tokens first differ, each in the
+    other's top N), and each first token's logprob within 0.25; prompts in 48-token chunks. fp8_linear itself is
+    checked against float32 products (test_fp8_linear_on_gpu_close_to_its_reference; the CPU tests, against HF
+    with the operands multiplied out). Quantizing the inputs magnifies small differences (an input jumps a step
+    of fp8 where bf16-sized differences cross a rounding boundary), so the sequences part sooner than bf16 ones."""
     from transformers import AutoModelForCausalLM
-    from test_fp8_products import PROJECTIONS, fake_quantized
+    from test_fp8_products import PROJECTIONS
+    from nanovllm.layers.linear import fp8_linear, quantize_rows_fp8
     llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, quantization="fp8", enforce_eager=enforce_eager,
               block_size=16, max_num_batched_tokens=48)
     assert llm.llm_engine.model_runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
@@ -503,8 +505,8 @@ def test_fp8_products_close_to_hf_with_the_same_quantization(gpu_model_dir, enfo
     model = AutoModelForCausalLM.from_pretrained(gpu_model_dir, dtype=torch.bfloat16).cuda().eval()
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.endswith(PROJECTIONS):
-            module.weight.copy_(fake_quantized(module.weight.float()).bfloat16())
-            module.register_forward_pre_hook(lambda _, args: (fake_quantized(args[0]).to(args[0].dtype),))
+            q, scale = quantize_rows_fp8(module.weight)
+            module.forward = lambda x, q=q, scale=scale.view(-1): fp8_linear(x, q, scale, None)
     ref = greedy_with_tops(model)
     check_logprobs_close(ours, ref)
     for (tokens, tops), (ref_tokens, ref_tops) in zip(ours, ref):
