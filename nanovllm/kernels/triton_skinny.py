@@ -11,6 +11,11 @@ its partial sums to a workspace and counts itself in on a per-block counter (ker
 the last one of a block adds the partials up in split order (deterministic), writes y and zeroes
 the counter again. Measured against cuBLAS in docs/perf_notes.md row 18
 (tests/bench_skinny.py).
+
+With quantization="fp8" the weight and x come in fp8 (x quantized a row at a time just before), each
+with a float32 scale a row: the dot takes the fp8 tiles as they are (Hopper's fp8 MMA, both operands
+K-major in shared memory, so the loads stay asynchronous), and the float32 sums are scaled by both
+rows' scales before the bias and the store (perf_notes row 157).
 """
 import functools
 import os
@@ -40,8 +45,8 @@ def enabled() -> bool:
 @triton.jit
 def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, xs_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
                           stride_x, stride_w, stride_o, HAS_BIAS: tl.constexpr, FP8: tl.constexpr,
-                          SILU_MUL: tl.constexpr,
-                          EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, LINE: tl.constexpr, PREFETCH_LINES: tl.constexpr,
                           PDL: tl.constexpr):
     block, split = tl.program_id(0), tl.program_id(1)
@@ -80,9 +85,10 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, xs_ptr, ws_ptr, out_ptr, part_ptr
             acc_up = tl.dot(up, tl.trans(x), acc_up)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if FP8 and SPLIT_K == 1:
+    if FP8 and SPLIT_K == 1:   # (a split product's partial sums are scaled once summed, below)
         acc = _scaled(acc, xs_ptr, ws_ptr, offs_n, offs_m, n_ok, m_ok)
-        acc_up = _scaled(acc_up, xs_ptr, ws_ptr + N, offs_n, offs_m, n_ok, m_ok)
+        if SILU_MUL:
+            acc_up = _scaled(acc_up, xs_ptr, ws_ptr + N, offs_n, offs_m, n_ok, m_ok)
     if SPLIT_K > 1:
         # part: [SPLIT_K, N, BLOCK_M] float32
         parts = part_ptr + offs_n[:, None] * BLOCK_M + offs_m[None, :]
