@@ -258,9 +258,6 @@ class Config:
                                  f"quant_method 'fp8'.")
             self.quantization = "fp8"   # (as vLLM's model_config reads it)
         self.fp8_products = self.quantization == "fp8" and not self.fp8_checkpoint   # (vLLM's online quantization)
-        if self.fp8_products and self.enable_lora:
-            raise ValueError("enable_lora with quantization='fp8' (on an unquantized checkpoint) is not supported: "
-                             "LoRA's products join the 16-bit ones.")
         self.runner_type = self._resolve_runner()
         if self.runner_type == "pooling" and self.speculative_config is not None:
             raise ValueError(f"speculative_config is for generative models; a pooling model (runner='pooling') "

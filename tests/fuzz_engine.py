@@ -15,8 +15,8 @@ adapters and the base model drawn per request, and in one of those four some mod
 (lora_target_modules). A third of the seeds without speculative decoding run a custom logits processor that
 checks the engine's persistent batch of sampling requests (BatchCheck). A fourth of the seeds without an
 adapted embedding give half their prompts as their tokens' embeddings (prompt_embeds; half of those in vLLM's
-mixed form), which must complete as the ids do (random_embeds). A fifth of the seeds without LoRA run fp8
-products (quantization="fp8", random_quantization). Checked:
+mixed form), which must complete as the ids do (random_embeds). A fifth of the seeds run fp8 products
+(quantization="fp8", random_quantization). Checked:
 - a bad request (out-of-vocabulary id, a prompt too long, an unfinished request's id, ...) is a
   ValueError and changes nothing else;
 - every request that is not aborted is reported finished exactly once, and the engine counts as
@@ -194,9 +194,9 @@ def random_draft(seed: int, config: dict, model: str) -> dict:
 
 
 def random_quantization(seed: int, config: dict) -> dict:
-    """quantization="fp8" (the projections' products in fp8) in a fifth of the seeds without LoRA (which refuses
-    it), drawn from an RNG of its own."""
-    if config.get("enable_lora") or random.Random(f"quantization {seed}").random() >= 0.2:
+    """quantization="fp8" (the projections' products in fp8) in a fifth of the seeds, drawn from an RNG of its
+    own."""
+    if random.Random(f"quantization {seed}").random() >= 0.2:
         return {}
     return {"quantization": "fp8"}
 

@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from safetensors.torch import load_file
+
 from conftest import hf_model, make_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.linear import FP8, fp8_linear, quantize_rows_fp8
@@ -24,16 +26,25 @@ def fake_quantized(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def hf_fp8_greedy(path, prompts: list[list[int]], max_new_tokens: int, ranks: int = 1) -> list[list[int]]:
+def hf_fp8_greedy(path, prompts: list[list[int]], max_new_tokens: int, ranks: int = 1,
+                  adapter: str | None = None) -> list[list[int]]:
     """HF transformers' greedy tokens with its projections (not the MoE experts or routers) as ours on `ranks`
     tensor-parallel ranks: the weight's rows and each input token quantized to fp8, multiplied out in float32;
-    a row-parallel projection (o, down) as the sum of its ranks' products, each of its shard of the columns."""
+    a row-parallel projection (o, down) as the sum of its ranks' products, each of its shard of the columns.
+    adapter: a PEFT adapter's directory (rank 8, alpha 16, as test_lora.write_adapter makes them), whose products
+    of the unquantized input are added to its projections'."""
     model = hf_model(path)
     model.generation_config.eos_token_id = None
+    lora = load_file(f"{adapter}/adapter_model.safetensors") if adapter else {}
     for name, module in model.named_modules():
         if not (isinstance(module, torch.nn.Linear) and name.endswith(PROJECTIONS) and ".experts." not in name):
             continue
-        if ranks > 1 and name.endswith(("o_proj", "down_proj")):
+        if f"base_model.model.{name}.lora_A.weight" in lora:
+            a, b = (lora[f"base_model.model.{name}.lora_{part}.weight"] for part in "AB")
+            module.weight.copy_(fake_quantized(module.weight))
+            module.forward = lambda x, w=module.weight, a=a, b=b: (F.linear(fake_quantized(x), w)
+                                                                   + 2.0 * F.linear(F.linear(x, a), b))
+        elif ranks > 1 and name.endswith(("o_proj", "down_proj")):
             shards = [fake_quantized(w) for w in module.weight.chunk(ranks, 1)]
             module.forward = lambda x, shards=shards: sum(F.linear(fake_quantized(part), w)
                                                           for part, w in zip(x.chunk(len(shards), -1), shards))
@@ -125,6 +136,26 @@ def test_weights_rounded_to_the_model_dtype_before_they_are_quantized(qwen3_dir)
         assert not torch.equal(q.float(), quantize_rows_fp8(loaded)[0].float())
 
 
+def test_lora_adapters_join_the_fp8_products(qwen3_dir, tmp_path):
+    """enable_lora with quantization="fp8" (as vLLM runs adapters on an fp8 model): each projection's adapter
+    product, of the unquantized input in the model's dtype, is added to its fp8 product. Requests with the adapter
+    and without it in one batch, prompts chunked: greedy tokens equal HF's with the same quantization, plus the
+    adapter's products for the first kind."""
+    from nanovllm.lora.request import LoRARequest
+    from test_lora import ALL_TARGETS, write_adapter
+    adapter, _ = write_adapter(tmp_path, qwen3_dir, targets=ALL_TARGETS)
+    prompts = PROMPTS[4:12]
+    adapted, plain = hf_fp8_greedy(qwen3_dir, prompts, MAX_TOKENS, adapter=adapter), hf_fp8_greedy(
+        qwen3_dir, prompts, MAX_TOKENS)
+    assert adapted != plain
+    requests = [LoRARequest("adapter", 1, adapter) if i % 2 == 0 else None for i in range(len(prompts))]
+    with LLM(qwen3_dir, dtype="float32", quantization="fp8", enable_lora=True, max_lora_rank=8, block_size=16,
+             max_num_batched_tokens=64) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=requests)
+    assert [o.outputs[0].token_ids for o in outs] == [a if i % 2 == 0 else b
+                                                     for i, (a, b) in enumerate(zip(adapted, plain))]
+
+
 def test_tensor_parallel_quantizes_each_shard(qwen3_dir):
     """Two gloo ranks: each quantizes its own shard (a row-parallel shard's rows and inputs are part rows); the
     greedy tokens equal HF's with that quantization."""
@@ -135,8 +166,5 @@ def test_tensor_parallel_quantizes_each_shard(qwen3_dir):
 
 
 def test_refusals(qwen3_dir):
-    with pytest.raises(ValueError, match=r"enable_lora with quantization='fp8' \(on an unquantized checkpoint\) is "
-                                         r"not supported"):
-        LLM(qwen3_dir, quantization="fp8", enable_lora=True)
     with pytest.raises(ValueError, match="quantization='awq' is not supported"):
         LLM(qwen3_dir, quantization="awq")

@@ -183,13 +183,18 @@ class LinearBase(nn.Module):
             loaded = loaded.chunk(self.tp_size, self.shard_dim)[self.tp_rank]
         self.store_rows(param, loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None,
+                silu_mul: bool = False) -> torch.Tensor:
+        """x times this rank's weight (+ bias): an fp8 product for an fp8 weight (never into out), else linear()."""
         if self.fp8:
-            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+            return fp8_linear(x, self.weight, self.weight_scale, bias, silu_mul)
+        return linear(x, self.weight, bias, out=out, silu_mul=silu_mul)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora is None:
-            return linear(x, self.weight, self.bias)
+            return self.product(x, self.bias)
         shrunk = self.lora.shrink(x)   # (beside the base product, on CUDA)
-        return self.lora.add_to(linear(x, self.weight, self.bias), x, shrunk)
+        return self.lora.add_to(self.product(x, self.bias), x, shrunk)
 
 
 class ReplicatedLinear(LinearBase):
@@ -215,12 +220,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
         """silu_mul: the two parts are a gated MLP's gate and up; return silu(gate) * up (see linear)."""
         assert not silu_mul or len(self.output_sizes) == 2
-        if self.fp8:
-            return fp8_linear(x, self.weight, self.weight_scale, self.bias, silu_mul)
         if self.lora is not None:   # (the adapters' products join before the activation)
             shrunk = self.lora.shrink(x)
-            return self.lora.add_to(linear(x, self.weight, self.bias), x, shrunk, silu_mul)
-        return linear(x, self.weight, self.bias, silu_mul=silu_mul)
+            return self.lora.add_to(self.product(x, self.bias), x, shrunk, silu_mul)
+        return self.product(x, self.bias, silu_mul=silu_mul)
 
     def shard_range(self, shard_id: int) -> tuple[int, int]:
         sizes = [s // self.tp_size for s in self.output_sizes]
@@ -258,11 +261,8 @@ class RowParallelLinear(LinearBase):
         self.to_norm = to_norm and tp.size == 1 and not bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | Partials:
-        if self.fp8:   # (bias added once, on rank 0, before the sum)
-            return self.tp.all_reduce(fp8_linear(x, self.weight, self.weight_scale,
-                                                 self.bias if self.tp_rank == 0 else None))
         shrunk = None if self.lora is None else self.lora.shrink(x)   # (beside the base product, on CUDA)
-        if self.to_norm and (self.lora is None or self.lora.slots.fused) and is_16bit_cuda_matrix(x):
+        if self.to_norm and not self.fp8 and (self.lora is None or self.lora.slots.fused) and is_16bit_cuda_matrix(x):
             splits = split_k_before_norm(x.shape[0], *self.weight.shape[::-1])
             if splits > 1:
                 partials = split_k_partials(x, self.weight, splits)
@@ -270,9 +270,11 @@ class RowParallelLinear(LinearBase):
                     self.lora.add_to(partials.parts[0], x, shrunk)
                 return partials
         # Bias is added once, on rank 0, before the sum. The product goes straight into the
-        # all-reduce's input buffer when it has one (no copy into it).
-        out = self.tp.all_reduce_input((x.shape[0], self.weight.shape[0]), x.dtype) if x.dim() == 2 else None
-        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, out=out)
+        # all-reduce's input buffer when it has one (no copy into it; an fp8 product writes its own).
+        out = None
+        if x.dim() == 2 and not self.fp8:
+            out = self.tp.all_reduce_input((x.shape[0], self.weight.shape[0]), x.dtype)
+        y = self.product(x, self.bias if self.tp_rank == 0 else None, out=out)
         if self.lora is not None:   # (each rank's part of the adapters' products, summed with the rest)
             self.lora.add_to(y, x, shrunk)
         return self.tp.all_reduce(y)

@@ -127,7 +127,8 @@ class LoRALinear(SlotWeights):
         """prefix: of the adapter's target names (a shared expert's "shared_expert.")."""
         out_features, in_features = linear.weight.shape
         parts = len(PARTS[name])
-        super().__init__(slots, (parts, max_rank, in_features), (parts, max_rank, out_features), linear.weight.dtype,
+        dtype = linear.model_dtype if linear.fp8 else linear.weight.dtype   # (an fp8 projection's adapters: 16-bit)
+        super().__init__(slots, (parts, max_rank, in_features), (parts, max_rank, out_features), dtype,
                          linear.weight.device)
         self.name, self.targets = name, [prefix + target for target in PARTS[name]]
         self.row_parallel = isinstance(linear, RowParallelLinear)
