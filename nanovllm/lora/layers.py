@@ -127,7 +127,7 @@ class LoRALinear(SlotWeights):
         """prefix: of the adapter's target names (a shared expert's "shared_expert.")."""
         out_features, in_features = linear.weight.shape
         parts = len(PARTS[name])
-        dtype = linear.model_dtype if linear.fp8 else linear.weight.dtype   # (an fp8 projection's adapters: 16-bit)
+        dtype = linear.model_dtype if linear.fp8 else linear.weight.dtype   # (an fp8 projection's: the model's)
         super().__init__(slots, (parts, max_rank, in_features), (parts, max_rank, out_features), dtype,
                          linear.weight.device)
         self.name, self.targets = name, [prefix + target for target in PARTS[name]]
