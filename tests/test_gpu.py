@@ -494,9 +494,10 @@ def fp8_model_dir(tmp_path_factory, tokenizer):
                            **SIZES)
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("enforce_eager, lora", [(False, False), (True, False), (False, True)],
+                         ids=["graphs", "eager", "graphs_lora"])
 @torch.no_grad()
-def test_fp8_products_close_to_hf_with_the_same_quantization(fp8_model_dir, enforce_eager):
+def test_fp8_products_close_to_hf_with_the_same_quantization(fp8_model_dir, enforce_eager, lora, tmp_path):
     """quantization="fp8" in bf16, prompts in 48-token chunks: each greedy token's logprob against HF transformers'
     for the same token after the same tokens (our completions fed to HF), with fp8_linear as HF's projections (its
     bf16 weights quantized a row at a time, as ours are). Quantizing the inputs magnifies bf16-sized differences (an
@@ -504,19 +505,30 @@ def test_fp8_products_close_to_hf_with_the_same_quantization(fp8_model_dir, enfo
     than in bf16; teacher forcing keeps the comparison on the same tokens. On the CPU in bf16 (this model, same
     comparison): mean |difference| 0.0097, largest 0.027, every token HF's first or second choice; without the
     quantization 0.021 and 0.063. fp8_linear itself is checked against float32 products
-    (test_fp8_linear_on_gpu_close_to_its_reference), and the CPU tests match HF's greedy tokens exactly."""
+    (test_fp8_linear_on_gpu_close_to_its_reference), and the CPU tests match HF's greedy tokens exactly. lora: every
+    request with an adapter of every projection, whose products (of the unquantized input) HF adds to fp8_linear's
+    (on the CPU: 0.0064 and 0.035; 1.17 and 1.95 where the engine leaves the adapter out)."""
+    import torch.nn.functional as F
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
     from test_fp8_products import PROJECTIONS
+    from test_lora import ALL_TARGETS, write_adapter
     from nanovllm.layers.linear import fp8_linear, quantize_rows_fp8
+    from nanovllm.lora.request import LoRARequest
+    adapter = write_adapter(tmp_path, fp8_model_dir, targets=ALL_TARGETS)[0] if lora else None
     llm = LLM(fp8_model_dir, dtype="bfloat16", max_model_len=1024, quantization="fp8", enforce_eager=enforce_eager,
-              block_size=16, max_num_batched_tokens=48)
+              block_size=16, max_num_batched_tokens=48, enable_lora=lora, max_lora_rank=8)
     assert llm.llm_engine.model_runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
-    _, outs = run(llm)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False,
+                        lora_request=LoRARequest("adapter", 1, adapter) if lora else None)
     model = AutoModelForCausalLM.from_pretrained(fp8_model_dir, dtype=torch.bfloat16).cuda().eval()
+    tensors = load_file(f"{adapter}/adapter_model.safetensors", device="cuda") if lora else {}
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.endswith(PROJECTIONS):
             q, scale = quantize_rows_fp8(module.weight)
-            module.forward = lambda x, q=q, scale=scale.view(-1): fp8_linear(x, q, scale, None)
+            a, b = (tensors.get(f"base_model.model.{name}.lora_{part}.weight") for part in "AB")
+            module.forward = lambda x, q=q, scale=scale.view(-1), a=a, b=b: fp8_linear(x, q, scale, None) + (
+                0 if a is None else 2.0 * F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype)))   # (alpha / rank)
     diffs, ranks = [], []
     for prompt, out in zip(PROMPTS, outs):
         tokens = list(out.outputs[0].token_ids)
