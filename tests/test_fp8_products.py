@@ -3,6 +3,10 @@ fp8 with a scale a row, their inputs quantized a token at a time, the products o
 the CPU (float32) the engine's greedy tokens equal HF transformers' with the same quantization applied to its
 projections (every dense architecture and an MoE one, chunked prefill and preemption); the quantizer's values;
 dummy weights, reload_weights and tensor parallelism; bad combinations."""
+import json
+import math
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,25 +29,42 @@ def fake_quantized(t: torch.Tensor) -> torch.Tensor:
     return (q.float() * scale).reshape(t.shape)
 
 
+def adapter_products(adapter: str | None, device: str = "cpu"):
+    """A PEFT adapter's products, for HF modules by name: name -> f(x) = scaling * x @ A.T @ B.T in x's dtype (None
+    where the adapter has no weights for that module, or there is no adapter), scaling as its adapter_config.json
+    says (lora_alpha / r, or over sqrt(r) with use_rslora)."""
+    if adapter is None:
+        return lambda name: None
+    tensors = load_file(f"{adapter}/adapter_model.safetensors", device=device)
+    config = json.loads(Path(adapter, "adapter_config.json").read_text())
+    scaling = config["lora_alpha"] / (math.sqrt(config["r"]) if config.get("use_rslora") else config["r"])
+
+    def products(name: str):
+        a, b = (tensors.get(f"base_model.model.{name}.lora_{part}.weight") for part in "AB")
+        if a is None:
+            return None
+        return lambda x: scaling * F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype))
+    return products
+
+
 @torch.no_grad()
 def hf_fp8_greedy(path, prompts: list[list[int]], max_new_tokens: int, ranks: int = 1,
                   adapter: str | None = None) -> list[list[int]]:
     """HF transformers' greedy tokens with its projections (not the MoE experts or routers) as ours on `ranks`
     tensor-parallel ranks: the weight's rows and each input token quantized to fp8, multiplied out in float32;
     a row-parallel projection (o, down) as the sum of its ranks' products, each of its shard of the columns.
-    adapter: a PEFT adapter's directory (rank 8, alpha 16, as test_lora.write_adapter makes them), whose products
-    of the unquantized input are added to its projections'."""
+    adapter: a PEFT adapter's directory, whose products of the unquantized input are added to its projections'
+    (adapter_products; at one rank)."""
     model = hf_model(path)
     model.generation_config.eos_token_id = None
-    lora = load_file(f"{adapter}/adapter_model.safetensors") if adapter else {}
+    lora = adapter_products(adapter)
     for name, module in model.named_modules():
         if not (isinstance(module, torch.nn.Linear) and name.endswith(PROJECTIONS) and ".experts." not in name):
             continue
-        if f"base_model.model.{name}.lora_A.weight" in lora:
-            a, b = (lora[f"base_model.model.{name}.lora_{part}.weight"] for part in "AB")
+        if (products := lora(name)) is not None:
             module.weight.copy_(fake_quantized(module.weight))
-            module.forward = lambda x, w=module.weight, a=a, b=b: (F.linear(fake_quantized(x), w)
-                                                                   + 2.0 * F.linear(F.linear(x, a), b))
+            module.forward = lambda x, w=module.weight, products=products: (F.linear(fake_quantized(x), w)
+                                                                             + products(x))
         elif ranks > 1 and name.endswith(("o_proj", "down_proj")):
             shards = [fake_quantized(w) for w in module.weight.chunk(ranks, 1)]
             module.forward = lambda x, shards=shards: sum(F.linear(fake_quantized(part), w)

@@ -508,10 +508,8 @@ def test_fp8_products_close_to_hf_with_the_same_quantization(fp8_model_dir, enfo
     (test_fp8_linear_on_gpu_close_to_its_reference), and the CPU tests match HF's greedy tokens exactly. lora: every
     request with an adapter of every projection, whose products (of the unquantized input) HF adds to fp8_linear's
     (on the CPU: 0.0064 and 0.035; 1.17 and 1.95 where the engine leaves the adapter out)."""
-    import torch.nn.functional as F
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
-    from test_fp8_products import PROJECTIONS
+    from test_fp8_products import PROJECTIONS, adapter_products
     from test_lora import ALL_TARGETS, write_adapter
     from nanovllm.layers.linear import fp8_linear, quantize_rows_fp8
     from nanovllm.lora.request import LoRARequest
@@ -522,13 +520,12 @@ def test_fp8_products_close_to_hf_with_the_same_quantization(fp8_model_dir, enfo
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False,
                         lora_request=LoRARequest("adapter", 1, adapter) if lora else None)
     model = AutoModelForCausalLM.from_pretrained(fp8_model_dir, dtype=torch.bfloat16).cuda().eval()
-    tensors = load_file(f"{adapter}/adapter_model.safetensors", device="cuda") if lora else {}
+    adapted = adapter_products(adapter, "cuda")
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.endswith(PROJECTIONS):
             q, scale = quantize_rows_fp8(module.weight)
-            a, b = (tensors.get(f"base_model.model.{name}.lora_{part}.weight") for part in "AB")
-            module.forward = lambda x, q=q, scale=scale.view(-1), a=a, b=b: fp8_linear(x, q, scale, None) + (
-                0 if a is None else 2.0 * F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype)))   # (alpha / rank)
+            module.forward = lambda x, q=q, scale=scale.view(-1), products=adapted(name): (
+                fp8_linear(x, q, scale, None) + (0 if products is None else products(x)))
     diffs, ranks = [], []
     for prompt, out in zip(PROMPTS, outs):
         tokens = list(out.outputs[0].token_ids)
